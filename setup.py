@@ -1,0 +1,28 @@
+"""moejax: a JAX/Flax research codebase for Mixture-of-Experts language models."""
+from setuptools import find_packages, setup
+
+setup(
+    name="moejax",
+    version="0.1.0",
+    description="Mixture-of-Experts research in JAX/Flax: routing, balance, topology, execution.",
+    long_description=open("README.md", encoding="utf-8").read(),
+    long_description_content_type="text/markdown",
+    python_requires=">=3.11",
+    packages=find_packages(include=["moejax", "moejax.*", "experiments", "experiments.*"]),
+    install_requires=[
+        # CPU-only JAX by default: the plain `jax` wheel pulls jaxlib for CPU.
+        "jax>=0.10.0",
+        "jaxlib>=0.10.0",
+        "flax>=0.12.0",
+        "optax>=0.2.5",
+        "orbax-checkpoint>=0.11.0",
+        "tensorflow-datasets>=4.9.9",
+        "absl-py>=2.1.0",
+        "ml_collections>=1.0.0",
+        "chex>=0.1.90",
+        "numpy>=1.26",
+    ],
+    extras_require={
+        "test": ["pytest>=8.0", "pytest-xdist>=3.5", "hypothesis>=6.100"],
+    },
+)
