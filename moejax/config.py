@@ -385,6 +385,19 @@ class ModelConfig:
   (covers GQA/MQA through n_kv_heads) or ``mla`` (DeepSeek multi-head latent
   attention). ``encoder_layers`` > 0 adds an encoder stack with the same
   layout and cross-attention in every decoder layer (T5 / Switch).
+
+  compute_dtype: activation dtype (params stay float32; routers keep their
+    own ``moe.router.router_dtype``). rope_base: rotary frequency base.
+  expert_sharing_group: consecutive MoE layers in groups of this size share
+    their routed expert weights (each keeps its own router); 1 = no sharing.
+  mod_every / mod_capacity / mod_gate / mod_aux_loss_coef: mixture-of-depths
+    (Raposo et al. 2404.02258). Every ``mod_every``-th block (0: none, 1: all,
+    2: blocks 1, 3, ...) processes only the top ``mod_capacity`` fraction of
+    each sequence by a learned router score; the rest skip the block on the
+    residual. Selected outputs are scaled by ``sigmoid`` (or ``raw``) router
+    weight. ``mod_aux_loss_coef`` weights the paper's binary cross-entropy
+    that teaches sigmoid(score) to predict top-k membership (the causal
+    sampling fix; top-k over a sequence itself is not causal).
   """
 
   vocab_size: int = 256
@@ -406,6 +419,13 @@ class ModelConfig:
   first_dense_layers: int = 0
   encoder_layers: int = 0
   tie_embeddings: bool = False
+  compute_dtype: str = "float32"
+  rope_base: float = 10000.0
+  expert_sharing_group: int = 1
+  mod_every: int = 0
+  mod_capacity: float = 0.125
+  mod_gate: str = "sigmoid"
+  mod_aux_loss_coef: float = 0.0
   moe: Optional[MoEConfig] = dataclasses.field(default_factory=MoEConfig)
 
   @property
@@ -425,8 +445,25 @@ class ModelConfig:
       return i % 2 == 1
     return i >= self.first_dense_layers
 
+  def is_mod_layer(self, i: int) -> bool:
+    """Whether block i is a mixture-of-depths block."""
+    return self.mod_every > 0 and i % self.mod_every == self.mod_every - 1
+
   def __post_init__(self):
     p = "model"
+    _check_choice(f"{p}.compute_dtype", self.compute_dtype, ("float32", "bfloat16"))
+    _check_choice(f"{p}.mod_gate", self.mod_gate, ("sigmoid", "raw"))
+    _check_positive(f"{p}.rope_base", self.rope_base)
+    _check_positive(f"{p}.expert_sharing_group", self.expert_sharing_group)
+    _check_positive(f"{p}.mod_every", self.mod_every, allow_zero=True)
+    _check_positive(f"{p}.mod_aux_loss_coef", self.mod_aux_loss_coef, allow_zero=True)
+    if not 0.0 < self.mod_capacity <= 1.0:
+      raise ConfigError(f"{p}.mod_capacity", self.mod_capacity, "must be in (0, 1]",
+                        "use the fraction of tokens a MoD block processes, e.g. 0.125")
+    if self.expert_sharing_group > 1 and (self.moe is None or self.moe.kind == "peer"):
+      raise ConfigError(f"{p}.expert_sharing_group", self.expert_sharing_group,
+                        "expert sharing needs routed experts (moe.kind sparse or soft)",
+                        f"set {p}.expert_sharing_group=1")
     _check_choice(f"{p}.attention", self.attention, ATTENTIONS)
     _check_choice(f"{p}.moe_layout", self.moe_layout, MOE_LAYOUTS)
     _check_choice(f"{p}.dense_activation", self.dense_activation, ACTIVATIONS)
