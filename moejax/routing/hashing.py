@@ -1,0 +1,72 @@
+"""Hash routing (``kind='hash'``), Roller et al. 2106.04426.
+
+Legend: T tokens, E routed experts, K = top_k slots per token, V vocabulary.
+
+No router parameters: the experts of a token are a fixed function of its id.
+We use a *balanced* random hash that needs no vocabulary size: ids are cut
+into blocks of E consecutive ids (block b = id // E, position r = id % E) and
+each block gets its own random permutation pi_b of the E experts, drawn from
+(hash_seed, b). Slot j of token id is
+
+    expert_j(id) = pi_b[(r + j) mod E],   j = 0..K-1.
+
+For each slot j the map id -> expert is a bijection inside every full block,
+so over any vocabulary 0..V-1 each expert owns floor(V/E) or ceil(V/E) ids
+(exactly V/E when E divides V): the "random permutation of ids modulo E"
+split, without knowing V. Using consecutive positions of one permutation
+(rather than K independent tables) keeps a token's K experts distinct while
+every slot's table stays balanced.
+
+Gates are uniform: 1/K per slot (1 for K=1), times routed_scaling_factor;
+probs put 1/K on each chosen expert; logits are zeros. Token ids must be
+non-negative. The table is drawn with the threefry PRNG explicitly, so it
+does not change with the jax_default_prng_impl flag.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from moejax.config import MoEConfig
+from moejax.routing.result import make_result
+from moejax.routing.types import RoutingResult
+
+
+def hash_experts(token_ids: jax.Array, num_experts: int, top_k: int, seed: int) -> jax.Array:
+  """int32[T, K] experts of each token id (see the module docstring)."""
+  if top_k > num_experts:
+    raise ValueError(f"moe.router.top_k={top_k} exceeds the {num_experts} experts a hash "
+                     f"router can assign distinctly. Fix: set top_k <= {num_experts}.")
+  ids = jnp.asarray(token_ids).astype(jnp.int32)
+  block, pos = ids // num_experts, ids % num_experts
+  key = jax.random.key(seed, impl="threefry2x32")
+  perms = jax.vmap(lambda b: jax.random.permutation(jax.random.fold_in(key, b),
+                                                    num_experts))(block)  # [T, E]
+  slots = (pos[:, None] + jnp.arange(top_k)) % num_experts  # [T, K]
+  return jnp.take_along_axis(perms, slots, axis=-1).astype(jnp.int32)
+
+
+def select_hash(token_ids: jax.Array, cfg: MoEConfig) -> RoutingResult:
+  """Hash routing decision for token_ids int[T]."""
+  rc, e = cfg.router, cfg.num_routed
+  ids = hash_experts(token_ids, e, rc.top_k, rc.hash_seed)
+  t, k = ids.shape
+  w = jnp.full((t, k), rc.routed_scaling_factor / k, jnp.float32)
+  probs = jnp.sum(jax.nn.one_hot(ids, e, dtype=jnp.float32), axis=1) / k
+  return make_result(ids, w, jnp.ones((t, k), bool), probs, jnp.zeros((t, e), jnp.float32))
+
+
+def route_hash(params, x, bias, cfg: MoEConfig, *, token_ids=None, rng=None,
+               train=False) -> RoutingResult:
+  del params, bias, rng, train
+  if token_ids is None:
+    raise ValueError("moe.router.kind='hash' routes by token id but token_ids=None. "
+                     "Fix: pass token_ids=int[T] (the input ids, flattened like x) to route().")
+  token_ids = jnp.asarray(token_ids)
+  if token_ids.shape != (x.shape[0],):
+    raise ValueError(f"token_ids has shape {token_ids.shape} but x has {x.shape[0]} tokens. "
+                     f"Fix: pass token_ids of shape ({x.shape[0]},), flattened like x.")
+  if not jnp.issubdtype(token_ids.dtype, jnp.integer):
+    raise ValueError(f"token_ids has dtype {token_ids.dtype}. Fix: pass integer token ids.")
+  return select_hash(token_ids, cfg)

@@ -1,0 +1,55 @@
+"""Top-p (dynamic-k) routing (``kind='top_p'``), Huang et al. 2403.07652.
+
+Legend: T tokens, d model width, E routed experts, K = top_k (the max k).
+
+Experts are ranked by score (plus bias when ``use_bias``) and added in that
+order while the probability mass already included is below ``top_p``:
+
+    slot j is valid  iff  sum_{i<j} p[t, id_i] < top_p,   j < K
+
+so the first expert is always in (at least 1), a token stops as soon as its
+included mass reaches the threshold, and never exceeds K = top_k experts
+(the cap; the included mass can then be below top_p). p are the router
+probabilities (softmax, or sigmoid-family scores / their sum).
+
+Gates follow ``gating`` on the valid slots. The paper uses the original
+probabilities, unrenormalised: that is gating='scores' (for softmax scores).
+gating='normalized' (and 'topk_softmax', equal to it for softmax) rescales
+the included probabilities to sum 1.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import jax
+import jax.numpy as jnp
+
+from moejax.config import MoEConfig
+from moejax.routing.gating import gate_weights
+from moejax.routing.logits import router_logits
+from moejax.routing.result import make_result
+from moejax.routing.scores import probs_from_scores, scores
+from moejax.routing.topk import selection_key
+from moejax.routing.types import RoutingResult
+
+
+def select_top_p(logits: jax.Array, bias: Optional[jax.Array], cfg: MoEConfig) -> RoutingResult:
+  """Top-p decision from logits f[T, E]; K = top_k slots, valid = included."""
+  rc = cfg.router
+  s = scores(logits, rc.score_fn)
+  p = probs_from_scores(s, rc.score_fn)
+  _, ids = jax.lax.top_k(selection_key(s, bias, cfg), rc.top_k)  # [T, K]
+  p_sel = jnp.take_along_axis(p, ids, axis=-1)
+  # Exclusive cumulative sum: mass included before slot j (exactly 0 at j=0).
+  before = jnp.concatenate(
+      [jnp.zeros_like(p_sel[:, :1]), jnp.cumsum(p_sel, axis=-1)[:, :-1]], axis=-1)
+  valid = before < rc.top_p
+  w = gate_weights(s, logits, ids, valid, rc.gating, rc.routed_scaling_factor)
+  return make_result(ids, w, valid, p, logits)
+
+
+def route_top_p(params, x, bias, cfg: MoEConfig, *, token_ids=None, rng=None,
+                train=False) -> RoutingResult:
+  del token_ids
+  return select_top_p(router_logits(params["w"], x, cfg.router, rng, train), bias, cfg)
