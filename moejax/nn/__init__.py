@@ -1,0 +1,1 @@
+"""NNX building blocks of the transformer in :mod:`moejax.model`."""
