@@ -1,0 +1,131 @@
+"""DataConfig: which dataset, where, and how it is batched; validated early.
+
+Build it like the other moejax configs (``moejax.config.from_dict(DataConfig,
+{...}, "data")``); every failure is a :class:`moejax.config.ConfigError`
+naming the field, the value and the fix.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import os
+import re
+from typing import Optional
+
+from moejax.config import ConfigError
+
+BUILTIN_NAMES = ("python_stdlib", "synthetic_domains")
+# 'dataset', 'dataset/config', 'dataset:1.0.0', 'dataset/config:1.0.0' (TFDS).
+_TFDS_NAME = re.compile(r"^[a-zA-Z]\w*(/[\w+\-.]+)?(:\d+\.\d+\.\d+)?$")
+
+
+@dataclasses.dataclass(frozen=True)
+class DataConfig:
+  """The data pipeline.
+
+  Attributes:
+    name: ``python_stdlib`` (default, offline), ``synthetic_domains``, or any
+      TFDS text dataset name (``tiny_shakespeare``, ``lm1b``, ...).
+    data_dir: where prepared datasets live; None means the TFDS default
+      (``$TFDS_DATA_DIR`` or ``~/tensorflow_datasets``).
+    seq_len: S, tokens per row (inputs and targets each).
+    batch_size: B, rows per global batch (all processes together).
+    seed: shuffles the documents of each training epoch.
+    train_split / eval_split: split names (lm1b has no ``validation``: use
+      ``test``).
+    download: TFDS datasets only: prepare an absent one here (needs
+      TensorFlow and a network); otherwise absent means a clear error.
+    text_key: TFDS datasets only: the Text feature, when there are several.
+    stdlib_max_files / stdlib_val_fraction / stdlib_include_tests:
+      ``python_stdlib`` only (ignored otherwise): first n files only, share of
+      files in validation, take the test suites too.
+    synthetic_*: ``synthetic_domains`` only (ignored otherwise): corpus seed
+      (fixes every byte), document counts, document size range in bytes.
+  """
+
+  name: str = "python_stdlib"
+  data_dir: Optional[str] = None
+  seq_len: int = 256
+  batch_size: int = 16
+  seed: int = 0
+  train_split: str = "train"
+  eval_split: str = "validation"
+  download: bool = False
+  text_key: Optional[str] = None
+  stdlib_max_files: Optional[int] = None
+  stdlib_val_fraction: float = 0.05
+  stdlib_include_tests: bool = False
+  synthetic_seed: int = 0
+  synthetic_train_docs: int = 2000
+  synthetic_val_docs: int = 200
+  synthetic_min_doc_bytes: int = 256
+  synthetic_max_doc_bytes: int = 2048
+
+  def __post_init__(self, path: str = "data"):
+    for f in ("seq_len", "batch_size", "synthetic_train_docs", "synthetic_val_docs",
+              "synthetic_min_doc_bytes"):
+      v = getattr(self, f)
+      if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
+        raise ConfigError(f"{path}.{f}", v, "must be an int > 0", f"set {path}.{f} to a positive int")
+    if self.synthetic_max_doc_bytes < self.synthetic_min_doc_bytes:
+      raise ConfigError(f"{path}.synthetic_max_doc_bytes", self.synthetic_max_doc_bytes,
+                        f"is below synthetic_min_doc_bytes={self.synthetic_min_doc_bytes}",
+                        "make the range non-empty")
+    if self.stdlib_max_files is not None and self.stdlib_max_files <= 0:
+      raise ConfigError(f"{path}.stdlib_max_files", self.stdlib_max_files, "must be > 0 or None",
+                        "use None for every file")
+    if not 0.0 < self.stdlib_val_fraction < 1.0:
+      raise ConfigError(f"{path}.stdlib_val_fraction", self.stdlib_val_fraction,
+                        "must lie strictly between 0 and 1", "use e.g. 0.05")
+    for f in ("seed", "synthetic_seed"):
+      v = getattr(self, f)
+      if not isinstance(v, int) or isinstance(v, bool) or v < 0:
+        raise ConfigError(f"{path}.{f}", v, "must be an int >= 0", f"set {path}.{f} >= 0")
+    if self.train_split == self.eval_split:
+      raise ConfigError(f"{path}.eval_split", self.eval_split, "equals train_split",
+                        "evaluate on a held-out split, e.g. 'validation' or 'test'")
+    self._check_name(path)
+
+  def _check_name(self, path: str) -> None:
+    if self.name in BUILTIN_NAMES:
+      return
+    if not isinstance(self.name, str) or not _TFDS_NAME.match(self.name):
+      raise ConfigError(f"{path}.name", self.name, "is not a dataset name",
+                        f"use {' or '.join(BUILTIN_NAMES)}, or a TFDS name like 'tiny_shakespeare'")
+    # Imported here: a config of a built-in dataset should not pay for TFDS.
+    import tensorflow_datasets as tfds  # pylint: disable=g-import-not-at-top
+    base = self.name.split(":")[0].split("/")[0]
+    registry = tfds.list_builders(with_community_datasets=False)
+    data_dir = os.path.expanduser(self.data_dir or os.environ.get("TFDS_DATA_DIR",
+                                                                  "~/tensorflow_datasets"))
+    if base in registry or os.path.isdir(os.path.join(data_dir, base)):
+      return
+    close = difflib.get_close_matches(base, list(BUILTIN_NAMES) + registry, n=3)
+    hint = f"did you mean {', '.join(map(repr, close))}? " if close else ""
+    raise ConfigError(
+        f"{path}.name", self.name, f"unknown dataset (not built in, not in the TFDS registry, not "
+        f"in {data_dir})", f"{hint}available: {', '.join(BUILTIN_NAMES)} (built in, offline), or "
+        f"any TFDS text dataset such as tiny_shakespeare, lm1b "
+        f"(tfds.list_builders() lists {len(registry)})")
+
+  def builder_config(self):
+    """The TFDS builder config that this DataConfig selects (built-ins only)."""
+    if self.name == "python_stdlib":
+      from moejax.data import stdlib  # pylint: disable=g-import-not-at-top
+      name = stdlib.default_config_name()
+      if self.stdlib_max_files is not None:
+        name += f"-first{self.stdlib_max_files}"
+      if self.stdlib_val_fraction != stdlib.DEFAULT_VAL_FRACTION:
+        name += f"-val{self.stdlib_val_fraction:g}"
+      if self.stdlib_include_tests:
+        name += "-tests"
+      return stdlib.StdlibConfig(name=name, max_files=self.stdlib_max_files,
+                                 val_fraction=self.stdlib_val_fraction,
+                                 include_tests=self.stdlib_include_tests)
+    if self.name == "synthetic_domains":
+      from moejax.data import synthetic  # pylint: disable=g-import-not-at-top
+      return synthetic.config_for(self.synthetic_seed, self.synthetic_train_docs,
+                                  self.synthetic_val_docs, self.synthetic_min_doc_bytes,
+                                  self.synthetic_max_doc_bytes)
+    return None
