@@ -29,6 +29,7 @@ from moejax.data.documents import SEPARATOR_ID, VOCAB_SIZE, Document, Documents
 from moejax.data.labels import (CODE, COMMENT, DOCSTRING, PYTHON_DOMAINS, STRING, LabelError,
                                 label_python_source, label_spans)
 from moejax.data.packing import BatchIterator, make_batch_iterator
+from moejax.data.stats import byte_counts, domain_fractions, unigram_cross_entropy
 from moejax.data.stdlib import PythonStdlib, StdlibConfig
 from moejax.data.synthetic import SYNTHETIC_DOMAINS, SyntheticConfig, SyntheticDomains
 
@@ -69,6 +70,6 @@ __all__ = [
     "DataConfig", "DatasetUnavailableError", "Document", "Documents", "LabelError",
     "PYTHON_DOMAINS", "PythonStdlib", "SEPARATOR_ID", "STRING", "SYNTHETIC_DOMAINS",
     "StdlibConfig", "SyntheticConfig", "SyntheticDomains", "VOCAB_SIZE", "available_datasets",
-    "builtin_builder", "get_dataset", "label_python_source", "label_spans", "load_documents",
-    "make_batch_iterator", "make_batches", "resolve_data_dir",
+    "builtin_builder", "byte_counts", "domain_fractions", "get_dataset", "label_python_source", "label_spans", "load_documents",
+    "make_batch_iterator", "make_batches", "resolve_data_dir", "unigram_cross_entropy",
 ]

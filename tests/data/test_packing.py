@@ -175,3 +175,25 @@ def test_bad_arguments_fail_early():
     data.make_batch_iterator(corpus(), 8, 3, process_count=2)
   with pytest.raises(ValueError, match="labels"):
     Documents.from_arrays([b"ab"], labels=[[0]])
+
+
+def test_state_round_trips_through_orbax(tmp_path):
+  import orbax.checkpoint as ocp
+  it = data.make_batch_iterator(corpus(), 16, 4, seed=1)
+  take(it, 9)
+  with ocp.CheckpointManager(str(tmp_path)) as mngr:
+    mngr.save(9, args=ocp.args.Composite(data=ocp.args.JsonSave(it.get_state())))
+    mngr.wait_until_finished()
+  with ocp.CheckpointManager(str(tmp_path)) as mngr:
+    state = mngr.restore(9, args=ocp.args.Composite(data=ocp.args.JsonRestore()))["data"]
+  assert_same(take(it, 5), take(data.make_batch_iterator(corpus(), 16, 4, seed=1, state=state), 5))
+
+
+def test_unigram_baseline_and_domain_fractions():
+  train = Documents.from_arrays([b"ab"], labels=[[0, 1]], domain_names=("p", "q"))
+  # Train stream 0 a b: add-one over 256 bytes gives p(0)=p(a)=p(b)=2/259.
+  evaluation = Documents.from_arrays([b"a", b"zz"])
+  # Eval stream 0 a 0 z z: three seen tokens at 2/259, two unseen z at 1/259.
+  want = -(3 * np.log(2 / 259) + 2 * np.log(1 / 259)) / 5
+  assert data.unigram_cross_entropy(train, evaluation) == pytest.approx(want)
+  assert data.domain_fractions(train) == {"p": 0.5, "q": 0.5}
