@@ -14,6 +14,7 @@ before any nonlinear function of them is taken.
 
 from __future__ import annotations
 
+import numbers
 from typing import Sequence
 
 import jax
@@ -45,9 +46,10 @@ def pmean(x, axis_names: AxisNames):
 
 def check_num_experts(result: RoutingResult, num_experts: int, where: str) -> None:
   """Fails early when ``num_experts`` cannot index ``result.probs``."""
-  if not isinstance(num_experts, int) or isinstance(num_experts, bool):
-    raise TypeError(f"{where}: num_experts must be a Python int (static), "
-                    f"got {type(num_experts).__name__}")
+  if not isinstance(num_experts, numbers.Integral) or isinstance(num_experts, bool):
+    raise TypeError(f"{where}: num_experts must be a static integer, "
+                    f"got {type(num_experts).__name__}. Fix: pass a Python int "
+                    "(static_argnames under jit)")
   total = result.probs.shape[-1]
   if not 1 <= num_experts <= total:
     raise ValueError(

@@ -109,5 +109,5 @@ def test_capacity_properties(seed, c, priority):
       else:
         slot_major = np.arange(t * k).reshape(k, t).T
         assert slot_major[kept & (ids == x)].max() < slot_major[dropped & (ids == x)].min()
-  big, none = apply(r, t * k, num_experts=e, priority=priority)
+  _, none = apply(r, t * k, num_experts=e, priority=priority)
   assert not np.asarray(none).any()

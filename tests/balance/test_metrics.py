@@ -64,6 +64,9 @@ def test_active_experts_excludes_zero_compute():
   np.testing.assert_array_equal(count, [2, 1, 0, 1])
   np.testing.assert_allclose(mean, 1.0)
   np.testing.assert_allclose(var, 0.5)  # ((2-1)^2 + 0 + (0-1)^2 + 0) / 4
+  # Fixed top-2 over FFN experts only: every token spends exactly 2, variance 0.
+  _, mean, var = M.active_experts(make_result([[0, 1], [1, 0], [0, 1]], uniform_probs(3, 2)), 2)
+  np.testing.assert_allclose([mean, var], [2.0, 0.0])
 
 
 def test_coactivation_hand():
