@@ -184,24 +184,22 @@ def param_count(model: nnx.Module, filter=nnx.Param) -> int:
 
 
 def _moe_ffn_active(cfg: ModelConfig) -> float:
-  """Active FFN params per token of one MoE layer: K routed + K_s shared experts.
+  """Expected active FFN params per token of one MoE layer: routed + shared experts.
 
-  Routed experts are counted at their mean width (heterogeneous widths make
-  the exact value routing-dependent); expert choice gives a token
-  ``expert_choice_capacity`` experts on average. Zero-computation experts are
-  not discounted (top_k is then an upper bound), and the router's d*E
-  weights are not FFN params.
+  The conventions are :mod:`moejax.topology.accounting`'s: K E / (E + Z)
+  FFN slots per token (the rest land on zero-computation experts), c experts
+  per token for expert choice, top_k for top-p, each at the mean expert size.
+  The router's d*E weights are not FFN params.
   """
-  moe, d = cfg.moe, cfg.d_model
+  moe = cfg.moe
   if moe.kind != "sparse":
     raise ConfigError("moe.kind", moe.kind,
                       "a per-token active FFN width is defined for routed (sparse) layers",
                       "build the dense baseline by hand for soft / peer layers")
-  k = (moe.router.expert_choice_capacity if moe.router.kind == "expert_choice"
-       else moe.router.top_k)
-  mean_f = sum(moe.widths) / moe.num_experts
-  shared_f = moe.shared_expert_width or moe.expert_width
-  return ffn_params(d, 1, moe.activation) * (k * mean_f + moe.num_shared_experts * shared_f)
+  from moejax.topology import accounting  # one convention for "active", not a copy of it
+  comps = accounting.moe_components(moe, cfg.d_model, seq_len=1)
+  return sum(comps[name].active for name in ("routed_experts", "shared_experts")
+             if name in comps)
 
 
 def active_ffn_params(cfg: ModelConfig) -> float:
