@@ -1,0 +1,393 @@
+"""Parameter and FLOP accounting for any :class:`~moejax.config.ModelConfig`.
+
+Legend: V vocabulary, d model width, L decoder layers, L_enc encoder layers,
+H query heads, H_kv key/value heads, h head width, S sequence length, E routed
+FFN experts, Z zero-computation experts, J constant experts, K slots per
+token, w_e width of expert e, f_s shared-expert width, p Soft MoE slots per
+expert, N = n^2 PEER experts, D PEER query width.
+
+Conventions (what every number in :class:`Budget` means):
+
+- **total**: every trainable parameter: the input embedding table, the LM
+  head when untied, attention, dense FFNs, routed / shared / zero-computation
+  experts, routers, PEER and Soft MoE parameters, norms. The aux-loss-free
+  selection bias is router *state*, not a parameter, and is not counted. Not
+  modelled (each under 0.05% of every preset): QK-norm weights, attention
+  sinks, biases inside expert FFNs, T5 relative-position biases.
+- **active**: the expected number of parameters one token uses in a forward
+  pass under balanced routing, by the *matmul convention*: every weight that
+  multiplies the token's activations counts, including the LM head (V d),
+  while the input embedding table does not (a token reads one row of it).
+  This is the convention of DeepSeek-V3 ("36.6B activated, including 0.9B for
+  the output head") and of the gpt-oss model card. Other publishers (Mistral,
+  Qwen) also count the input table: that is ``Budget.active_with_embedding``.
+  Routed experts count expected slots x mean expert size: K E / (E + Z) FFN
+  slots for token-choice routers (the rest land on zero-computation experts),
+  c experts per token for expert choice with capacity c, router.top_k (its
+  maximum) for top-p. ``active_max`` bounds it: every slot on the widest
+  expert (every expert, for expert choice).
+- **flops_per_token**: forward FLOPs of one token, 2 per multiply-accumulate:
+  2 x the active matmul parameters, plus the attention mixing at sequence
+  length S: 2 S H d_qk for QK^T and 2 S H d_v for AV per attention layer,
+  every token attending to all S positions (the convention of Hoffmann et
+  al. 2203.15556, App. F; a causal mask halves this on average, sliding
+  windows cut it further: not modelled). Soft MoE adds its dispatch and
+  combine mixing (2 d E p each per token) and PEER its sub-key scoring
+  (2 n D per head: the sub-keys are shared by the H heads but each head
+  scores them). Elementwise work (norms, activations, softmax, the
+  zero-computation mixing) is not counted. Training is about 3x forward.
+- **Encoder-decoder** (T5 / Switch, ``encoder_layers > 0``): one token is
+  counted through both stacks, the convention behind "FLOP-matched to
+  T5-Base"; cross-attention attends over S encoder positions.
+- **Mixture-of-depths** blocks process a fraction c of the tokens: their
+  active parameters and FLOPs are scaled by c (attention mixing by c^2, as
+  selected tokens only see selected tokens), plus a d-wide router.
+- **Expert sharing** (``expert_sharing_group`` g): g consecutive MoE layers
+  share one set of routed expert weights, counted once in total.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Mapping, Optional
+
+from moejax.config import ModelConfig, MoEConfig
+
+COMPONENTS = ("embedding", "lm_head", "attention", "dense_ffn", "routed_experts",
+              "shared_experts", "router", "zero_compute", "peer", "soft_moe",
+              "mod_router", "norms")
+
+
+@dataclasses.dataclass(frozen=True)
+class Component:
+  """Parameters and FLOPs of one part of the model, summed over its layers.
+
+  total: parameters; active / active_max: expected and maximal parameters
+  used per token; flops: forward FLOPs per token.
+  """
+
+  total: int = 0
+  active: float = 0.0
+  active_max: float = 0.0
+  flops: float = 0.0
+
+  def __add__(self, other: "Component") -> "Component":
+    return Component(self.total + other.total, self.active + other.active,
+                     self.active_max + other.active_max, self.flops + other.flops)
+
+  def scaled(self, frac: float, flops_frac: Optional[float] = None) -> "Component":
+    """The same parameters, used by a fraction of the tokens."""
+    return Component(self.total, self.active * frac, self.active_max * frac,
+                     self.flops * (frac if flops_frac is None else flops_frac))
+
+
+def _dense(params: int) -> Component:
+  """A matmul every token uses in full."""
+  return Component(params, params, params, 2.0 * params)
+
+
+@dataclasses.dataclass(frozen=True)
+class Budget:
+  """The parameter and compute budget of one model config.
+
+  Attributes:
+    total: all trainable parameters.
+    active: expected parameters used per token (matmul convention, see the
+      module docstring: LM head in, input embedding table out).
+    active_max: upper bound of ``active`` over routing outcomes.
+    flops_per_token: forward FLOPs per token at ``seq_len``.
+    seq_len: the S of the attention (and Soft MoE group) FLOPs.
+    input_embedding: parameters of the input embedding table that ``active``
+      leaves out (0 when it is tied to the LM head, which ``active`` counts).
+    components: (name, Component) pairs in :data:`COMPONENTS` order, only the
+      ones present; ``breakdown`` gives them as a dict.
+  """
+
+  total: int
+  active: float
+  active_max: float
+  flops_per_token: float
+  seq_len: int
+  input_embedding: int
+  components: tuple
+
+  @property
+  def breakdown(self) -> dict[str, Component]:
+    return dict(self.components)
+
+  @property
+  def active_with_embedding(self) -> float:
+    """``active`` plus the input embedding table (Mistral / Qwen convention)."""
+    return self.active + self.input_embedding
+
+  @property
+  def non_embedding_total(self) -> int:
+    b = self.breakdown
+    return self.total - b["embedding"].total - b.get("lm_head", Component()).total
+
+
+# ---------------------------------------------------------------------------
+# Per-layer pieces.
+
+def ffn_params(d_model: int, width: int, activation: str) -> int:
+  """One bias-free FFN of hidden width w: (3 for swiglu, 2 for gelu) d w."""
+  return (3 if activation == "swiglu" else 2) * d_model * width
+
+
+def attention_params(cfg: ModelConfig) -> int:
+  """Weights of one self-attention block (norms excluded).
+
+  MHA / GQA / MQA: q [d, H h], k and v [d, H_kv h], o [H h, d], plus biases
+  when ``attention_bias``. MLA (DeepSeek-V2/V3): the query is q [d, H (h_nope
+  + h_rope)] or, with q_lora_rank r_q > 0, q_a [d, r_q] then q_b [r_q, H
+  (h_nope + h_rope)]; kv_a [d, r_kv + h_rope] compresses keys / values (plus
+  the shared rope key), kv_b [r_kv, H (h_nope + h_v)] expands them, o [H h_v,
+  d].
+  """
+  d, nh = cfg.d_model, cfg.n_heads
+  if cfg.attention == "mla":
+    qk = cfg.qk_nope_head_dim + cfg.qk_rope_head_dim
+    q = (d * cfg.q_lora_rank + cfg.q_lora_rank * nh * qk) if cfg.q_lora_rank else d * nh * qk
+    kv = d * (cfg.kv_lora_rank + cfg.qk_rope_head_dim) + cfg.kv_lora_rank * nh * (
+        cfg.qk_nope_head_dim + cfg.v_head_dim)
+    return q + kv + nh * cfg.v_head_dim * d
+  h, kvh = cfg.attn_head_dim, cfg.kv_heads
+  params = d * nh * h + 2 * d * kvh * h + nh * h * d
+  if cfg.attention_bias:
+    params += nh * h + 2 * kvh * h + d
+  return params
+
+
+def attention_mix_flops(cfg: ModelConfig, seq_len: int) -> float:
+  """QK^T and AV FLOPs of one token in one attention block over S positions."""
+  if cfg.attention == "mla":
+    d_qk, d_v = cfg.qk_nope_head_dim + cfg.qk_rope_head_dim, cfg.v_head_dim
+  else:
+    d_qk = d_v = cfg.attn_head_dim
+  return 2.0 * seq_len * cfg.n_heads * (d_qk + d_v)
+
+
+def _attention_norm_params(cfg: ModelConfig) -> int:
+  """Norms inside attention (MLA's latent RMSNorms)."""
+  if cfg.attention == "mla":
+    return cfg.kv_lora_rank + (cfg.q_lora_rank if cfg.q_lora_rank else 0)
+  return 0
+
+
+def _routed_slots(moe: MoEConfig) -> tuple[float, float]:
+  """(expected FFN-expert slots per token, maximal slots)."""
+  r = moe.router
+  if r.kind == "expert_choice":
+    # Each expert takes c T / E tokens, so a token is in c experts on average
+    # and in all E at most.
+    return r.expert_choice_capacity, float(moe.num_experts)
+  return r.top_k * moe.num_experts / moe.num_routed, float(r.top_k)
+
+
+def moe_components(moe: MoEConfig, d_model: int, seq_len: int) -> dict[str, Component]:
+  """Components of one MoE FFN slot (any ``moe.kind``)."""
+  d = d_model
+  if moe.kind == "peer":
+    h, n, dk, k = moe.peer_heads, moe.peer_num_keys, moe.peer_key_dim, moe.peer_top_k
+    per_expert = (3 if moe.activation == "swiglu" else 2) * d
+    query = h * d * dk + 2 * h * dk  # W_q and the query LayerNorm
+    keys = n * dk  # two halves of n sub-keys, D/2 wide
+    total = n * n * per_expert + query + keys
+    active = h * k * per_expert + query + keys
+    flops = 2.0 * (h * k * per_expert + h * d * dk) + 2.0 * h * n * dk
+    return {"peer": Component(total, active, active, flops)}
+
+  sizes = [ffn_params(d, w, moe.activation) for w in moe.widths]
+  mean_e, max_e = sum(sizes) / len(sizes), max(sizes)
+  out: dict[str, Component] = {}
+  if moe.kind == "soft":
+    # Each group of S tokens (one sequence) fills E p slots; every expert
+    # processes its p slots, so a token's share is p sum_e size_e / S.
+    p = moe.slots_per_expert
+    share = p * sum(sizes) / seq_len
+    out["routed_experts"] = Component(sum(sizes), share, share, 2.0 * share)
+    slots = moe.num_experts * p
+    phi = d * slots
+    # logits (the phi matmul), then dispatch and combine: 2 d E p FLOPs each.
+    out["soft_moe"] = Component(phi + 1, phi, phi, 2.0 * phi + 4.0 * d * slots)
+    return out
+
+  slots, slots_max = _routed_slots(moe)
+  active = slots * mean_e
+  max_active = slots_max * max_e if moe.router.kind != "expert_choice" else float(sum(sizes))
+  out["routed_experts"] = Component(sum(sizes), active, max_active, 2.0 * active)
+  r = moe.router
+  if r.kind != "hash":
+    router = d * moe.num_routed + (d * r.n_families if r.kind == "hierarchical" else 0)
+    out["router"] = _dense(router)
+  if moe.num_shared_experts:
+    fs = moe.shared_expert_width or moe.expert_width
+    shared = moe.num_shared_experts * ffn_params(d, fs, moe.activation)
+    shared += d if moe.shared_expert_gate else 0
+    out["shared_experts"] = _dense(shared)
+  if moe.constant_experts:
+    # Constant expert j: W_c[j] [d, 2] and v_j [d]; only W_c is a matmul.
+    j = moe.constant_experts
+    frac = (r.top_k if r.kind != "expert_choice" else 0) * j / moe.num_routed
+    out["zero_compute"] = Component(j * 3 * d, frac * 3 * d, 0.0, frac * 2.0 * 2 * d)
+  return out
+
+
+# ---------------------------------------------------------------------------
+# The whole model.
+
+def _stack_layers(cfg: ModelConfig) -> list[tuple[str, int]]:
+  """(stack, index) of every layer: encoder layers first, then decoder."""
+  return ([("encoder", i) for i in range(cfg.encoder_layers)]
+          + [("decoder", i) for i in range(cfg.n_layers)])
+
+
+def budget(cfg: ModelConfig, seq_len: int = 4096) -> Budget:
+  """Parameter and FLOP budget of ``cfg`` (conventions: module docstring).
+
+  Args:
+    cfg: any ModelConfig (dense, sparse, soft or PEER MoE, MHA/GQA or MLA,
+      decoder-only or encoder-decoder).
+    seq_len: S for the attention mixing FLOPs and the Soft MoE group size.
+  """
+  if seq_len <= 0:
+    raise ValueError(f"seq_len={seq_len}: must be > 0")
+  d = cfg.d_model
+  acc: dict[str, Component] = {}
+
+  def add(name: str, comp: Component) -> None:
+    acc[name] = acc.get(name, Component()) + comp
+
+  table = cfg.vocab_size * d
+  add("embedding", Component(table, 0.0, 0.0, 0.0))
+  # The LM head is a matmul every token does; when tied its weights are the
+  # embedding table (already in total), so only its use is counted.
+  add("lm_head", Component(0 if cfg.tie_embeddings else table, table, table, 2.0 * table))
+
+  attn = attention_params(cfg)
+  mix = attention_mix_flops(cfg, seq_len)
+  cross = cfg.encoder_layers > 0
+  moe_seen: dict[str, int] = {"encoder": 0, "decoder": 0}
+  for stack, i in _stack_layers(cfg):
+    layer: dict[str, Component] = {}
+    n_attn = 2 if (stack == "decoder" and cross) else 1
+    layer["attention"] = Component(n_attn * attn, n_attn * attn, n_attn * attn,
+                                   n_attn * (2.0 * attn + mix))
+    norms = (n_attn + 1) * d + n_attn * _attention_norm_params(cfg)
+    layer["norms"] = Component(norms, norms, norms, 0.0)
+    if cfg.is_moe_layer(i):
+      for name, comp in moe_components(cfg.moe, d, seq_len).items():
+        if name == "routed_experts" and moe_seen[stack] % cfg.expert_sharing_group:
+          comp = dataclasses.replace(comp, total=0)  # shares the group's first copy
+        layer[name] = comp
+      moe_seen[stack] += 1
+    else:
+      layer["dense_ffn"] = _dense(ffn_params(d, cfg.dense_ff_width, cfg.dense_activation))
+    if stack == "decoder" and cfg.is_mod_layer(i):
+      c = cfg.mod_capacity
+      layer = {name: comp.scaled(c) for name, comp in layer.items()}
+      # Selected tokens attend only to the c S selected positions.
+      a = layer["attention"]
+      layer["attention"] = dataclasses.replace(
+          a, flops=c * n_attn * (2.0 * attn + c * mix))
+      layer["mod_router"] = _dense(d)
+    for name, comp in layer.items():
+      add(name, comp)
+  n_final = 1 + (1 if cross else 0)
+  add("norms", Component(n_final * d, n_final * d, n_final * d, 0.0))
+
+  comps = tuple((name, acc[name]) for name in COMPONENTS if name in acc)
+  return Budget(
+      total=sum(c.total for _, c in comps),
+      active=sum(c.active for _, c in comps),
+      active_max=sum(c.active_max for _, c in comps),
+      flops_per_token=sum(c.flops for _, c in comps),
+      seq_len=seq_len,
+      input_embedding=0 if cfg.tie_embeddings else table,
+      components=comps,
+  )
+
+
+# ---------------------------------------------------------------------------
+# Text table.
+
+def human(n: float) -> str:
+  """12345678 -> '12.35M'; 1.2e12 -> '1.20T'."""
+  for unit, scale in (("T", 1e12), ("B", 1e9), ("M", 1e6), ("K", 1e3)):
+    if abs(n) >= scale:
+      return f"{n / scale:.2f}{unit}"
+  return f"{n:.0f}" if float(n).is_integer() else f"{n:.2f}"
+
+
+def _align(rows: list[list[str]]) -> list[str]:
+  widths = [max(len(r[j]) for r in rows) for j in range(len(rows[0]))]
+  fmt = lambda r: "  ".join(c.ljust(w) if j == 0 else c.rjust(w)
+                            for j, (c, w) in enumerate(zip(r, widths)))
+  return [fmt(rows[0]), "  ".join("-" * w for w in widths)] + [fmt(r) for r in rows[1:]]
+
+
+def _published_active(b: Budget, pub: Mapping) -> float:
+  """Ours, in the publisher's convention (see :func:`budget_table`)."""
+  if pub.get("active_convention") == "with_embedding":
+    return b.active_with_embedding
+  return b.active
+
+
+def budget_table(budgets: Mapping[str, Budget],
+                 published: Optional[Mapping[str, Mapping]] = None) -> str:
+  """Aligned text tables: a summary row per model, then the breakdown.
+
+  Args:
+    budgets: label -> Budget (columns / rows in insertion order).
+    published: optional label -> {'total', 'active', 'active_convention'}:
+      adds the published numbers and our % error. ``active_convention``
+      'with_embedding' compares ``active_with_embedding``, anything else
+      ``active`` (the matmul convention of this module).
+
+  Returns:
+    The summary table (total, active, active with the input table, active
+    upper bound, forward GFLOPs per token, and published numbers with %
+    error), a blank line, and the per-component breakdown as
+    "total / active" cells, one column per model.
+  """
+  published = published or {}
+  head = ["model", "total", "active", "active+emb", "active max", "GFLOPs/tok"]
+  if published:
+    head += ["pub total", "pub active", "err total", "err active"]
+  summary = [head]
+  for label, b in budgets.items():
+    row = [label, human(b.total), human(b.active), human(b.active_with_embedding),
+           human(b.active_max), f"{b.flops_per_token / 1e9:.3f}"]
+    if published:
+      pub = published.get(label)
+      if pub:
+        conv = "+emb" if pub.get("active_convention") == "with_embedding" else ""
+        row += [human(pub["total"]), human(pub["active"]) + conv,
+                f"{100 * relative_error(b.total, pub['total']):+.2f}%",
+                f"{100 * relative_error(_published_active(b, pub), pub['active']):+.2f}%"]
+      else:
+        row += ["-"] * 4
+    summary.append(row)
+
+  names = [c for c in COMPONENTS if any(c in b.breakdown for b in budgets.values())]
+  breakdown = [["component (total / active)"] + list(budgets)]
+  for n in names:
+    cells = []
+    for b in budgets.values():
+      c = b.breakdown.get(n)
+      cells.append("-" if c is None else f"{human(c.total)} / {human(c.active)}")
+    breakdown.append([n] + cells)
+
+  seqs = ", ".join(str(s) for s in sorted({b.seq_len for b in budgets.values()}))
+  note = (f"S={seqs}. active: params per token, matmul convention (LM head in, input "
+          "embedding table out); active+emb adds the input table; '+emb' marks "
+          "publishers counting it.")
+  return "\n".join(_align(summary) + [""] + _align(breakdown) + [note])
+
+
+def relative_error(ours: float, published: float) -> float:
+  """(ours - published) / published."""
+  if published == 0:
+    return math.inf
+  return ours / published - 1.0
