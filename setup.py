@@ -21,6 +21,8 @@ setup(
         "ml_collections>=1.0.0",
         "chex>=0.1.90",
         "numpy>=1.26",
+        # tensorflow-datasets 4.9.10 imports it but does not declare it on Python 3.9+.
+        "importlib_resources",
     ],
     extras_require={
         "test": ["pytest>=8.0", "pytest-xdist>=3.5", "hypothesis>=6.100"],
