@@ -1,6 +1,7 @@
 """PEER: product-key retrieval is exact; the layer equals a brute-force PEER."""
 
 import dataclasses
+import functools
 
 import hypothesis
 import hypothesis.strategies as st
@@ -47,14 +48,19 @@ def test_product_key_topk_hand_made():
   np.testing.assert_array_equal(ids, [2, 3])
 
 
+@functools.partial(jax.jit, static_argnums=(2,))
+def _product_vs_brute(s1, s2, k):
+  return peer.product_key_topk(s1, s2, k), _brute_topk(s1, s2, k)
+
+
 @SETTINGS
-@hypothesis.given(n=st.sampled_from([3, 8]), k=st.integers(1, 3), seed=st.integers(0, 2 ** 16))
+@hypothesis.given(n=st.sampled_from([3, 8]), k=st.sampled_from([1, 3]), seed=st.integers(0, 2 ** 16))
 def test_product_key_topk_equals_brute_force(n, k, seed):
-  k1, k2 = jax.random.split(jax.random.key(seed))
-  s1 = jax.random.normal(k1, (5, 2, n))
-  s2 = jax.random.normal(k2, (5, 2, n))
-  scores, ids = peer.product_key_topk(s1, s2, k)
-  b_scores, b_ids = _brute_topk(s1, s2, k)
+  # Inputs are materialised before the jitted call: inside one jit XLA may
+  # recompute a random producer per consumer with different rounding.
+  rng = np.random.default_rng(seed)
+  s1, s2 = (rng.standard_normal((5, 2, n)).astype(np.float32) for _ in range(2))
+  (scores, ids), (b_scores, b_ids) = _product_vs_brute(s1, s2, k)
   # Same float additions on both sides, so the scores agree exactly.
   np.testing.assert_array_equal(scores, b_scores)
   np.testing.assert_array_equal(ids, b_ids)
