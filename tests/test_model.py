@@ -121,17 +121,24 @@ def test_new_config_fields_validate():
 # ---------------------------------------------------------------------------
 # Rotary embeddings and MoD token selection (pure pieces).
 
+_rope = jax.jit(apply_rope, static_argnums=2)
+
+
+@jax.jit
+def _rope_dot(q, k, pq, pk):
+  return jnp.sum(apply_rope(q, pq, 100.0) * apply_rope(k, pk, 100.0))
+
+
 @hypothesis.settings(max_examples=25, deadline=None)
 @hypothesis.given(m=st.integers(0, 50), n=st.integers(0, 50), shift=st.integers(0, 50))
 def test_rope_scores_depend_only_on_relative_position(m, n, shift):
   kq, kk = jax.random.split(jax.random.key(m * 51 + n))
   q = jax.random.normal(kq, (1, 1, 1, 8))
   k = jax.random.normal(kk, (1, 1, 1, 8))
-  pos = lambda p: jnp.full((1, 1), p)
-  dot = lambda a, b: float(jnp.sum(apply_rope(q, pos(a), 100.0) * apply_rope(k, pos(b), 100.0)))
+  dot = lambda a, b: float(_rope_dot(q, k, jnp.full((1, 1), a), jnp.full((1, 1), b)))
   np.testing.assert_allclose(dot(m, n), dot(m + shift, n + shift), rtol=1e-4, atol=1e-4)
   # A rotation keeps the norm.
-  np.testing.assert_allclose(jnp.linalg.norm(apply_rope(q, pos(m), 100.0)),
+  np.testing.assert_allclose(jnp.linalg.norm(_rope(q, jnp.full((1, 1), m), 100.0)),
                              jnp.linalg.norm(q), rtol=1e-5)
 
 
@@ -220,9 +227,14 @@ def _repeating_tokens(b=2, s=S + 1):
   return jnp.stack([jnp.roll(jnp.resize(period, s), r) for r in range(b)]).astype(jnp.int32)
 
 
-def test_dense_training_reduces_loss():
-  losses = _train(Transformer(tiny(), rngs=nnx.Rngs(0)), _repeating_tokens(), steps=8)
+def test_dense_training_reduces_loss_and_trains_the_mod_router():
+  # Block 0 is a plain dense block, block 1 a mixture-of-depths one.
+  model = Transformer(tiny(mod_every=2, mod_capacity=0.5), rngs=nnx.Rngs(0))
+  w0 = model.blocks[1].router.kernel[...]
+  losses = _train(model, _repeating_tokens(), steps=8)
   assert losses[-1] < 0.25 * losses[0], losses
+  # The gate g(r) on the processed tokens' update is the router's only gradient path.
+  assert not np.allclose(model.blocks[1].router.kernel[...], w0)
 
 
 # ---------------------------------------------------------------------------
@@ -251,14 +263,6 @@ def test_mod_block_processes_only_the_capacity_fraction():
   assert float(aux["loss"]) > 0.0  # the membership BCE is included
 
 
-def test_mod_training_reduces_loss_and_trains_router():
-  model = Transformer(tiny(mod_every=2, mod_capacity=0.5), rngs=nnx.Rngs(0))
-  w0 = model.blocks[1].router.kernel[...]
-  losses = _train(model, _repeating_tokens(), steps=8)
-  assert losses[-1] < 0.25 * losses[0], losses
-  assert not np.allclose(model.blocks[1].router.kernel[...], w0)  # gate gives it gradients
-
-
 # ---------------------------------------------------------------------------
 # MoE blocks (need moejax.layer and the planes it composes).
 
@@ -285,7 +289,8 @@ def test_moe_shapes_and_aux(kind):
 @needs_moe
 @pytest.mark.parametrize("kind", ["topk", "hash", "top_p"])
 def test_token_choice_moe_is_causal(kind):
-  _assert_causal(_moe_cfg(kind))
+  # The shapes test's config: nnx.jit reuses its compiled forward.
+  _assert_causal(_moe_cfg(kind, moe_layout="every_other"))
 
 
 def _bias_cfg(bias_update="sign"):
