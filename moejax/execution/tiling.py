@@ -1,0 +1,148 @@
+"""Group and row-tile metadata shared by the grouped-matmul backends.
+
+Legend: m rows of the grouped operand (token copies sorted by expert), G
+groups (experts), NT a static bound on the number of row tiles, tm the row
+tile.
+
+A grouped matmul sees ``group_sizes int32[G]``: group g owns the contiguous
+rows ``[starts[g], ends[g])``. Rows past ``sum(group_sizes)`` belong to no
+group. Two tilings cover the groups with fixed-size row tiles, so that every
+kernel works on static shapes while skipping the work of absent rows:
+
+* :func:`group_tiles` starts each group on a fresh tile (tiles may spill into
+  the next group and are masked there; the last tile of the operand is
+  clamped back inside it): the XLA ``blocked`` backend.
+* :func:`grid_tiles` keeps tiles on a fixed ``tm`` grid and visits a tile
+  once per group that overlaps it (megablox): the Pallas kernels, whose
+  BlockSpecs need tile-aligned row blocks.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import struct
+
+
+def cdiv(a: int, b: int) -> int:
+  return -(-a // b)
+
+
+def clamp_group_sizes(group_sizes: jax.Array, m: int) -> jax.Array:
+  """int32[G] sizes whose running sum never exceeds m.
+
+  Under ``jit`` the sizes are traced and an overflow cannot raise, so every
+  backend truncates the groups at row m (the later groups shrink, possibly to
+  0) instead of reading past the operand.
+  """
+  ends = jnp.minimum(jnp.cumsum(group_sizes.astype(jnp.int32)), m)
+  return jnp.diff(ends, prepend=jnp.zeros((1,), jnp.int32)).astype(jnp.int32)
+
+
+def group_bounds(group_sizes: jax.Array) -> tuple[jax.Array, jax.Array]:
+  """(starts int32[G], ends int32[G]): the row range of each group."""
+  ends = jnp.cumsum(group_sizes).astype(jnp.int32)
+  return ends - group_sizes, ends
+
+
+@struct.dataclass
+class GroupTiles:
+  """Row tiles that start at group boundaries.
+
+  Attributes:
+    group: int32[NT] group of tile i (valid for i < num_tiles).
+    row: int32[NT] first row read by tile i, clamped to m - tm so the tile
+      stays inside the operand.
+    lo: int32[NT] first row tile i owns (its unclamped start). A clamped tile
+      re-reads rows the group's previous tile owns; accumulating kernels
+      must skip them, so ownership is [lo, end of the group).
+    num_tiles: int32[] tiles in use; sum_g ceil(size_g / tm) <= NT.
+    ends: int32[G] end row of each group.
+  """
+
+  group: jax.Array
+  row: jax.Array
+  lo: jax.Array
+  num_tiles: jax.Array
+  ends: jax.Array
+
+  def owned(self, i: jax.Array, tm: int) -> jax.Array:
+    """bool[tm]: which rows read by tile i it owns."""
+    rows = self.row[i] + jnp.arange(tm, dtype=jnp.int32)
+    return (rows >= self.lo[i]) & (rows < self.ends[self.group[i]])
+
+
+def group_tiles(group_sizes: jax.Array, m: int, tm: int) -> GroupTiles:
+  """Tiles of tm rows, each group's first tile at its first row.
+
+  sum_g ceil(size_g / tm) <= m / tm + G, so NT = cdiv(m, tm) + G is a static
+  bound; the loop runs only ``num_tiles`` of them.
+  """
+  if tm > m:
+    raise ValueError(f"row tile tm={tm} exceeds m={m}; use tm <= m")
+  num_groups = group_sizes.shape[0]
+  starts, ends = group_bounds(group_sizes)
+  per_group = (group_sizes + tm - 1) // tm
+  tile_end = jnp.cumsum(per_group).astype(jnp.int32)
+  tile_begin = tile_end - per_group
+  nt = cdiv(m, tm) + num_groups
+  i = jnp.arange(nt, dtype=jnp.int32)
+  g = jnp.searchsorted(tile_end, i, side="right").astype(jnp.int32)
+  g = jnp.minimum(g, num_groups - 1)
+  lo = (starts[g] + (i - tile_begin[g]) * tm).astype(jnp.int32)
+  return GroupTiles(group=g, row=jnp.minimum(lo, m - tm), lo=lo,
+                    num_tiles=tile_end[-1], ends=ends)
+
+
+@struct.dataclass
+class GridTiles:
+  """Megablox-style visit list over a fixed grid of tm-row tiles.
+
+  Attributes:
+    group_offsets: int32[G + 1] start row of each group, then the total.
+    group_ids: int32[NT] group handled at visit i.
+    m_tile_ids: int32[NT] row tile (in units of tm) read at visit i.
+    num_tiles: int32[] visits in use; NT = m / tm + G - 1 bounds it. Visits
+      past it repeat the last real visit so no new block is fetched.
+  """
+
+  group_offsets: jax.Array
+  group_ids: jax.Array
+  m_tile_ids: jax.Array
+  num_tiles: jax.Array
+
+
+def grid_tiles(group_sizes: jax.Array, m: int, tm: int,
+               visit_empty_groups: bool = False) -> GridTiles:
+  """Visits (group, row tile) in row order; a straddled tile is visited once
+  per group it holds, consecutively, so an output block can stay resident.
+
+  ``visit_empty_groups`` gives empty groups one visit (tgmm must write their
+  zero gradient); it sits on the tile where the group would start.
+  """
+  if m % tm:
+    raise ValueError(f"m={m} must be a multiple of the row tile tm={tm}")
+  num_groups = group_sizes.shape[0]
+  starts, ends = group_bounds(group_sizes)
+  first = starts // tm
+  last = jnp.maximum(cdiv_arr(ends, tm), first)  # exclusive
+  visits = jnp.where(group_sizes > 0, last - first, 0)
+  if visit_empty_groups:
+    visits = jnp.where(group_sizes > 0, visits, 1)
+  # Non-empty groups need at most m / tm + (#non-empty - 1) visits, and each
+  # empty group one more, so the bound holds either way.
+  nt = m // tm + num_groups - 1
+  visit_end = jnp.cumsum(visits).astype(jnp.int32)
+  visit_begin = visit_end - visits
+  num_tiles = visit_end[-1]
+  i = jnp.minimum(jnp.arange(nt, dtype=jnp.int32), jnp.maximum(num_tiles - 1, 0))
+  g = jnp.minimum(jnp.searchsorted(visit_end, i, side="right"),
+                  num_groups - 1).astype(jnp.int32)
+  tile = jnp.minimum(first[g] + (i - visit_begin[g]), m // tm - 1)
+  offsets = jnp.concatenate([jnp.zeros((1,), jnp.int32), ends])
+  return GridTiles(group_offsets=offsets, group_ids=g,
+                   m_tile_ids=tile.astype(jnp.int32), num_tiles=num_tiles)
+
+
+def cdiv_arr(a: jax.Array, b: int) -> jax.Array:
+  return (a + b - 1) // b
