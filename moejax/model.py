@@ -179,7 +179,12 @@ class Transformer(nnx.Module):
 
 
 def param_count(model: nnx.Module, filter=nnx.Param) -> int:
-  """Number of scalars in the model's ``filter`` state (shared weights once)."""
+  """Number of scalars in the model's ``filter`` state (shared weights once).
+
+  Equals ``accounting.budget(cfg).total`` except for heterogeneous experts
+  (``moe.expert_widths``), whose stacked arrays hold zero padding up to the
+  widest expert that the accounting does not count.
+  """
   return sum(int(v.size) for v in jax.tree.leaves(nnx.state(model, filter)))
 
 
