@@ -5,8 +5,8 @@ Legend: T tokens, E routed experts, K = top_k slots per token, V vocabulary.
 No router parameters: the experts of a token are a fixed function of its id.
 We use a *balanced* random hash that needs no vocabulary size: ids are cut
 into blocks of E consecutive ids (block b = id // E, position r = id % E) and
-each block gets its own random permutation pi_b of the E experts, drawn from
-(hash_seed, b). Slot j of token id is
+each block gets its own pseudo-random permutation pi_b of the E experts,
+keyed by (hash_seed, b). Slot j of token id is
 
     expert_j(id) = pi_b[(r + j) mod E],   j = 0..K-1.
 
@@ -19,8 +19,9 @@ every slot's table stays balanced.
 
 Gates are uniform: 1/K per slot (1 for K=1), times routed_scaling_factor;
 probs put 1/K on each chosen expert; logits are zeros. Token ids must be
-non-negative. The table is drawn with the threefry PRNG explicitly, so it
-does not change with the jax_default_prng_impl flag.
+non-negative. pi_b is the argsort of murmur3-mixed (seed, b, expert) keys:
+integer arithmetic only, so the table is identical on every backend and JAX
+version (a trained hash-routed model depends on it).
 """
 
 from __future__ import annotations
@@ -33,6 +34,15 @@ from moejax.routing.result import make_result
 from moejax.routing.types import RoutingResult
 
 
+def _fmix32(h: jax.Array) -> jax.Array:
+  """murmur3 32-bit finaliser: a bijective avalanche mix of uint32 values."""
+  h = h ^ (h >> 16)
+  h = h * jnp.uint32(0x85EBCA6B)
+  h = h ^ (h >> 13)
+  h = h * jnp.uint32(0xC2B2AE35)
+  return h ^ (h >> 16)
+
+
 def hash_experts(token_ids: jax.Array, num_experts: int, top_k: int, seed: int) -> jax.Array:
   """int32[T, K] experts of each token id (see the module docstring)."""
   if top_k > num_experts:
@@ -40,9 +50,14 @@ def hash_experts(token_ids: jax.Array, num_experts: int, top_k: int, seed: int) 
                      f"router can assign distinctly. Fix: set top_k <= {num_experts}.")
   ids = jnp.asarray(token_ids).astype(jnp.int32)
   block, pos = ids // num_experts, ids % num_experts
-  key = jax.random.key(seed, impl="threefry2x32")
-  perms = jax.vmap(lambda b: jax.random.permutation(jax.random.fold_in(key, b),
-                                                    num_experts))(block)  # [T, E]
+  # Per-block random keys from an integer mixer (murmur3's finaliser), chained
+  # over (seed, block, expert): pure uint32 arithmetic, so the table does not
+  # depend on JAX's PRNG implementation or version, and compiles instantly.
+  h = _fmix32(_fmix32(jnp.uint32(seed & 0xFFFFFFFF)) ^ block.astype(jnp.uint32))  # [T]
+  keys = _fmix32(h[:, None] ^ jnp.arange(num_experts, dtype=jnp.uint32))  # [T, E]
+  # argsort of any key vector is a permutation (ties included), so each
+  # block's map stays a bijection.
+  perms = jnp.argsort(keys, axis=-1, stable=True)  # [T, E], row = pi_b of the block
   slots = (pos[:, None] + jnp.arange(top_k)) % num_experts  # [T, K]
   return jnp.take_along_axis(perms, slots, axis=-1).astype(jnp.int32)
 

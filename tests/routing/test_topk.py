@@ -125,7 +125,7 @@ def topk_case(draw):
   e = 8  # fixed shapes keep JAX's per-shape op cache warm; T=6 rows are 6 cases
   score_fn = draw(st.sampled_from(["softmax", "sigmoid", "sqrtsoftplus"]))
   gatings = ["scores", "normalized"] + (["topk_softmax"] if score_fn == "softmax" else [])
-  return dict(t=6, e=e, k=draw(st.integers(1, e)),
+  return dict(t=6, e=e, k=draw(st.sampled_from([1, 2, 3, e])),
               score_fn=score_fn, gating=draw(st.sampled_from(gatings)),
               scale=draw(st.sampled_from([1.0, 2.5])), seed=draw(st.integers(0, 2**16)))
 
@@ -157,7 +157,7 @@ def test_topk_properties(c):
 
 
 @PROPS
-@hypothesis.given(k=st.integers(1, 8), seed=st.integers(0, 2**16))
+@hypothesis.given(k=st.sampled_from([1, 2, 3, 8]), seed=st.integers(0, 2**16))
 def test_mixtral_equals_softmax_all_topk_renormalise(k, seed):
   t = 6
   """Softmax(TopK(logits)) == TopK(Softmax(logits)) / sum: exp(z_i)/Z cancels Z."""
@@ -171,7 +171,7 @@ def test_mixtral_equals_softmax_all_topk_renormalise(k, seed):
 
 
 @PROPS
-@hypothesis.given(k=st.integers(1, 4),
+@hypothesis.given(k=st.sampled_from([1, 2, 4]),
                   score_fn=st.sampled_from(["softmax", "sigmoid", "sqrtsoftplus"]),
                   gating=st.sampled_from(["scores", "normalized"]),
                   seed=st.integers(0, 2**16))
@@ -205,7 +205,7 @@ def test_bias_changes_selection_never_gates(k, score_fn, gating, seed):
 @PROPS
 @hypothesis.given(
     groups=st.sampled_from([(2, 1), (4, 2), (4, 1), (8, 3), (4, 4)]),
-    k=st.integers(1, 4), use_bias=st.booleans(),
+    k=st.sampled_from([1, 2, 3]), use_bias=st.booleans(),
     group_score=st.sampled_from(["auto", "top2_sum", "max"]),
     seed=st.integers(0, 2**16))
 def test_group_limits_respected(groups, k, use_bias, group_score, seed):
