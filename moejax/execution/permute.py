@@ -16,7 +16,8 @@ Two layouts, one :class:`Dispatch` description:
   ``moejax.balance.capacity``): copies are ranked slot-major, all first
   choices (k = 0) before any second choice, earlier tokens first inside a
   choice; an expert keeps its first C copies and drops the rest. This is the
-  layout the expert-parallel all_to_all moves.
+  layout the expert-parallel all_to_all moves. C itself comes from
+  ``moejax.balance.capacity.expert_capacity``.
 
 :func:`permute` gathers rows ``xs[r] = x[src_token[r]]`` and
 :func:`unpermute` computes ``y[t] = sum_k w[t, k] * ys[dst[t, k]]``. Both have
@@ -132,13 +133,6 @@ def capacity_layout(expert_ids: jax.Array, valid: jax.Array, num_experts: int,
       slot.reshape(-1), mode="drop")
   return Dispatch(src_token=src_token, src_slot=src_slot, dst=dst,
                   group_sizes=jnp.minimum(counts[:num_experts], capacity))
-
-
-def capacity_for(num_tokens: int, num_experts: int, k: int,
-                 capacity_factor: float) -> int:
-  """C = ceil(cf * T * K / E) (Switch/GShard), at least 1."""
-  import math
-  return max(1, math.ceil(capacity_factor * num_tokens * k / num_experts))
 
 
 # --- Row gathers with fill, by backend. -------------------------------------
