@@ -1,0 +1,26 @@
+"""Interop with public MoE checkpoints (Hugging Face transformers).
+
+Import a MoE block of Mixtral, Qwen2-MoE, Qwen3-MoE or DeepSeek-V3 into
+moejax (params, RouterState, MoEConfig), export a moejax layer back, and
+analyse the routing of imported layers. torch / transformers are needed only
+to read torch state dicts or run HF models (``pip install -e '.[interop]'``);
+safetensors files and numpy dicts convert with safetensors alone. See
+docs/interop.md.
+"""
+
+from moejax.interop.convert import (LAYOUTS, ExportedBlock, ImportedBlock,
+                                    export_moe_block, import_moe_block,
+                                    import_moe_layers, load_hf_config, to_torch)
+from moejax.interop.errors import (InteropError, MissingTensorError,
+                                   TensorShapeError, UnsupportedArchitectureError)
+from moejax.interop.families import (FAMILIES, Family, get_family, hf_fields_from_moe,
+                                     moe_config_from_hf, moe_layers, register_family)
+from moejax.interop.tensors import dequantize_blocks, open_source, save_safetensors
+
+__all__ = [
+    "FAMILIES", "LAYOUTS", "ExportedBlock", "Family", "ImportedBlock", "InteropError",
+    "MissingTensorError", "TensorShapeError", "UnsupportedArchitectureError",
+    "dequantize_blocks", "export_moe_block", "get_family", "hf_fields_from_moe",
+    "import_moe_block", "import_moe_layers", "load_hf_config", "moe_config_from_hf",
+    "moe_layers", "open_source", "register_family", "save_safetensors", "to_torch",
+]
