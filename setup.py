@@ -19,6 +19,8 @@ setup(
         "tensorflow-datasets>=4.9.9",
         "absl-py>=2.1.0",
         "ml_collections>=1.0.0",
+        # TensorBoard event files without TensorFlow (training metrics).
+        "tensorboardX>=2.6",
         "chex>=0.1.90",
         "numpy>=1.26",
         # tensorflow-datasets 4.9.10 imports it but does not declare it on Python 3.9+.

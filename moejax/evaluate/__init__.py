@@ -1,0 +1,1 @@
+"""moejax.evaluate: validation metrics, expert specialisation, causal leakage, layer latency."""
