@@ -169,7 +169,7 @@ def import_moe_block(source: Any, hf_config: Any = None, *, layer: Optional[int]
   """
   hf_config = _resolve_config(source, hf_config)
   family = fam.family_of(hf_config)
-  cfg = family.moe_config(hf_config, base_cfg)
+  cfg = fam.moe_config_from_hf(hf_config, base_cfg)
   store = open_source(source)
   p = _resolve_prefix(store, family, hf_config, layer, prefix)
   rd = _Reader(store, p, _block_size(hf_config))
@@ -284,6 +284,7 @@ def export_moe_block(params: Mapping, state: Optional[RouterState], cfg: MoEConf
   """
   if layout not in LAYOUTS:
     raise InteropError(f"layout={layout!r}: use one of {', '.join(LAYOUTS)}")
+  fam.check_moe_config(cfg, "cfg")
   family = fam.get_family(model_type)
   e, f = cfg.num_experts, cfg.expert_width
   router = params.get("router") if isinstance(params, Mapping) else None

@@ -102,10 +102,14 @@ def _shared(total: int, gate: bool, expert_width: int, default: tuple,
   return {"num_shared_experts": ks, "shared_expert_width": fs, "shared_expert_gate": gate}
 
 
+def check_moe_config(cfg: Any, name: str) -> None:
+  if cfg is not None and not isinstance(cfg, MoEConfig):
+    raise TypeError(f"{name} must be a MoEConfig, got {type(cfg).__name__}. Fix: build it "
+                    "with moejax.config.MoEConfig(...) or from_dict(MoEConfig, ...)")
+
+
 def compose(base: Optional[MoEConfig], moe: dict, router: dict) -> MoEConfig:
   """``base`` with every architecture field replaced (token-choice sparse SwiGLU)."""
-  if base is not None and not isinstance(base, MoEConfig):
-    raise TypeError(f"base_cfg must be a MoEConfig, got {type(base).__name__}")
   base = base or MoEConfig()
   router = {"kind": "topk", "n_families": 1, "top_k_families": 1, **router}
   if router.get("n_groups", 1) == 1:
@@ -292,6 +296,7 @@ def family_of(hf_config: Any) -> Family:
 
 def moe_config_from_hf(hf_config: Any, base_cfg: Optional[MoEConfig] = None) -> MoEConfig:
   """The MoEConfig of one MoE block of ``hf_config`` (see the module docstring)."""
+  check_moe_config(base_cfg, "base_cfg")
   return family_of(hf_config).moe_config(hf_config, base_cfg)
 
 
@@ -306,6 +311,7 @@ def hf_fields_from_moe(cfg: MoEConfig, model_type: str, d_model: int) -> dict:
   Raises InteropError naming every architecture field the family cannot
   express (the fields whose re-import would differ).
   """
+  check_moe_config(cfg, "cfg")
   family = get_family(model_type)
   fields = family.hf_fields(cfg, d_model)
   try:

@@ -119,8 +119,34 @@ class SafetensorsStore(TensorStore):
   def _load(self, key: str) -> np.ndarray:
     from safetensors import safe_open
 
-    with safe_open(str(self._file_of[key]), framework="np") as f:
-      return f.get_tensor(key)
+    file = str(self._file_of[key])
+    try:
+      with safe_open(file, framework="np") as f:
+        return f.get_tensor(key)
+    except AttributeError:
+      # safetensors' readers look float8 dtypes up on numpy itself, which
+      # lacks them (ml_dtypes has them): read those tensors' bytes directly.
+      return _read_raw(file, key)
+
+
+_RAW_DTYPES = {"F8_E4M3": "float8_e4m3fn", "F8_E5M2": "float8_e5m2", "BF16": "bfloat16"}
+
+
+def _read_raw(file: str, key: str) -> np.ndarray:
+  """One tensor read from the safetensors layout: u64 header size, JSON header, data."""
+  import ml_dtypes
+
+  with open(file, "rb") as f:
+    n = int.from_bytes(f.read(8), "little")
+    info = json.loads(f.read(n))[key]
+    if info["dtype"] not in _RAW_DTYPES:
+      raise InteropError(f"tensor {key!r} in {file!r} has dtype {info['dtype']}, which "
+                         "cannot be read. Fix: convert the checkpoint to float32/bfloat16")
+    begin, end = info["data_offsets"]
+    f.seek(8 + n + begin)
+    raw = f.read(end - begin)
+  dtype = np.dtype(getattr(ml_dtypes, _RAW_DTYPES[info["dtype"]]))
+  return np.frombuffer(raw, dtype).reshape(info["shape"]).copy()
 
 
 def _header_keys(path: pathlib.Path) -> Iterable[str]:
