@@ -1,0 +1,190 @@
+"""Child process of test_ep.py: the expert-parallel layer on 8 simulated CPU devices.
+
+Run as ``JAX_NUM_CPU_DEVICES=8 python tests/parallel/ep_child.py GROUP`` with
+GROUP one of ``routers``, ``dispatch``, ``topology``. Prints ``OK <group>``
+and exits 0 when every check holds; raises on the first mismatch.
+"""
+
+import os
+import pathlib
+import sys
+
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[2]))
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+
+from moejax import layer as L  # noqa: E402
+from moejax.balance import metrics as M  # noqa: E402
+from moejax.execution import comm as comm_lib  # noqa: E402
+from moejax.execution import mesh as mesh_lib  # noqa: E402
+from moejax.execution import parallel as EP  # noqa: E402
+from moejax.execution import placement as placement_lib  # noqa: E402
+from tests.parallel import ep_common as H  # noqa: E402
+
+N = 8
+
+
+def check_case(name, pcfg):
+  cfg = H.make_cfg(name)
+  mesh = mesh_lib.make_mesh(pcfg, cfg=cfg)
+  params, x, ids = H.inputs(cfg)
+  state = L.init_router_state(cfg)
+  if cfg.router.use_bias:  # a nonzero bias, so selection differs from the scores' order
+    state = state.replace(bias=jnp.linspace(-0.2, 0.2, cfg.num_routed))
+  train = cfg.balance.bias_update != "none"
+  y, st, aux, g = H.ep_fn(cfg, mesh, pcfg, train=train)(params, x, ids, state)
+  assert int(aux["comm"]["transport_dropped"]) == 0, name
+  if name in H.PER_GROUP:
+    y0, aux0, g0 = H.per_shard_fn(cfg, N)(params, x, ids, state)
+    H.close(y, y0, f"{name} y")
+    H.close_tree(g, g0, f"{name} grad")
+    nd0 = int(jnp.sum(aux0["num_dropped"]))
+    assert int(aux["num_dropped"]) == nd0, (name, int(aux["num_dropped"]), nd0)
+    valid0 = aux0["routing"].valid.reshape(aux["routing"].valid.shape)
+    np.testing.assert_array_equal(aux["routing"].valid, valid0, err_msg=name)
+    H.close(aux["load"], jnp.sum(aux0["load"], axis=0), f"{name} load")
+    H.close(aux["metrics"]["max_vio"], M.max_vio(jnp.sum(aux0["load"], axis=0)),
+            f"{name} max_vio")
+    if cfg.capacity_factor is not None:
+      assert nd0 > 0, f"{name}: capacity should drop here; the check is vacuous"
+    return
+  y0, st0, aux0, g0 = H.full_fn(cfg, train=train)(params, x, ids, state)
+  H.close(y, y0, f"{name} y")
+  H.close_tree(g, g0, f"{name} grad")
+  H.close_tree(st, st0, f"{name} router state")
+  H.close(aux["load"], aux0["load"], f"{name} load")
+  H.close_tree(aux["losses"] if cfg.balance.aux_loss_scope == "global" else
+               {k: v for k, v in aux["losses"].items() if k == "z_loss"},
+               aux0["losses"] if cfg.balance.aux_loss_scope == "global" else
+               {k: v for k, v in aux0["losses"].items() if k == "z_loss"}, f"{name} losses")
+  H.close_tree(aux["metrics"], aux0["metrics"], f"{name} metrics")
+  np.testing.assert_array_equal(aux["routing"].expert_ids, aux0["routing"].expert_ids)
+  if train:
+    assert not np.allclose(st.bias, state.bias), f"{name}: the controller did not move"
+
+
+def group_routers():
+  pcfg = mesh_lib.ParallelConfig(data=2, expert=4)
+  for name in sorted(H.CASES):
+    check_case(name, pcfg)
+    print("  ok", name, flush=True)
+
+
+def group_dispatch():
+  cfg = H.make_cfg("mixtral")
+  params, x, ids = H.inputs(cfg)
+  state = L.init_router_state(cfg)
+  y0, _, aux0, g0 = H.full_fn(cfg)(params, x, ids, state)
+  # Ragged (dropless, exact segments) through the emulated collective, expert axis of 8.
+  for pcfg in (mesh_lib.ParallelConfig(data=1, expert=8, dispatch="ragged"),
+               mesh_lib.ParallelConfig(data=2, expert=4, dispatch="ragged",
+                                       ragged_impl="emulated", gmm_backend="ragged_dot")):
+    mesh = mesh_lib.make_mesh(pcfg, cfg=cfg)
+    y, _, aux, g = H.ep_fn(cfg, mesh, pcfg)(params, x, ids, state)
+    H.close(y, y0, f"ragged {pcfg} y")
+    H.close_tree(g, g0, "ragged grad")
+    H.close(aux["load"], aux0["load"], "ragged load")
+    print("  ok ragged", pcfg.expert, pcfg.gmm_backend, flush=True)
+  try:
+    pcfg = mesh_lib.ParallelConfig(expert=8, dispatch="ragged", ragged_impl="native")
+    EP.ep_moe_layer(params, x, state, cfg, mesh_lib.make_mesh(pcfg), pcfg)
+    raise AssertionError("native ragged_all_to_all on CPU should be refused")
+  except EP.RaggedUnsupportedError as err:
+    assert "emulated" in str(err)
+  # FSDP: expert weights' d axis sharded over 'fsdp' and gathered in the layer.
+  pcfg = mesh_lib.ParallelConfig(data=1, fsdp=2, expert=4)
+  mesh = mesh_lib.make_mesh(pcfg, cfg=cfg)
+  y, _, _, g = H.ep_fn(cfg, mesh, pcfg)(mesh_lib.shard_params(params, mesh), x, ids, state)
+  H.close(y, y0, "fsdp y")
+  H.close_tree(g, g0, "fsdp grad")
+  # Ragged with capacity drops = capacity path (same groups, same drops).
+  cfg = H.make_cfg("switch_capacity")
+  params, x, ids = H.inputs(cfg)
+  outs = []
+  for dispatch in ("capacity", "ragged"):
+    pcfg = mesh_lib.ParallelConfig(data=2, expert=4, dispatch=dispatch)
+    outs.append(H.ep_fn(cfg, mesh_lib.make_mesh(pcfg), pcfg)(params, x, ids, state))
+  H.close(outs[0][0], outs[1][0], "ragged vs capacity y with drops")
+  assert int(outs[0][2]["num_dropped"]) == int(outs[1][2]["num_dropped"]) > 0
+  print("  ok fsdp, native refusal, ragged with capacity", flush=True)
+
+
+def _nodes_per_token(ids, valid, experts_per_node):
+  node = np.asarray(ids) // experts_per_node
+  return np.array([len(set(n[v].tolist())) for n, v in zip(node, np.asarray(valid))])
+
+
+def group_topology():
+  # Node-limited routing: E=16 on 8 devices, 2 devices per node (4 nodes), top-4.
+  base = dict(num_experts=16, expert_width=8, backend="reference",
+              router=dict(top_k=4, score_fn="sigmoid", use_bias=True))
+  cfg = H.C.from_dict(H.C.MoEConfig, base)
+  params, x, ids = H.inputs(cfg)
+  state = L.init_router_state(cfg)
+  comm, routing = {}, {}
+  for limit, m in (("none", 1), ("nodes", 2), ("devices", 3)):
+    pcfg = mesh_lib.ParallelConfig(data=1, expert=8, devices_per_node=2, route_limit=limit,
+                                   route_limit_count=m)
+    mesh = mesh_lib.make_mesh(pcfg, cfg=cfg)
+    y, _, aux, g = H.ep_fn(cfg, mesh, pcfg)(params, x, ids, state)
+    # The single-device layer with the mesh-derived config routes identically.
+    lcfg = mesh_lib.limited_moe_config(cfg, pcfg)
+    y0, _, aux0, g0 = H.full_fn(lcfg)(params, x, ids, state)
+    H.close(y, y0, f"{limit} y")
+    H.close_tree(g, g0, f"{limit} grad")
+    comm[limit], routing[limit] = aux["comm"], aux["routing"]
+    # Bytes against the host-side analytic count from the routing actually made.
+    r = aux["routing"]
+    dest = (np.asarray(r.expert_ids) // 2).reshape(1, 8, -1, 4)
+    want = comm_lib.analytic_bytes(dest, np.asarray(r.valid).reshape(dest.shape),
+                                   np.arange(8) // 2, H.DM * 4)
+    for key, value in want.items():
+      H.close(aux["comm"][key], value, f"{limit} comm {key}")
+  nodes = _nodes_per_token(routing["nodes"].expert_ids, routing["nodes"].valid, 4)
+  assert nodes.max() <= 2, nodes.max()
+  devs = _nodes_per_token(routing["devices"].expert_ids, routing["devices"].valid, 2)
+  assert devs.max() <= 3, devs.max()
+  free = _nodes_per_token(routing["none"].expert_ids, routing["none"].valid, 4)
+  assert free.max() > 2, "unlimited routing never used 3 nodes: the check is vacuous"
+  for key in ("min_node", "copies_cross_node"):  # the padded wire does not depend on routing
+    assert float(comm["nodes"][key]) < float(comm["none"][key]), (key, comm)
+  print("  ok node/device limits", {k: float(v["copies_cross_node"]) for k, v in comm.items()},
+        flush=True)
+
+  # Placement: a skewed load, replicas of the hot experts, outputs unchanged.
+  cfg = H.make_cfg("mixtral", balance={})
+  params, x, ids = H.inputs(cfg)
+  hot = jnp.zeros_like(params["router"]["w"]).at[:, :2].set(0.6)
+  params["router"]["w"] = params["router"]["w"] + hot * jnp.sign(jnp.sum(x, (0, 1)))[:, None]
+  state = L.init_router_state(cfg)
+  pcfg = mesh_lib.ParallelConfig(data=2, expert=4)
+  mesh = mesh_lib.make_mesh(pcfg, cfg=cfg)
+  y, _, aux, g = H.ep_fn(cfg, mesh, pcfg)(params, x, ids, state)
+  load = np.asarray(aux["load"])
+  plc = placement_lib.compute_placement(load, 4, slots_per_device=3)
+  assert plc.num_replicas.max() > 1, plc.num_replicas
+  y1, _, aux1, g1 = H.ep_fn(cfg, mesh, pcfg, placement=plc)(params, x, ids, state)
+  H.close(y1, y, "placement y")
+  H.close_tree(g1, g, "placement grad")
+  H.close(aux1["load"], aux["load"], "placement load")
+  before, after = float(aux["device_load"].max()), float(aux1["device_load"].max())
+  assert after < before, (before, after, aux["device_load"], aux1["device_load"])
+  assert float(aux1["device_load"].sum()) == float(aux["device_load"].sum())
+  print(f"  ok placement: max device load {before:.0f} -> {after:.0f}", flush=True)
+
+
+GROUPS = {"routers": group_routers, "dispatch": group_dispatch, "topology": group_topology}
+
+
+def main(argv):
+  assert len(jax.devices()) == N, f"need {N} devices, got {jax.devices()}"
+  for name in argv[1:] or list(GROUPS):
+    GROUPS[name]()
+    print("OK", name, flush=True)
+
+
+if __name__ == "__main__":
+  main(sys.argv)

@@ -1,0 +1,46 @@
+"""The expert-parallel layer on 8 simulated CPU devices equals the single-device layer.
+
+The device count must be set before JAX initialises, which this pytest process
+has already done with one device, so every group runs ep_child.py in a fresh
+subprocess with JAX_NUM_CPU_DEVICES=8:
+
+* ``routers``: every router kind (top-k softmax/sigmoid+bias+groups+shared,
+  Switch with capacity, score-priority capacity, expert choice, hash, top-p
+  with zero-computation experts, hierarchical, GELU with heterogeneous
+  widths): outputs, gradients, loads, metrics, losses, controller state and
+  drops against the single-device reference (whole batch, or per shard for
+  the per-group rules).
+* ``dispatch``: the ragged path (emulated collective) on expert axes of 8
+  and 4, its refusal of the native collective on CPU, FSDP, and ragged vs
+  capacity dispatch with drops.
+* ``topology``: node- and device-limited routing (bounds, fewer cross-node
+  bytes, equality with the single-device layer under the derived config,
+  byte counts against the host-side analytic count) and placement with
+  replicas (equal outputs and gradients, lower max device load).
+"""
+
+import os
+import pathlib
+import subprocess
+import sys
+
+import pytest
+
+CHILD = pathlib.Path(__file__).with_name("ep_child.py")
+
+
+def run_child(script, *args, devices=8, timeout=600):
+  env = dict(os.environ, JAX_NUM_CPU_DEVICES=str(devices), JAX_PLATFORMS="cpu",
+             # Compile time dominates these tiny programs; LLVM's -O0 halves it
+             # and the oracle and the layer under test compile alike.
+             XLA_FLAGS="--xla_backend_optimization_level=0")
+  proc = subprocess.run([sys.executable, str(script), *args], env=env, capture_output=True,
+                        text=True, timeout=timeout, cwd=CHILD.parents[2])
+  assert proc.returncode == 0, f"stdout:\n{proc.stdout}\nstderr:\n{proc.stderr[-6000:]}"
+  return proc.stdout
+
+
+@pytest.mark.parametrize("group", ["routers", "dispatch", "topology"])
+def test_expert_parallel_equals_single_device(group):
+  out = run_child(CHILD, group)
+  assert f"OK {group}" in out, out
