@@ -28,5 +28,11 @@ setup(
     ],
     extras_require={
         "test": ["pytest>=8.0", "pytest-xdist>=3.5", "hypothesis>=6.100"],
+        # Checkpoint interop (moejax.interop). torch pinned exactly: a CPU build
+        # of that version is what the machines here have; an unpinned torch
+        # pulls a multi-GB CUDA build. transformers >= 5.24 has the Mixtral,
+        # Qwen2-MoE, Qwen3-MoE and DeepSeek-V3 blocks the parity tests use.
+        "interop": ["torch==2.13.0", "transformers>=5.24,<6", "safetensors>=0.6",
+                    "matplotlib>=3.8"],
     },
 )
