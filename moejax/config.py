@@ -32,6 +32,7 @@ BIAS_UPDATES = ("none", "sign", "proportional")
 DROP_PRIORITIES = ("position", "score")
 ATTENTIONS = ("mha", "mla")
 MOE_LAYOUTS = ("all", "every_other", "first_dense")
+MOE_SCHEDULES = ("serial", "scmoe")
 
 
 class ConfigError(ValueError):
@@ -398,6 +399,12 @@ class ModelConfig:
     weight. ``mod_aux_loss_coef`` weights the paper's binary cross-entropy
     that teaches sigmoid(score) to predict top-k membership (the causal
     sampling fix; top-k over a sequence itself is not causal).
+  moe_schedule: ``serial`` (the MoE FFN reads its own block's
+    representation) or ``scmoe`` (Cai et al. 2404.05019, shortcut-connected:
+    each MoE block's routed experts read the previous block's normalized FFN
+    input, its shared experts the current one, so the routed all-to-all can
+    overlap the previous FFN and the current attention; see
+    moejax.nn.scmoe). Same parameters and FLOPs as ``serial``.
   """
 
   vocab_size: int = 256
@@ -426,6 +433,7 @@ class ModelConfig:
   mod_capacity: float = 0.125
   mod_gate: str = "sigmoid"
   mod_aux_loss_coef: float = 0.0
+  moe_schedule: str = "serial"
   moe: Optional[MoEConfig] = dataclasses.field(default_factory=MoEConfig)
 
   @property
@@ -483,6 +491,22 @@ class ModelConfig:
       raise ConfigError(f"{p}.first_dense_layers", self.first_dense_layers,
                         f"exceeds {p}.n_layers={self.n_layers}",
                         "use at most n_layers dense layers")
+    _check_choice(f"{p}.moe_schedule", self.moe_schedule, MOE_SCHEDULES)
+    if self.moe_schedule == "scmoe":
+      if self.moe is None or self.moe.kind != "sparse":
+        raise ConfigError(f"{p}.moe_schedule", self.moe_schedule,
+                          "ScMoE reschedules routed experts; it needs moe.kind='sparse'",
+                          f"set {p}.moe_schedule='serial' or configure a sparse moe")
+      if self.is_moe_layer(0):
+        raise ConfigError(f"{p}.moe_schedule", self.moe_schedule,
+                          f"layer 0 is an MoE layer (moe_layout={self.moe_layout!r}) and "
+                          "has no previous block to take the shortcut from",
+                          "use moe_layout='every_other' (ScMoE's dense/MoE pairs) or "
+                          "'first_dense' with first_dense_layers >= 1")
+      if self.mod_every:
+        raise ConfigError(f"{p}.mod_every", self.mod_every,
+                          "mixture-of-depths blocks skip tokens, so a block's shortcut "
+                          "would not cover every token", "set mod_every=0 with ScMoE")
 
 
 # ---------------------------------------------------------------------------

@@ -84,7 +84,11 @@ class Block(nnx.Module):
                                     dtype=dtype, rngs=rngs)
     self.ffn_norm = norm()
     self.is_moe = cfg.is_moe_layer(layer)
-    if self.is_moe:
+    self.scmoe = self.is_moe and cfg.moe_schedule == "scmoe"
+    if self.scmoe:
+      from moejax.nn.scmoe import ScMoEFFN  # shortcut-connected schedule (moejax.nn.scmoe)
+      self.ffn = ScMoEFFN(d, cfg.moe, dtype=dtype, rngs=rngs, shared_experts=shared_experts)
+    elif self.is_moe:
       self.ffn = MoEFFN(d, cfg.moe, dtype=dtype, rngs=rngs, shared_experts=shared_experts)
     else:
       self.ffn = DenseFFN(d, cfg.dense_ff_width, cfg.dense_activation, dtype=dtype,
@@ -92,14 +96,18 @@ class Block(nnx.Module):
 
   def __call__(self, x: jax.Array, positions: jax.Array, token_ids: jax.Array, *,
                train: bool = False, rng: Optional[jax.Array] = None,
-               axis_names: Sequence[str] = ()):
+               axis_names: Sequence[str] = (), shortcut: Optional[jax.Array] = None,
+               return_tap: bool = False):
+    """return_tap: also return h, the normalized FFN input (the next ScMoE block's shortcut)."""
     x = x + self.attn(self.attn_norm(x), positions)
     h = self.ffn_norm(x)
-    if self.is_moe:
+    if self.scmoe:
+      out, aux = self.ffn(h, shortcut, token_ids, train=train, rng=rng, axis_names=axis_names)
+    elif self.is_moe:
       out, aux = self.ffn(h, token_ids, train=train, rng=rng, axis_names=axis_names)
     else:
       out, aux = self.ffn(h), None
-    return x + out, aux
+    return (x + out, aux, h) if return_tap else (x + out, aux)
 
 
 class Transformer(nnx.Module):
@@ -155,6 +163,7 @@ class Transformer(nnx.Module):
     positions = jnp.broadcast_to(jnp.arange(s, dtype=jnp.int32), (b, s))
     x = self.embed(tokens)
     aux = {"loss": jnp.zeros((), jnp.float32), "moe": {}, "mod": {}}
+    tap = None  # ScMoE: the previous block's normalized FFN input
     for i, block in enumerate(self.blocks):
       key = None if rng is None else jax.random.fold_in(rng, i)
       kw = dict(train=train, rng=key, axis_names=axis_names)
@@ -162,6 +171,8 @@ class Transformer(nnx.Module):
         x, moe_aux, mod_aux = block(x, positions, tokens, **kw)
         aux["mod"][f"layer_{i}"] = mod_aux
         aux["loss"] = aux["loss"] + mod_aux["loss"]
+      elif self.cfg.moe_schedule == "scmoe":
+        x, moe_aux, tap = block(x, positions, tokens, shortcut=tap, return_tap=True, **kw)
       else:
         x, moe_aux = block(x, positions, tokens, **kw)
       if moe_aux is not None:
