@@ -325,9 +325,11 @@ def export_moe_block(params: Mapping, state: Optional[RouterState], cfg: MoEConf
     width = cfg.num_shared_experts * (cfg.shared_expert_width or f)
     s = p + family.shared_key + "."
     if width:
-      sd[s + "gate_proj.weight"] = _t(_param(params, ("shared", "w_gate"), (d, width), "[d, F]"), (1, 0))
-      sd[s + "up_proj.weight"] = _t(_param(params, ("shared", "w_up"), (d, width), "[d, F]"), (1, 0))
-      sd[s + "down_proj.weight"] = _t(_param(params, ("shared", "w_down"), (width, d), "[F, d]"), (1, 0))
+      for hf_name, name, shape in (("gate_proj", "w_gate", (d, width)),
+                                   ("up_proj", "w_up", (d, width)),
+                                   ("down_proj", "w_down", (width, d))):
+        arr = _param(params, ("shared", name), shape, "[d, F] / [F, d], F = K_s f_s")
+        sd[s + hf_name + ".weight"] = _t(arr, (1, 0))
     else:  # the HF module still exists, with zero width
       dt = w.dtype
       sd[s + "gate_proj.weight"] = np.zeros((0, d), dt)

@@ -101,7 +101,7 @@ def _random_layer(rng, cfg: MoEConfig, d: int):
     if cfg.shared_expert_gate:
       params["shared"]["w_shared_gate"] = rng.standard_normal((d, 1))
   params = jax.tree.map(lambda a: np.asarray(a, np.float32), params)
-  bias = rng.standard_normal(e).astype(np.float32) if cfg.router.use_bias else np.zeros(e, np.float32)
+  bias = (rng.standard_normal(e) if cfg.router.use_bias else np.zeros(e)).astype(np.float32)
   return params, RouterState(bias=bias, step=np.zeros((), np.int32))
 
 
