@@ -1,0 +1,215 @@
+"""Post-training measurements of one arm: routing, communication, latency, causal leakage.
+
+Legend: B batch, S sequence length, T = B*S tokens, K slots per token, E FFN
+experts, E_r routed columns (FFN + zero-computation), D domains, P
+expert-parallel devices.
+
+Everything here reads a finished run's checkpoints (never trains):
+
+- :func:`routing_pass`: over validation batches, per MoE layer, the load
+  f32[E_r], the (expert, domain) counts f32[E_r, D] and the co-activation
+  counts f32[E_r, E_r] (tokens that chose both experts); run on every kept
+  checkpoint it gives per-expert load over training.
+- :func:`a2a_bytes`: all-to-all bytes per token that expert parallelism over P
+  devices would move for the *realised* routing: tokens sharded over the
+  devices in order, experts placed contiguously (E/P per device), a copy sent
+  for each slot on a remote device (the per-copy all_to_all convention of
+  :mod:`moejax.execution.comm`), dispatch + combine, forward only.
+- :func:`moe_latency`: P50 / P99 wall time of one jitted MoE layer forward at
+  the run's token count. Measured on whatever CPU runs the suite: on a shared
+  machine the tails are noise as much as signal, so compare arms within one
+  suite run only.
+- :func:`causal_probe`: the loss at positions p computed from the prefix
+  x[:p+1] alone versus the teacher-forced loss at the same positions. For a
+  causal model they are equal; a router that selects over the whole chunk
+  (expert choice) can use future tokens in the teacher-forced pass, and the
+  relative gap measures that leak (Wang et al. 2408.15664, Sec. 5.2).
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Optional, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from moejax import data as data_lib
+from moejax.train import checkpoint as ckpt_lib
+from moejax.train import step as step_lib
+from moejax.train.config import ExperimentConfig
+from moejax.train.optim import make_optimizer
+
+
+def _state_tree(state) -> dict:
+  return {f: getattr(state, f) for f in
+          ("step", "params", "router_state", "other", "opt_state", "rng")}
+
+
+def checkpoint_steps(workdir: str) -> list[int]:
+  return sorted(ckpt_lib._checkpoint_steps(workdir))  # pylint: disable=protected-access
+
+
+def load_model(cfg: ExperimentConfig, workdir: str, step: Optional[int] = None):
+  """(nnx model, step) restored from the run's checkpoint (the latest by default)."""
+  tx = make_optimizer(cfg.train)
+  graphdef, abstract = step_lib.abstract_state(cfg, tx)
+  steps = checkpoint_steps(workdir)
+  if not steps:
+    raise FileNotFoundError(f"{workdir} has no checkpoint to analyse")
+  step = steps[-1] if step is None else step
+  ckpt = ckpt_lib.Checkpointer(workdir, cfg.train.keep_checkpoints, read_only=True)
+  try:
+    tree, _ = ckpt.restore(step, _state_tree(abstract))
+  finally:
+    ckpt.close()
+  return nnx.merge(graphdef, tree["params"], tree["router_state"], tree["other"]), step
+
+
+def val_batches(cfg: ExperimentConfig, num: int):
+  docs = data_lib.load_documents(cfg.data, cfg.data.eval_split)
+  it = data_lib.make_batch_iterator(docs, cfg.data.seq_len, cfg.data.batch_size,
+                                    seed=cfg.data.seed, train=False)
+  out = []
+  for i, batch in enumerate(it):
+    if i >= num:
+      break
+    out.append(batch)
+  return out, list(docs.domain_names)
+
+
+def _make_forward(model):
+  graphdef, state = nnx.split(model)
+
+  @jax.jit
+  def fwd(state, inputs):
+    m = nnx.merge(graphdef, state)
+    logits, aux = m(inputs, train=False)
+    routing = {name: (layer["expert_ids"], layer["valid"])
+               for name, layer in aux["moe"].items() if "expert_ids" in layer}
+    return logits, routing
+
+  return lambda inputs: fwd(state, inputs)
+
+
+def routing_pass(model, cfg: ExperimentConfig, batches, num_domains: int) -> dict:
+  """Per layer ``{"load": [E_r], "joint": [E_r][D], "coact": [E_r][E_r]}`` plus ``ids``.
+
+  ``ids`` keeps each layer's ``(expert_ids int[T, K], sent bool[T, K])`` of the
+  pass for the communication accounting (not serialised).
+  """
+  e_r = cfg.model.moe.num_routed
+  fwd = _make_forward(model)
+  out: dict = {}
+  ids_acc: dict = {}
+  for batch in batches:
+    _, routing = fwd(batch["inputs"])
+    mask = np.asarray(batch["mask"], bool)
+    labels = np.asarray(batch["labels"])
+    for name, (ids, valid) in routing.items():
+      ids, valid = np.asarray(ids), np.asarray(valid, bool) & mask[..., None]
+      hot = np.zeros(ids.shape[:2] + (e_r,), np.float64)                  # [B, S, E_r]
+      for k in range(ids.shape[-1]):
+        b_idx, s_idx = np.nonzero(valid[..., k])
+        np.add.at(hot, (b_idx, s_idx, ids[b_idx, s_idx, k]), 1.0)
+      flat = hot.reshape(-1, e_r)
+      lab = np.eye(num_domains)[labels.reshape(-1)] * mask.reshape(-1, 1)  # [T, D]
+      acc = out.setdefault(name, {"load": np.zeros(e_r), "joint": np.zeros((e_r, num_domains)),
+                                  "coact": np.zeros((e_r, e_r))})
+      acc["load"] += flat.sum(0)
+      acc["joint"] += flat.T @ lab
+      acc["coact"] += flat.T @ (flat > 0)
+      ids_acc.setdefault(name, []).append(
+          (ids.reshape(-1, ids.shape[-1]), (valid & (ids < cfg.model.moe.num_experts))
+           .reshape(-1, ids.shape[-1])))
+  for name, acc in out.items():
+    acc["ids"] = ids_acc[name]
+  return out
+
+
+def a2a_bytes(ids_per_batch, num_experts: int, devices: int, row_bytes: int) -> dict:
+  """All-to-all bytes per token (dispatch + combine) for P devices; see the module doc.
+
+  Args:
+    ids_per_batch: [(expert_ids int[T, K], sent bool[T, K])] of one layer.
+  Returns ``copies`` (what a per-copy all_to_all sends) and ``min_device``
+  (each token once per distinct remote device), bytes per token.
+  """
+  per_dev = num_experts // devices
+  copies = dedup = 0.0
+  tokens = 0
+  for ids, sent in ids_per_batch:
+    t = ids.shape[0]
+    src = (np.arange(t) * devices) // t                                 # [T]
+    dest = ids // per_dev                                                # [T, K]
+    remote = sent & (dest != src[:, None])
+    copies += remote.sum()
+    hot = np.zeros((t, devices), bool)
+    rows = np.nonzero(remote)
+    hot[rows[0], dest[rows]] = True
+    dedup += hot.sum()
+    tokens += t
+  scale = 2.0 * row_bytes / max(tokens, 1)
+  return {"copies": copies * scale, "min_device": dedup * scale}
+
+
+def ep_devices(num_experts: int, wanted: int) -> int:
+  """The largest P <= wanted dividing num_experts (experts must split evenly)."""
+  for p in range(min(wanted, num_experts), 0, -1):
+    if num_experts % p == 0:
+      return p
+  return 1
+
+
+def moe_latency(cfg: ExperimentConfig, reps: int = 30, warmup: int = 3) -> dict:
+  """P50 / P99 ms of one jitted MoE layer forward on T = batch x seq_len tokens."""
+  from moejax import layer as layer_lib  # pylint: disable=g-import-not-at-top
+  moe = cfg.model.moe
+  d = cfg.model.d_model
+  t = cfg.data.batch_size * cfg.data.seq_len
+  key = jax.random.key(0)
+  params = layer_lib.init_moe_params(key, d, moe)
+  state = layer_lib.init_router_state(moe)
+  x = jax.random.normal(jax.random.key(1), (cfg.data.batch_size, cfg.data.seq_len, d))
+  token_ids = jax.random.randint(jax.random.key(2), x.shape[:2], 0, cfg.model.vocab_size)
+  fwd = jax.jit(lambda p, s, x, ids: layer_lib.moe_layer(p, x, s, moe, token_ids=ids)[0])
+  for _ in range(warmup):
+    jax.block_until_ready(fwd(params, state, x, token_ids))
+  times = []
+  for _ in range(reps):
+    t0 = time.perf_counter()
+    jax.block_until_ready(fwd(params, state, x, token_ids))
+    times.append(1e3 * (time.perf_counter() - t0))
+  return {"moe_latency_p50_ms": float(np.percentile(times, 50)),
+          "moe_latency_p99_ms": float(np.percentile(times, 99)), "moe_latency_tokens": t}
+
+
+def causal_probe(model, batches, positions: Sequence[int]) -> dict:
+  """Teacher-forced vs prefix-only loss at ``positions``; see the module doc."""
+  graphdef, state = nnx.split(model)
+
+  @jax.jit
+  def logits_of(state, inputs):
+    return nnx.merge(graphdef, state)(inputs, train=False)[0]
+
+  def ce(logits, targets):
+    logp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
+    return -jnp.take_along_axis(logp, targets[..., None], axis=-1)[..., 0]
+
+  tf_sum = pre_sum = count = 0.0
+  for batch in batches:
+    inputs, targets = batch["inputs"], batch["targets"]
+    mask = np.asarray(batch["mask"], bool)
+    full = np.asarray(ce(logits_of(state, inputs), targets))            # [B, S]
+    for p in positions:
+      prefix = np.asarray(ce(logits_of(state, inputs[:, :p + 1]), targets[:, :p + 1]))[:, p]
+      m = mask[:, p]
+      tf_sum += float(full[:, p][m].sum())
+      pre_sum += float(prefix[m].sum())
+      count += float(m.sum())
+  tf, pre = tf_sum / max(count, 1), pre_sum / max(count, 1)
+  return {"probe_teacher_forced_loss": tf, "probe_prefix_loss": pre,
+          "probe_leak_gap": (pre - tf) / pre if pre else 0.0,
+          "probe_positions": list(positions), "probe_tokens": count}

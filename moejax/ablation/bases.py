@@ -1,0 +1,54 @@
+"""Base experiments shared by the shipped suites (configs/ablations/*.py).
+
+The survey suites and most reproductions use :func:`small_experiment`: a
+2-layer, d=64 decoder whose two FFN slots are MoE layers, byte-level on the
+embedded standard-library corpus, sequences of 64, batches of 16, 300 AdamW
+steps (307k training tokens). On 2 shared CPU cores one arm trains in about
+one to two minutes, so a 4-6 arm suite fits in 5-10 minutes. That is far from
+any published scale: the suites test directions and mechanisms, not numbers.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Optional
+
+from moejax.config import MoEConfig, from_dict, to_dict
+
+SMALL_MOE = dict(
+    num_experts=8, expert_width=128, activation="swiglu", backend="blocked",
+    router=dict(kind="topk", top_k=2, score_fn="softmax", gating="normalized"),
+    balance=dict(aux_loss_coef=1e-2, aux_loss_scope="batch", aux_loss_convention="topk"))
+
+
+def small_experiment(moe: Optional[dict] = None, steps: int = 300, **model) -> dict:
+  """The experiment tree of the small suite model (``moe`` replaces SMALL_MOE)."""
+  return dict(
+      model=dict(vocab_size=256, d_model=64, n_layers=2, n_heads=4, dense_ff_width=256,
+                 moe=SMALL_MOE if moe is None else moe, **model),
+      data=dict(name="python_stdlib", seq_len=64, batch_size=16, seed=0),
+      train=dict(steps=steps, learning_rate=3e-3, warmup_steps=20, min_lr_ratio=0.1,
+                 weight_decay=0.1, grad_clip=1.0, log_every=25, eval_every=steps // 3,
+                 eval_batches=10, checkpoint_every=steps // 3, keep_checkpoints=4,
+                 progress=True))
+
+
+def moe_config(tree: dict[str, Any]) -> MoEConfig:
+  return from_dict(MoEConfig, tree)
+
+
+def moe_dict(cfg: MoEConfig) -> dict:
+  """A MoEConfig as the nested dict an arm override takes (tuples as lists kept)."""
+  return to_dict(cfg)
+
+
+def replace_moe(tree: dict, **changes) -> dict:
+  """``tree`` (a MoE dict) with top-level fields changed, validated."""
+  return moe_dict(dataclasses.replace(moe_config(tree), **changes))
+
+
+def suite_config(**fields):
+  """The suite tree as an ``ml_collections.ConfigDict``, so ``--config.base.train.steps=50``
+  style overrides work from the command line."""
+  import ml_collections  # pylint: disable=g-import-not-at-top
+  return ml_collections.ConfigDict(fields)

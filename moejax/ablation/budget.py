@@ -1,0 +1,120 @@
+"""The budget of every arm and the check that refuses a suite whose arms are not comparable.
+
+Per arm (from :func:`moejax.topology.accounting.budget` at the run's
+``data.seq_len``, so attention FLOPs are those of the trained sequences):
+
+- ``total``: trainable parameters; ``active``: expected parameters per token
+  (matmul convention: LM head in, input embedding out; top-p counts its
+  maximum k, see the accounting module); ``flops_per_token``: forward FLOPs;
+- ``tokens``: training target positions, steps x batch x seq_len;
+- ``optimizer``: a canonical string of every optimisation setting (peak LR,
+  schedule, AdamW moments, weight decay, clipping, steps), compared exactly.
+
+:func:`check` compares the arms on the quantities a suite holds fixed: the
+relative spread (max - min) / max of a number must be <= its tolerance, the
+optimizer strings must be equal, and the data config must always be equal
+(same corpus, same order). A violation raises :class:`BudgetError` naming the
+quantity, the arms at both ends and the tolerance.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Mapping, Sequence
+
+from moejax.topology.accounting import budget as model_budget
+from moejax.topology.accounting import human
+from moejax.train.config import ExperimentConfig
+
+NUMERIC = ("total", "active", "flops_per_token", "tokens")
+
+
+class BudgetError(ValueError):
+  """The arms differ beyond the suite's tolerance on what it holds fixed."""
+
+
+@dataclasses.dataclass(frozen=True)
+class ArmBudget:
+  total: int
+  active: float
+  active_max: float
+  flops_per_token: float
+  tokens: int
+  optimizer: str
+
+  def as_dict(self) -> dict:
+    return dataclasses.asdict(self)
+
+
+def optimizer_string(exp: ExperimentConfig) -> str:
+  t = exp.train
+  return (f"adamw lr={t.learning_rate:g} warmup={t.warmup_steps} cosine->x{t.min_lr_ratio:g} "
+          f"b1={t.b1:g} b2={t.b2:g} eps={t.eps:g} wd={t.weight_decay:g} clip={t.grad_clip:g} "
+          f"steps={t.steps}")
+
+
+def arm_budget(exp: ExperimentConfig) -> ArmBudget:
+  b = model_budget(exp.model, exp.data.seq_len)
+  tokens = exp.train.steps * exp.data.batch_size * exp.data.seq_len
+  return ArmBudget(total=int(b.total), active=float(b.active), active_max=float(b.active_max),
+                   flops_per_token=float(b.flops_per_token), tokens=int(tokens),
+                   optimizer=optimizer_string(exp))
+
+
+def spread(values: Sequence[float]) -> float:
+  """(max - min) / max, 0 for all-zero values."""
+  hi, lo = max(values), min(values)
+  return 0.0 if hi == 0 else (hi - lo) / abs(hi)
+
+
+def check(budgets: Mapping[str, ArmBudget], fixed: Mapping[str, float],
+          experiments: Mapping[str, ExperimentConfig] | None = None) -> list[str]:
+  """Raises BudgetError listing every violation; returns the lines of what was checked."""
+  errors, notes = [], []
+  names = list(budgets)
+  for q, tol in fixed.items():
+    if q == "optimizer":
+      distinct = {budgets[n].optimizer for n in names}
+      if len(distinct) > 1:
+        errors.append("optimizer settings differ: " + "; ".join(
+            f"{n}: {budgets[n].optimizer}" for n in names))
+      else:
+        notes.append("optimizer: identical")
+      continue
+    vals = {n: float(getattr(budgets[n], q)) for n in names}
+    s = spread(list(vals.values()))
+    lo = min(vals, key=vals.get)
+    hi = max(vals, key=vals.get)
+    line = (f"{q}: spread {100 * s:.2f}% (tolerance {100 * tol:.2f}%; min {lo} "
+            f"{human(vals[lo])}, max {hi} {human(vals[hi])})")
+    (errors if s > tol + 1e-12 else notes).append(line)
+  if experiments is not None:
+    datas = {n: experiments[n].data for n in names}
+    first = names[0]
+    for n in names[1:]:
+      if datas[n] != datas[first]:
+        errors.append(f"data differs between arms {first} and {n} (the data order must be "
+                      "the same in every arm): set data.* in the base only")
+    notes.append("data: identical (same corpus and order)")
+  if errors:
+    raise BudgetError(
+        "the arms are not at an equal budget; nothing was trained:\n  " + "\n  ".join(errors) +
+        "\nFix: change the arms so that they match on what the suite holds fixed, or (if the "
+        "difference is the point) widen suite.fixed.<quantity> / drop it and say why in the "
+        "suite's description")
+  return notes
+
+
+def table(budgets: Mapping[str, ArmBudget], fixed: Mapping[str, float] = ()) -> str:
+  """The budget table as aligned text; fixed quantities are marked with '*'."""
+  mark = lambda q: q + ("*" if q in fixed else "")
+  head = ["arm", mark("total"), mark("active"), "active_max", mark("flops_per_token"),
+          mark("tokens"), mark("optimizer")]
+  rows = [head] + [[n, human(b.total), human(b.active), human(b.active_max),
+                    human(b.flops_per_token), human(b.tokens), b.optimizer]
+                   for n, b in budgets.items()]
+  widths = [max(len(r[i]) for r in rows) for i in range(len(head))]
+  lines = ["  ".join(c.ljust(w) if i in (0, len(head) - 1) else c.rjust(w)
+                     for i, (c, w) in enumerate(zip(r, widths))) for r in rows]
+  lines.insert(1, "-" * len(lines[0]))
+  return "\n".join(lines)

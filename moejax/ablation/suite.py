@@ -1,0 +1,164 @@
+"""An equal-budget ablation suite: a base experiment, arms, what is held fixed, seeds.
+
+A suite file (``configs/ablations/<name>.py``) has a ``get_config()`` that
+returns an ``ml_collections.ConfigDict`` (or a plain dict) with:
+
+- ``name``: the suite's name; ``description``: what it studies and its size;
+- ``base``: a complete experiment tree (``{model, data, train}``, as the
+  ``configs/*.py`` files return);
+- ``arms``: ``{arm_name: overrides}``, each a nested dict merged into
+  ``base`` (a key absent from the base is an error: arms can only change
+  existing fields, so a typo is caught);
+- ``fixed``: ``{quantity: relative tolerance}`` the arms must agree on, with
+  quantity in :data:`QUANTITIES` (``optimizer`` and ``tokens`` take 0: exact);
+- ``seeds``: ``train.seed`` values, every arm trained once per seed with the
+  same data order (``data.seed`` stays the base's);
+- ``analysis``: optional extra measurements (``causal_probe``,
+  ``comm_devices``: expert-parallel devices for the all-to-all accounting).
+
+:func:`load_suite` turns it into a validated, frozen :class:`Suite` whose
+arms are full :class:`~moejax.train.config.ExperimentConfig` objects.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import importlib.util
+import os
+from typing import Any, Mapping
+
+from moejax.config import ConfigError
+from moejax.train.config import ExperimentConfig, experiment_from_dict
+
+QUANTITIES = ("total", "active", "flops_per_token", "tokens", "optimizer")
+SUITE_KEYS = ("name", "description", "base", "arms", "fixed", "seeds", "analysis")
+ANALYSIS_KEYS = ("causal_probe", "comm_devices", "latency", "routing_batches")
+
+
+@dataclasses.dataclass(frozen=True)
+class Arm:
+  """One arm: its name, the overrides it applies and the resulting experiment."""
+
+  name: str
+  overrides: Mapping[str, Any]
+  experiment: ExperimentConfig
+
+
+@dataclasses.dataclass(frozen=True)
+class Suite:
+  """A validated suite (see the module docstring for the fields)."""
+
+  name: str
+  description: str
+  arms: tuple
+  fixed: Mapping[str, float]
+  seeds: tuple
+  analysis: Mapping[str, Any]
+
+  def arm(self, name: str) -> Arm:
+    for a in self.arms:
+      if a.name == name:
+        return a
+    raise KeyError(f"suite {self.name} has no arm {name!r}; arms: {[a.name for a in self.arms]}")
+
+  def runs(self):
+    """(arm, seed, relative run dir) for every run, in training order."""
+    for a in self.arms:
+      for s in self.seeds:
+        yield a, s, run_dir(a.name, s, len(self.seeds))
+
+
+def run_dir(arm: str, seed: int, num_seeds: int) -> str:
+  """``<arm>`` for a one-seed suite, ``<arm>/seed_<s>`` otherwise."""
+  return arm if num_seeds == 1 else os.path.join(arm, f"seed_{seed}")
+
+
+def merge(base: Mapping[str, Any], overrides: Mapping[str, Any], path: str = "") -> dict:
+  """``base`` with ``overrides`` merged in; an override key absent from the base is an error.
+
+  A sub-config that is None in the base (a dense model's ``moe``) may be
+  replaced by a whole dict.
+  """
+  out = copy.deepcopy(dict(base))
+  for key, value in overrides.items():
+    where = f"{path}.{key}" if path else key
+    if key not in out:
+      raise ConfigError(where, value, "is not a field of the base experiment",
+                        f"check the spelling; fields here: {sorted(out)}")
+    if isinstance(value, Mapping) and isinstance(out[key], Mapping):
+      out[key] = merge(out[key], value, where)
+    else:
+      out[key] = copy.deepcopy(value)
+  return out
+
+
+def _plain(tree: Any) -> Any:
+  if hasattr(tree, "to_dict"):
+    tree = tree.to_dict()
+  if isinstance(tree, Mapping):
+    return {k: _plain(v) for k, v in tree.items()}
+  return tree
+
+
+def suite_from_dict(tree: Mapping[str, Any] | Any) -> Suite:
+  """A :class:`Suite` from a suite tree; every problem is a ConfigError before any compute."""
+  tree = _plain(tree)
+  for key in tree:
+    if key not in SUITE_KEYS:
+      raise ConfigError(f"suite.{key}", tree[key], "is not a suite field",
+                        f"use one of {', '.join(SUITE_KEYS)}")
+  for key in ("name", "base", "arms"):
+    if key not in tree:
+      raise ConfigError(f"suite.{key}", None, "is missing", f"add {key} to get_config()")
+  name = tree["name"]
+  arms_tree = tree["arms"]
+  if not isinstance(arms_tree, Mapping) or len(arms_tree) < 2:
+    raise ConfigError("suite.arms", arms_tree, "needs at least two arms",
+                      "add arms as {name: overrides}")
+  fixed = dict(tree.get("fixed") or {})
+  for q, tol in fixed.items():
+    if q not in QUANTITIES:
+      raise ConfigError(f"suite.fixed.{q}", tol, "is not a budget quantity",
+                        f"use one of {', '.join(QUANTITIES)}")
+    if not isinstance(tol, (int, float)) or tol < 0:
+      raise ConfigError(f"suite.fixed.{q}", tol, "must be a relative tolerance >= 0",
+                        "use e.g. 0.02 for 2%")
+  seeds = tuple(tree.get("seeds") or (0,))
+  if not all(isinstance(s, int) and s >= 0 for s in seeds) or len(set(seeds)) != len(seeds):
+    raise ConfigError("suite.seeds", seeds, "must be distinct ints >= 0", "e.g. seeds=(0, 1)")
+  analysis = dict(tree.get("analysis") or {})
+  for key in analysis:
+    if key not in ANALYSIS_KEYS:
+      raise ConfigError(f"suite.analysis.{key}", analysis[key], "is not an analysis option",
+                        f"use one of {', '.join(ANALYSIS_KEYS)}")
+  arms = []
+  for arm_name, overrides in arms_tree.items():
+    if not arm_name or "/" in arm_name or arm_name.startswith("."):
+      raise ConfigError("suite.arms", arm_name, "is not a usable directory name",
+                        "use letters, digits, '_' or '-'")
+    overrides = dict(overrides or {})
+    exp_tree = merge(tree["base"], overrides, f"suite.arms.{arm_name}")
+    try:
+      exp = experiment_from_dict(exp_tree)
+    except ConfigError as e:
+      raise ConfigError(f"suite.arms.{arm_name}", "", f"builds an invalid experiment: {e}",
+                        "fix the arm's overrides") from e
+    arms.append(Arm(arm_name, overrides, exp))
+  return Suite(name=name, description=tree.get("description", ""), arms=tuple(arms),
+               fixed=fixed, seeds=seeds, analysis=analysis)
+
+
+def load_suite_file(path: str):
+  """The ``get_config()`` tree of a suite file (not yet validated)."""
+  if not os.path.exists(path):
+    raise ConfigError("--config", path, "does not exist",
+                      "pass a file such as configs/ablations/quick.py")
+  spec = importlib.util.spec_from_file_location(f"_suite_{os.path.basename(path)[:-3]}", path)
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  return module.get_config()
+
+
+def load_suite(path: str) -> Suite:
+  return suite_from_dict(load_suite_file(path))
