@@ -251,10 +251,14 @@ class Family:
   bias_key: Optional[str] = None
 
   def prefixes(self, layer: int) -> tuple[str, ...]:
-    """Candidate key prefixes of layer ``layer``'s block, in-memory layout first."""
-    out = [self.module_prefix.format(layer=layer)]
-    ckpt = self.checkpoint_prefix.format(layer=layer)
-    return tuple(out + ([ckpt] if ckpt != out[0] else []))
+    """Candidate key prefixes of layer ``layer``'s block, in-memory layout first.
+
+    Each also without its leading ``model.``: a base model's (not the causal
+    LM's) state dict starts at ``layers.``.
+    """
+    full = [t.format(layer=layer) for t in (self.module_prefix, self.checkpoint_prefix)]
+    out = full + [p.removeprefix("model.") for p in full]
+    return tuple(dict.fromkeys(out))
 
 
 FAMILIES: dict[str, Family] = {}

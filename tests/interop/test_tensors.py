@@ -49,6 +49,11 @@ def test_single_file_and_exact_mapping(tmp_path):
                                   sd[block.prefix + "experts.1.w2.weight"].T)
   # A directory without hf_config reads its config.json.
   assert import_moe_block(tmp_path, layer=0).cfg.num_experts == E
+  # A base model's state dict (no leading 'model.') is found by layer too.
+  base = {k.removeprefix("model."): v for k, v in sd.items()}
+  got = import_moe_block(base, MIXTRAL, layer=0)
+  assert got.prefix == "layers.0.block_sparse_moe."
+  np.testing.assert_array_equal(got.params["experts"]["w_up"], block.params["experts"]["w_up"])
 
 
 def test_sharded_checkpoint_reads_only_through_the_index(tmp_path):
