@@ -35,7 +35,8 @@ from jax import lax
 
 from moejax.execution import tiling
 
-DEFAULT_TILE_M = 128
+DEFAULT_TILE_M = 256
+DEFAULT_TILE_SMALL = 64
 
 
 def _gather(a, idx):
@@ -56,28 +57,47 @@ def _act_fwd(activation, a, b):
 
 
 class _Tiles:
-  """Per-expert row tiles of the dropless layout."""
+  """Per-expert row tiles of the dropless layout, in two sizes.
 
-  def __init__(self, src_token, group_sizes, num_tokens, tm):
+  An expert's rows are covered by full tiles of ``tm`` rows, then its
+  remainder by tiles of ``ts`` rows, so the padding waste is < ts rows per
+  expert while the bulk runs at the efficiency of tm-row matmuls.
+  """
+
+  def __init__(self, src_token, group_sizes, num_tokens, tm, ts):
     self.m = src_token.shape[0]
-    self.tm = tm
+    self.tm, self.ts = tm, ts
     self.src_token = src_token
     self.num_tokens = num_tokens
     self.starts, self.ends = tiling.group_bounds(group_sizes)
-    self.counts = (group_sizes + tm - 1) // tm
-    self.offsets = jnp.arange(tm, dtype=jnp.int32)
+    self.big = group_sizes // tm
+    self.small = (group_sizes - self.big * tm + ts - 1) // ts
 
-  def tile(self, g, j):
+  def _tile(self, g, lo, size):
     """(first row, row mask, token per row with T where masked)."""
-    lo = self.starts[g] + j * self.tm
     # The operand's last tile is clamped inside it and re-reads rows of the
     # previous tile: own only [lo, end) so nothing is counted twice.
-    r0 = jnp.minimum(lo, self.m - self.tm)
-    rows = r0 + self.offsets
+    r0 = jnp.minimum(lo, self.m - size)
+    rows = r0 + jnp.arange(size, dtype=jnp.int32)
     keep = (rows >= lo) & (rows < self.ends[g])
-    tok = jnp.where(keep, lax.dynamic_slice(self.src_token, (r0,), (self.tm,)),
+    tok = jnp.where(keep, lax.dynamic_slice(self.src_token, (r0,), (size,)),
                     self.num_tokens)
     return r0, keep, tok
+
+  def loop(self, g, body, carry):
+    """carry = body(size, r0, keep, tok, carry) over expert g's tiles."""
+    start = self.starts[g]
+
+    def big(j, c):
+      return body(self.tm, *self._tile(g, start + j * self.tm, self.tm), c)
+
+    carry = lax.fori_loop(0, self.big[g], big, carry)
+    rest = start + self.big[g] * self.tm
+
+    def small(j, c):
+      return body(self.ts, *self._tile(g, rest + j * self.ts, self.ts), c)
+
+    return lax.fori_loop(0, self.small[g], small, carry)
 
 
 def _merge_rows(buf, r0, keep, val):
@@ -86,119 +106,126 @@ def _merge_rows(buf, r0, keep, val):
                                   (r0, 0))
 
 
-def _forward(activation, tm, params, x, w_rows, src_token, group_sizes):
+def _first_layer(params, g, gated):
+  """[d, F1] input weights of expert g: [w_gate | w_up] (F1 = 2f) or w_up.
+
+  One [tm, d] x [d, 2f] matmul instead of two [d, f] ones: at fine expert
+  widths (f = 256) the wider product runs measurably closer to peak on CPU.
+  """
+  wu = lax.dynamic_index_in_dim(params["w_up"], g, keepdims=False)
+  if not gated:
+    return wu
+  wg = lax.dynamic_index_in_dim(params["w_gate"], g, keepdims=False)
+  return jnp.concatenate([wg, wu], axis=1)
+
+
+def _forward(activation, tm, ts, params, x, w_rows, src_token, group_sizes):
   t, d = x.shape
   m = src_token.shape[0]
   f = params["w_up"].shape[2]
-  tiles = _Tiles(src_token, group_sizes, t, tm)
   gated = activation == "swiglu"
-  zeros_mf = jnp.zeros((m, f), x.dtype)
+  tiles = _Tiles(src_token, group_sizes, t, tm, ts)
 
   def group(g, carry):
-    wu = lax.dynamic_index_in_dim(params["w_up"], g, keepdims=False)
+    w1 = _first_layer(params, g, gated)
     wd = lax.dynamic_index_in_dim(params["w_down"], g, keepdims=False)
-    wg = lax.dynamic_index_in_dim(params["w_gate"], g, keepdims=False) if gated else None
 
-    def tile(j, carry):
-      y, sa, sb = carry
-      r0, keep, tok = tiles.tile(g, j)
+    def tile(size, r0, keep, tok, carry):
+      y, pre = carry
       xt = _gather(x, tok)
-      a = _dot(xt, wg if gated else wu, _NN)
-      b = _dot(xt, wu, _NN) if gated else a
-      h = _act_fwd(activation, a, b).astype(x.dtype)
+      ab = _dot(xt, w1, _NN)  # pre-activations [a | b]
+      h = (_act_fwd(activation, ab[:, :f], ab[:, f:]) if gated
+           else _act_fwd(activation, ab, None)).astype(x.dtype)
       yt = _dot(h, wd, _NN)
-      wt = jnp.where(keep, lax.dynamic_slice(w_rows, (r0,), (tm,)), 0)
+      wt = jnp.where(keep, lax.dynamic_slice(w_rows, (r0,), (size,)), 0)
       y = y.at[tok].add(yt * wt[:, None], mode="drop")
-      sa = _merge_rows(sa, r0, keep, a)
-      if gated:
-        sb = _merge_rows(sb, r0, keep, b)
-      return y, sa, sb
+      return y, _merge_rows(pre, r0, keep, ab)
 
-    return lax.fori_loop(0, tiles.counts[g], tile, carry)
+    return tiles.loop(g, tile, carry)
 
-  init = (jnp.zeros((t, d), jnp.float32), zeros_mf, zeros_mf if gated else zeros_mf[:, :0])
-  y, sa, sb = lax.fori_loop(0, group_sizes.shape[0], group, init)
-  return y.astype(x.dtype), (sa, sb)
+  init = (jnp.zeros((t, d), jnp.float32), jnp.zeros((m, 2 * f if gated else f), x.dtype))
+  y, pre = lax.fori_loop(0, group_sizes.shape[0], group, init)
+  return y.astype(x.dtype), pre
 
 
-def _backward(activation, tm, params, x, w_rows, src_token, group_sizes, sa, sb, dy):
+def _backward(activation, tm, ts, params, x, w_rows, src_token, group_sizes, pre, dy):
   t, d = x.shape
   m = src_token.shape[0]
-  tiles = _Tiles(src_token, group_sizes, t, tm)
+  f = params["w_up"].shape[2]
   gated = activation == "swiglu"
+  tiles = _Tiles(src_token, group_sizes, t, tm, ts)
   dy = dy.astype(x.dtype)
+  f1 = pre.shape[1]
 
   def group(g, carry):
-    dx, dw_rows, grads = carry
-    wu = lax.dynamic_index_in_dim(params["w_up"], g, keepdims=False)
+    dx, dw_rows, g1, gd = carry
+    w1 = _first_layer(params, g, gated)
     wd = lax.dynamic_index_in_dim(params["w_down"], g, keepdims=False)
-    wg = lax.dynamic_index_in_dim(params["w_gate"], g, keepdims=False) if gated else None
-    acc0 = {k: jnp.zeros(v.shape[1:], jnp.float32) for k, v in params.items()}
 
-    def tile(j, inner):
-      dx, dw_rows, acc = inner
-      r0, keep, tok = tiles.tile(g, j)
+    def tile(size, r0, keep, tok, inner):
+      dx, dw_rows, acc1, accd = inner
       xt = _gather(x, tok)
       dyt = _gather(dy, tok)
-      wt = jnp.where(keep, lax.dynamic_slice(w_rows, (r0,), (tm,)), 0)
-      a = lax.dynamic_slice(sa, (r0, 0), (tm, sa.shape[1])).astype(jnp.float32)
+      wt = jnp.where(keep, lax.dynamic_slice(w_rows, (r0,), (size,)), 0)
+      ab = lax.dynamic_slice(pre, (r0, 0), (size, f1)).astype(jnp.float32)
       dh_u = _dot(dyt, wd, _NT)  # [tm, f] = dy Wd^T, before the gate weight
       if gated:
-        b = lax.dynamic_slice(sb, (r0, 0), (tm, sb.shape[1])).astype(jnp.float32)
+        a, b = ab[:, :f], ab[:, f:]
         sig = jax.nn.sigmoid(a)
         silu = a * sig
         h = silu * b
       else:
-        h, gelu_vjp = jax.vjp(jax.nn.gelu, a)
+        h, gelu_vjp = jax.vjp(jax.nn.gelu, ab)
       # <y_t, dy> = <h Wd, dy> = <h, dy Wd^T>: the gate-weight gradient
       # without recomputing y_t.
       dw_t = jnp.where(keep, jnp.sum(h * dh_u, axis=1), 0)
       dw_rows = lax.dynamic_update_slice(
-          dw_rows, jnp.where(keep, dw_t, lax.dynamic_slice(dw_rows, (r0,), (tm,))), (r0,))
+          dw_rows, jnp.where(keep, dw_t, lax.dynamic_slice(dw_rows, (r0,), (size,))), (r0,))
       dh = dh_u * wt[:, None]
-      hx = h.astype(x.dtype)
-      acc = dict(acc)
-      acc["w_down"] = acc["w_down"] + _dot(hx, (dyt * wt[:, None]).astype(x.dtype), _TN)
+      accd = accd + _dot(h.astype(x.dtype), (dyt * wt[:, None]).astype(x.dtype), _TN)
       if gated:
-        da = (dh * b * sig * (1 + a * (1 - sig))).astype(x.dtype)
-        db = (dh * silu).astype(x.dtype)
-        acc["w_gate"] = acc["w_gate"] + _dot(xt, da, _TN)
-        acc["w_up"] = acc["w_up"] + _dot(xt, db, _TN)
-        dxt = _dot(da, wg, _NT) + _dot(db, wu, _NT)
+        dab = jnp.concatenate([dh * b * sig * (1 + a * (1 - sig)), dh * silu], axis=1)
       else:
-        da = gelu_vjp(dh)[0].astype(x.dtype)
-        acc["w_up"] = acc["w_up"] + _dot(xt, da, _TN)
-        dxt = _dot(da, wu, _NT)
-      dx = dx.at[tok].add(dxt, mode="drop")
-      return dx, dw_rows, acc
+        dab = gelu_vjp(dh)[0]
+      dab = dab.astype(x.dtype)
+      acc1 = acc1 + _dot(xt, dab, _TN)
+      dx = dx.at[tok].add(_dot(dab, w1, _NT), mode="drop")
+      return dx, dw_rows, acc1, accd
 
-    dx, dw_rows, acc = lax.fori_loop(0, tiles.counts[g], tile, (dx, dw_rows, acc0))
-    grads = {k: lax.dynamic_update_index_in_dim(grads[k], acc[k].astype(grads[k].dtype), g, 0)
-             for k in grads}
-    return dx, dw_rows, grads
+    acc0 = (jnp.zeros((d, f1), jnp.float32), jnp.zeros((f, d), jnp.float32))
+    dx, dw_rows, acc1, accd = tiles.loop(g, tile, (dx, dw_rows) + acc0)
+    g1 = lax.dynamic_update_index_in_dim(g1, acc1.astype(g1.dtype), g, 0)
+    gd = lax.dynamic_update_index_in_dim(gd, accd.astype(gd.dtype), g, 0)
+    return dx, dw_rows, g1, gd
 
+  e = group_sizes.shape[0]
   init = (jnp.zeros((t, d), jnp.float32), jnp.zeros((m,), jnp.float32),
-          {k: jnp.zeros_like(v) for k, v in params.items()})
-  dx, dw_rows, grads = lax.fori_loop(0, group_sizes.shape[0], group, init)
+          jnp.zeros((e, d, f1), params["w_up"].dtype), jnp.zeros_like(params["w_down"]))
+  dx, dw_rows, g1, gd = lax.fori_loop(0, e, group, init)
+  grads = {"w_down": gd}
+  if gated:
+    grads["w_gate"], grads["w_up"] = g1[:, :, :f], g1[:, :, f:]
+  else:
+    grads["w_up"] = g1
   return grads, dx.astype(x.dtype), dw_rows
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
-def _ffn(activation, tm, params, x, weights, src_token, src_slot, dst, group_sizes):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2))
+def _ffn(activation, tm, ts, params, x, weights, src_token, src_slot, dst, group_sizes):
   w_rows = jnp.take(weights.reshape(-1), src_slot, mode="fill", fill_value=0)
-  return _forward(activation, tm, params, x, w_rows, src_token, group_sizes)[0]
+  return _forward(activation, tm, ts, params, x, w_rows, src_token, group_sizes)[0]
 
 
-def _ffn_fwd(activation, tm, params, x, weights, src_token, src_slot, dst, group_sizes):
+def _ffn_fwd(activation, tm, ts, params, x, weights, src_token, src_slot, dst, group_sizes):
   w_rows = jnp.take(weights.reshape(-1), src_slot, mode="fill", fill_value=0)
-  y, (sa, sb) = _forward(activation, tm, params, x, w_rows, src_token, group_sizes)
-  return y, (params, x, weights, w_rows, src_token, src_slot, dst, group_sizes, sa, sb)
+  y, pre = _forward(activation, tm, ts, params, x, w_rows, src_token, group_sizes)
+  return y, (params, x, weights, w_rows, src_token, src_slot, dst, group_sizes, pre)
 
 
-def _ffn_bwd(activation, tm, res, dy):
-  params, x, weights, w_rows, src_token, src_slot, dst, group_sizes, sa, sb = res
-  grads, dx, dw_rows = _backward(activation, tm, params, x, w_rows, src_token,
-                                 group_sizes, sa, sb, dy)
+def _ffn_bwd(activation, tm, ts, res, dy):
+  params, x, weights, w_rows, src_token, src_slot, dst, group_sizes, pre = res
+  grads, dx, dw_rows = _backward(activation, tm, ts, params, x, w_rows, src_token,
+                                 group_sizes, pre, dy)
   # Slot (t, k) reads the weight gradient of its row: a gather by dst.
   d_weights = jnp.take(dw_rows, dst.reshape(-1), mode="fill", fill_value=0)
   return (grads, dx, d_weights.reshape(weights.shape).astype(weights.dtype),
@@ -209,7 +236,8 @@ _ffn.defvjp(_ffn_fwd, _ffn_bwd)
 
 
 def blocked_ffn(params, x, weights, plan, *, activation: str,
-                tile_m: int = DEFAULT_TILE_M) -> jax.Array:
+                tile_m: int = DEFAULT_TILE_M,
+                tile_small: int = DEFAULT_TILE_SMALL) -> jax.Array:
   """y[T, d] = sum_k weights[t, k] FFN_{expert}(x[t]) over dispatched slots.
 
   ``plan`` is a dropless :class:`moejax.execution.permute.Dispatch`;
@@ -218,7 +246,8 @@ def blocked_ffn(params, x, weights, plan, *, activation: str,
   """
   m = plan.num_rows
   tm = max(1, min(int(tile_m), m))
+  ts = max(1, min(int(tile_small), tm))
   keys = ("w_gate", "w_up", "w_down") if activation == "swiglu" else ("w_up", "w_down")
   params = {k: params[k] for k in keys}
-  return _ffn(activation, tm, params, x, weights, plan.src_token, plan.src_slot,
+  return _ffn(activation, tm, ts, params, x, weights, plan.src_token, plan.src_slot,
               plan.dst, plan.group_sizes)
