@@ -109,8 +109,10 @@ class Checkpointer:
     options = ocp.CheckpointManagerOptions(max_to_keep=keep, create=not read_only,
                                            read_only=read_only,
                                            cleanup_tmp_directories=not read_only)
+    # Handlers named up front so that metadata can be read before any restore.
+    handlers = {"state": ocp.StandardCheckpointHandler(), "data": ocp.JsonCheckpointHandler()}
     self.manager = ocp.CheckpointManager(os.path.abspath(os.path.join(workdir, CHECKPOINT_DIR)),
-                                         options=options)
+                                         options=options, item_handlers=handlers)
 
   def latest_step(self) -> Optional[int]:
     return self.manager.latest_step()
@@ -119,8 +121,8 @@ class Checkpointer:
     """WorkdirError when the checkpoint's arrays do not have the abstract state's shapes."""
     meta = self.manager.item_metadata(step)["state"]
     want, have = _shapes(abstract_state), _shapes(meta)
-    bad = sorted(set(want) ^ set(have)) + sorted(
-        k for k in set(want) & set(have) if want[k] != have[k])
+    bad = sorted((k for k in set(want) | set(have) if want.get(k) != have.get(k)),
+                 key=lambda k: (not k.startswith("params"), k))  # params first: the clearest
     if bad:
       lines = [f"{k}: checkpoint {have.get(k, '<absent>')} vs model {want.get(k, '<absent>')}"
                for k in bad[:10]]

@@ -58,29 +58,39 @@ class TrainState:
 def split_model(model: nnx.Module):
   """(graphdef, params, router_state, other) with pure-dict states."""
   graphdef, params, router_state, other = nnx.split(model, nnx.Param, RouterStateVar, ...)
-  return graphdef, params.to_pure_dict(), router_state.to_pure_dict(), other.to_pure_dict()
+  return graphdef, nnx.to_pure_dict(params), nnx.to_pure_dict(router_state), nnx.to_pure_dict(other)
 
 
-def init_state(cfg: ExperimentConfig, tx: optax.GradientTransformation):
-  """(graphdef, TrainState) of a freshly initialised model (seed ``cfg.train.seed``)."""
+_FAST_COMPILE = {"xla_backend_optimization_level": 0, "xla_llvm_disable_expensive_passes": True}
+
+
+def _build(cfg: ExperimentConfig, tx: optax.GradientTransformation, holder: dict) -> TrainState:
   init_key, run_key = jax.random.split(jax.random.key(cfg.train.seed))
   model = Transformer(cfg.model, rngs=nnx.Rngs(params=init_key))
   graphdef, params, router_state, other = split_model(model)
-  state = TrainState(step=jnp.zeros((), jnp.int32), params=params, router_state=router_state,
-                     other=other, opt_state=tx.init(params), rng=jax.random.key_data(run_key))
-  return graphdef, state
+  holder["graphdef"] = graphdef
+  return TrainState(step=jnp.zeros((), jnp.int32), params=params, router_state=router_state,
+                    other=other, opt_state=tx.init(params), rng=jax.random.key_data(run_key))
+
+
+def init_state(cfg: ExperimentConfig, tx: optax.GradientTransformation):
+  """(graphdef, TrainState) of a freshly initialised model (seed ``cfg.train.seed``).
+
+  Initialisation runs under one ``jax.jit`` (op by op it would dispatch and
+  compile every initialiser separately), compiled without LLVM's expensive
+  passes: it runs once, and the PRNG and truncated-normal code otherwise
+  takes seconds to optimise on CPU.
+  """
+  holder: dict = {}
+  options = _FAST_COMPILE if jax.default_backend() == "cpu" else None
+  state = jax.jit(lambda: _build(cfg, tx, holder), compiler_options=options)()
+  return holder["graphdef"], state
 
 
 def abstract_state(cfg: ExperimentConfig, tx: optax.GradientTransformation):
   """(graphdef, TrainState of ShapeDtypeStructs): shapes without any compute."""
-  holder = {}
-
-  def build():
-    graphdef, state = init_state(cfg, tx)
-    holder["graphdef"] = graphdef
-    return state
-
-  shapes = jax.eval_shape(build)
+  holder: dict = {}
+  shapes = jax.eval_shape(lambda: _build(cfg, tx, holder))
   return holder["graphdef"], shapes
 
 
@@ -124,14 +134,14 @@ def make_train_step(graphdef, cfg: ExperimentConfig,
       if nan_at >= 0:  # test hook: a NaN that reaches the gradients, like a real one
         loss = loss * jnp.where(state.step + 1 == nan_at, jnp.nan, 1.0)
       _, _, new_router, new_other = nnx.split(model, nnx.Param, RouterStateVar, ...)
-      return loss, (ce, aux, new_router.to_pure_dict(), new_other.to_pure_dict())
+      return loss, (ce, aux, nnx.to_pure_dict(new_router), nnx.to_pure_dict(new_other))
 
     (loss, (ce, aux, router_state, other)), grads = jax.value_and_grad(
         loss_fn, has_aux=True)(state.params)
     updates, opt_state = tx.update(grads, state.opt_state, state.params)
     params = optax.apply_updates(state.params, updates)
     metrics = {"loss": loss, "ce": ce, "aux_loss": aux["loss"],
-               "grad_norm": optax.global_norm(grads),
+               "grad_norm": optax.tree.norm(grads),
                "learning_rate": schedule_lr(state.step),
                **routing_summary(aux)}
     new = state.replace(step=state.step + 1, params=params, router_state=router_state,

@@ -1,0 +1,44 @@
+"""Shared helpers of the training tests: config files, tiny runs, workdir snapshots."""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import os
+
+from moejax.config import apply_overrides
+from moejax.train.config import ExperimentConfig, experiment_from_dict
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def config_file(name: str):
+  """The ConfigDict of configs/<name>.py."""
+  path = os.path.join(ROOT, "configs", f"{name}.py")
+  spec = importlib.util.spec_from_file_location(f"configs_{name}", path)
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  return module.get_config()
+
+
+def experiment(name: str = "tiny", data_dir: str | None = None, **overrides) -> ExperimentConfig:
+  """configs/<name>.py with ``train__steps=10`` style overrides (``__`` for dots)."""
+  cfg = experiment_from_dict(config_file(name))
+  pairs = {k.replace("__", "."): v for k, v in overrides.items()}
+  if data_dir is not None:
+    pairs["data.data_dir"] = data_dir
+  progress = pairs.pop("train.progress", False)
+  pairs["train.progress"] = progress
+  return apply_overrides(cfg, pairs)
+
+
+def snapshot(directory: str) -> dict[str, str]:
+  """{relative path: sha256 of the bytes} of every file under ``directory`` (with mtimes)."""
+  out = {}
+  for root, _, files in os.walk(directory):
+    for name in files:
+      path = os.path.join(root, name)
+      with open(path, "rb") as f:
+        digest = hashlib.sha256(f.read()).hexdigest()
+      out[os.path.relpath(path, directory)] = f"{digest}@{os.stat(path).st_mtime_ns}"
+  return out
