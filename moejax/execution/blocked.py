@@ -16,12 +16,13 @@ written or accumulated. Dropless and exact; no shape depends on the
 routing.
 
 The loop carries the full output, which XLA updates in place
-(dynamic-update-slice on a loop carry). ``tm`` trades the padding waste
-(<= G * (tm - 1) rows) against per-iteration overhead; 128 measured best on a
-2-core CPU at m = 65536, k = 512, n = 256 (docs/execution.md).
+(dynamic-update-slice on a loop carry). Defaults tm = 256, ts = 32
+(docs/execution.md has the measurements).
 """
 
 from __future__ import annotations
+
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -30,15 +31,19 @@ from jax import lax
 from moejax.execution import gmm as gmm_lib
 from moejax.execution import tiling
 
-DEFAULT_TILE_M = 128
+DEFAULT_TILE_M = 256
+DEFAULT_TILE_SMALL = 32
 
 
-def _tile(m: int, tile_m: int) -> int:
-  return max(1, min(int(tile_m), m))
+def _plans(group_sizes, m: int, tile_m: int, tile_small: int):
+  tm = max(1, min(int(tile_m), m))
+  ts = max(1, min(int(tile_small), tm))
+  return tiling.group_tiles(group_sizes, m, tm, ts)
 
 
 def blocked_gmm(lhs, rhs, group_sizes, *, out_dtype, transpose_rhs=False,
-                interpret=False, tile_m: int = DEFAULT_TILE_M):
+                interpret=False, tile_m: int = DEFAULT_TILE_M,
+                tile_small: int = DEFAULT_TILE_SMALL):
   """out[m, n] = lhs[rows_g] @ rhs[g] per group (rows past the groups: 0)."""
   del interpret
   m, k = lhs.shape
@@ -46,11 +51,9 @@ def blocked_gmm(lhs, rhs, group_sizes, *, out_dtype, transpose_rhs=False,
   out = jnp.zeros((m, n), out_dtype)
   if m == 0:
     return out
-  tm = _tile(m, tile_m)
-  tiles = tiling.group_tiles(group_sizes, m, tm)
   contract = ((1,), (1,)) if transpose_rhs else ((1,), (0,))
 
-  def body(i, out):
+  def body(tm, tiles, i, out):
     g, r0 = tiles.group[i], tiles.row[i]
     x = lax.dynamic_slice(lhs, (r0, 0), (tm, k))
     w = lax.dynamic_index_in_dim(rhs, g, keepdims=False)
@@ -60,11 +63,13 @@ def blocked_gmm(lhs, rhs, group_sizes, *, out_dtype, transpose_rhs=False,
     old = lax.dynamic_slice(out, (r0, 0), (tm, n))
     return lax.dynamic_update_slice(out, jnp.where(keep[:, None], y, old), (r0, 0))
 
-  return lax.fori_loop(0, tiles.num_tiles, body, out)
+  for tm, tiles in _plans(group_sizes, m, tile_m, tile_small):
+    out = lax.fori_loop(0, tiles.num_tiles, functools.partial(body, tm, tiles), out)
+  return out
 
 
 def blocked_tgmm(lhs, grad, group_sizes, *, out_dtype, interpret=False,
-                 tile_m: int = DEFAULT_TILE_M):
+                 tile_m: int = DEFAULT_TILE_M, tile_small: int = DEFAULT_TILE_SMALL):
   """out[G, k, n] = lhs[rows_g]^T @ grad[rows_g] per group (empty: 0)."""
   del interpret
   m, k = lhs.shape
@@ -73,10 +78,7 @@ def blocked_tgmm(lhs, grad, group_sizes, *, out_dtype, interpret=False,
   acc = jnp.zeros((num_groups, k, n), jnp.float32)
   if m == 0:
     return acc.astype(out_dtype)
-  tm = _tile(m, tile_m)
-  tiles = tiling.group_tiles(group_sizes, m, tm)
-
-  def body(i, acc):
+  def body(tm, tiles, i, acc):
     g, r0 = tiles.group[i], tiles.row[i]
     keep = tiles.owned(i, tm)
     # Zeroing the foreign rows of one operand removes them from the sum.
@@ -87,7 +89,9 @@ def blocked_tgmm(lhs, grad, group_sizes, *, out_dtype, interpret=False,
     cur = lax.dynamic_index_in_dim(acc, g, keepdims=False)
     return lax.dynamic_update_index_in_dim(acc, cur + upd, g, 0)
 
-  return lax.fori_loop(0, tiles.num_tiles, body, acc).astype(out_dtype)
+  for tm, tiles in _plans(group_sizes, m, tile_m, tile_small):
+    acc = lax.fori_loop(0, tiles.num_tiles, functools.partial(body, tm, tiles), acc)
+  return acc.astype(out_dtype)
 
 
 BACKEND = gmm_lib.Backend(

@@ -72,25 +72,41 @@ class GroupTiles:
     return (rows >= self.lo[i]) & (rows < self.ends[self.group[i]])
 
 
-def group_tiles(group_sizes: jax.Array, m: int, tm: int) -> GroupTiles:
-  """Tiles of tm rows, each group's first tile at its first row.
+def group_tiles(group_sizes: jax.Array, m: int, tm: int,
+                ts: int | None = None) -> list[tuple[int, GroupTiles]]:
+  """[(tile rows, tiles)]: each group cut into tiles from its first row.
 
-  sum_g ceil(size_g / tm) <= m / tm + G, so NT = cdiv(m, tm) + G is a static
-  bound; the loop runs only ``num_tiles`` of them.
+  With ``ts`` (< tm), a group gets size // tm full tm-row tiles and its
+  remainder ceil((size mod tm) / ts) tiles of ts rows, so the rows read past
+  a group are < ts per group while the bulk runs in tm-row matmuls. Without
+  it every tile has tm rows (waste < tm per group).
+
+  Static bounds: sum_g ceil(size_g / t) <= m / t + G tiles of t rows; the
+  loops run only ``num_tiles`` of them.
   """
   if tm > m:
     raise ValueError(f"row tile tm={tm} exceeds m={m}; use tm <= m")
-  num_groups = group_sizes.shape[0]
   starts, ends = group_bounds(group_sizes)
-  per_group = (group_sizes + tm - 1) // tm
+  if ts is None or ts >= tm:
+    bound = cdiv(m, tm) + group_sizes.shape[0]
+    return [(tm, _tiles(starts, ends, (group_sizes + tm - 1) // tm, m, tm, bound))]
+  big = group_sizes // tm
+  rest = group_sizes - big * tm
+  num_groups = group_sizes.shape[0]
+  nt_small = min(cdiv(m, ts) + num_groups, num_groups * cdiv(tm, ts))
+  return [(tm, _tiles(starts, ends, big, m, tm, m // tm)),
+          (ts, _tiles(starts + big * tm, ends, (rest + ts - 1) // ts, m, ts, nt_small))]
+
+
+def _tiles(first, ends, per_group, m, t, bound) -> GroupTiles:
+  """Tiles of t rows from row first[g], per_group[g] of them per group."""
+  num_groups = first.shape[0]
   tile_end = jnp.cumsum(per_group).astype(jnp.int32)
   tile_begin = tile_end - per_group
-  nt = cdiv(m, tm) + num_groups
-  i = jnp.arange(nt, dtype=jnp.int32)
-  g = jnp.searchsorted(tile_end, i, side="right").astype(jnp.int32)
-  g = jnp.minimum(g, num_groups - 1)
-  lo = (starts[g] + (i - tile_begin[g]) * tm).astype(jnp.int32)
-  return GroupTiles(group=g, row=jnp.minimum(lo, m - tm), lo=lo,
+  i = jnp.arange(max(bound, 1), dtype=jnp.int32)
+  g = jnp.minimum(jnp.searchsorted(tile_end, i, side="right"), num_groups - 1).astype(jnp.int32)
+  lo = (first[g] + (i - tile_begin[g]) * t).astype(jnp.int32)
+  return GroupTiles(group=g, row=jnp.minimum(lo, m - t), lo=lo,
                     num_tiles=tile_end[-1], ends=ends)
 
 

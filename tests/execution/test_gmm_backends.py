@@ -19,7 +19,7 @@ from moejax.execution import gmm as gmm_lib
 # enough that every case spans several tiles and straddled tiles.
 BACKENDS = {
     "ragged_dot": {},
-    "blocked": {"tile_m": 8},
+    "blocked": {"tile_m": 8, "tile_small": 3},  # 8-row tiles, remainders in 3s
     "pallas_tpu": {"interpret": True, "tiling": (8, 16, 16)},
     "pallas_gpu": {"interpret": True, "tiling": (64, 64, 64)},
 }
@@ -147,12 +147,13 @@ def test_tiny_hand_computed_case():
 
 @hypothesis.settings(max_examples=25, deadline=None)
 @hypothesis.given(sizes=st.lists(st.integers(0, 16), min_size=5, max_size=5),
-                  tile=st.sampled_from([1, 4, 8, 64]))
-def test_blocked_equals_ragged_dot_for_any_sizes(sizes, tile):
+                  tiles=st.sampled_from([(1, 1), (4, 4), (8, 3), (16, 16), (64, 5)]))
+def test_blocked_equals_ragged_dot_for_any_sizes(sizes, tiles):
   # Fixed shapes (m = 5 * 16 covers every draw, the rest are rows past the
   # groups) so that only the sizes change and nothing recompiles.
   lhs, rhs, gs, cot = _operands(80, 3, 5, sizes, seed=3)
-  got = _value_and_grads(lhs, rhs, gs, cot, backend="blocked", kw=(("tile_m", tile),))
+  kw = (("tile_m", tiles[0]), ("tile_small", tiles[1]))
+  got = _value_and_grads(lhs, rhs, gs, cot, backend="blocked", kw=kw)
   want = _value_and_grads(lhs, rhs, gs, cot, backend="ragged_dot", kw=())
   for g, w in zip(got, want):
     np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-5)
