@@ -1,0 +1,199 @@
+r"""Expert-parallel benchmark (``--suite=ep``): step time and all-to-all bytes.
+
+Usage (8 simulated CPU devices are set up by the suite itself when JAX has
+not started yet; otherwise export JAX_NUM_CPU_DEVICES=8):
+  python -m experiments.bench --suite=ep --json_out=/tmp/ep.json
+  python -m experiments.bench_ep --ep_json_out=/tmp/ep.json     # standalone
+
+For each shape it times, side by side in one process (round-robin repeats,
+medians), forward+backward of
+  * ``single``: the single-device layer (``moejax.layer.moe_layer``,
+    ``blocked`` backend) on the whole batch, on one device;
+  * ``ep_capacity``: the expert-parallel layer on ``--ep_devices`` devices,
+    capacity-padded all_to_all, dropless (C = T per device);
+  * ``ep_capacity_cf``: the same with ``--ep_capacity_factor`` (drops counted);
+  * ``ep_ragged``: dropless exact-size segments (``ragged_all_to_all``; on
+    CPU the emulated fallback, which pads like the capacity path);
+  * ``ep_node_limited``: ``ep_ragged`` with each token limited to
+    ``--ep_limit_nodes`` nodes of ``--ep_devices_per_node`` devices;
+and reports, from the layer's own accounting (``aux['comm']``, both
+directions of one forward pass, summed over devices): bytes on the wire,
+routed copies, the analytic minimum for the routing made (each token once
+per distinct remote device / node), their ratios, padding waste and the
+share crossing nodes.
+
+Simulated devices share the host's cores, so EP step time here measures the
+layer's overhead (permutes, buffers, collectives), not a speedup.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from absl import app, flags, logging
+
+_DEVICES = flags.DEFINE_integer("ep_devices", 8, "expert-axis devices (simulated on CPU)")
+_PER_NODE = flags.DEFINE_integer("ep_devices_per_node", 4, "devices per node")
+_LIMIT = flags.DEFINE_integer("ep_limit_nodes", 1, "M nodes per token for ep_node_limited")
+_EP_CF = flags.DEFINE_float("ep_capacity_factor", 1.25, "capacity factor of ep_capacity_cf")
+_EP_SHAPES = flags.DEFINE_list("ep_shapes", ["coarse", "fine"], "shapes to run")
+_EP_BATCH = flags.DEFINE_integer("ep_batch", 32, "sequences in the global batch")
+_EP_SEQ = flags.DEFINE_integer("ep_seq", 128, "sequence length")
+_EP_D = flags.DEFINE_integer("ep_d_model", 256, "model width")
+_EP_JSON = flags.DEFINE_string("ep_json_out", None, "standalone: write results here")
+_EP_REPEATS = flags.DEFINE_integer("ep_repeats", 5, "standalone: timed runs per variant")
+
+SHAPES = {"coarse": dict(num_experts=16, top_k=2, expert_width=512),
+          "fine": dict(num_experts=64, top_k=8, expert_width=128)}
+COMM_KEYS = ("wire", "copies", "min_device", "min_node", "wire_cross_node",
+             "copies_cross_node", "padding_waste")
+
+
+def ensure_devices(n: int) -> None:
+  """Asks for n simulated CPU devices; a clear error if JAX already started with fewer."""
+  try:
+    if jax.config.jax_num_cpu_devices < n:
+      jax.config.update("jax_num_cpu_devices", n)
+  except RuntimeError:  # JAX already started: keep what it has
+    pass
+  have = len(jax.devices())
+  if have < n:
+    raise app.UsageError(f"--suite=ep needs {n} devices, JAX has {have}. Fix: export "
+                         f"JAX_NUM_CPU_DEVICES={n} (before JAX starts) or pass --ep_devices")
+
+
+def _time(fns: dict, repeats: int) -> dict:
+  for name, fn in fns.items():
+    t0 = time.perf_counter()
+    jax.block_until_ready(fn())
+    logging.info("compiled+ran %s in %.2fs", name, time.perf_counter() - t0)
+  times = {n: [] for n in fns}
+  for _ in range(repeats):
+    for name, fn in fns.items():
+      t0 = time.perf_counter()
+      jax.block_until_ready(fn())
+      times[name].append(time.perf_counter() - t0)
+  return {n: float(np.median(ts)) for n, ts in times.items()}
+
+
+def _variants(shape: str):
+  from moejax import config as C
+  from moejax.execution import mesh as mesh_lib
+  d = _DEVICES.value
+  base = dict(expert=d, data=1, devices_per_node=_PER_NODE.value)
+  moe = dict(SHAPES[shape], backend="blocked",
+             router=dict(top_k=SHAPES[shape]["top_k"]))
+  moe.pop("top_k")
+  cfg = C.from_dict(C.MoEConfig, moe)
+  cf = C.from_dict(C.MoEConfig, dict(moe, capacity_factor=_EP_CF.value))
+  return cfg, {
+      "ep_capacity": (cfg, mesh_lib.ParallelConfig(**base)),
+      "ep_capacity_cf": (cf, mesh_lib.ParallelConfig(**base)),
+      "ep_ragged": (cfg, mesh_lib.ParallelConfig(**base, dispatch="ragged")),
+      "ep_node_limited": (cfg, mesh_lib.ParallelConfig(
+          **base, dispatch="ragged", route_limit="nodes", route_limit_count=_LIMIT.value)),
+  }
+
+
+def run_shape(shape: str, repeats: int) -> dict:
+  from moejax import layer as L
+  from moejax.execution import mesh as mesh_lib
+  from moejax.execution import parallel as EP
+  cfg, variants = _variants(shape)
+  b, s, dm = _EP_BATCH.value, _EP_SEQ.value, _EP_D.value
+  k = jax.random.split(jax.random.PRNGKey(0), 3)
+  params = L.init_moe_params(k[0], dm, cfg)
+  x = jax.random.normal(k[1], (b, s, dm), jnp.float32)
+  cot = jax.random.normal(k[2], (b, s, dm), jnp.float32)
+
+  def step(layer):
+    def loss(p, x):
+      y, _, aux = layer(p, x)
+      return jnp.vdot(y, cot) + aux["losses"]["total"], aux
+    return jax.jit(jax.value_and_grad(loss, (0, 1), has_aux=True))
+
+  dev0 = jax.devices()[0]
+  single = step(lambda p, x: L.moe_layer(p, x, None, cfg))
+  p0, x0 = jax.device_put((params, x), dev0)
+  fns = {"single": lambda: single(p0, x0)}
+  meta = {}
+  for name, (vcfg, pcfg) in variants.items():
+    mesh = mesh_lib.make_mesh(pcfg, jax.devices()[:pcfg.expert], cfg=vcfg)
+    f = step(lambda p, x, vcfg=vcfg, pcfg=pcfg, mesh=mesh: EP.ep_moe_layer(
+        p, x, None, vcfg, mesh, pcfg))
+    pp, xx = mesh_lib.shard_params(params, mesh), mesh_lib.shard_batch(x, mesh)
+    fns[name] = lambda f=f, pp=pp, xx=xx: f(pp, xx)
+    (_, aux), _ = f(pp, xx)
+    meta[name] = {key: float(aux["comm"][key]) for key in COMM_KEYS}
+    meta[name]["num_dropped"] = int(aux["num_dropped"])
+  timed = _time(fns, repeats)
+  rows = {}
+  for name, sec in timed.items():
+    row = {"step_s": sec, "x_single": sec / timed["single"]}
+    if name in meta:
+      m = meta[name]
+      row.update(m)
+      row["wire_over_min"] = m["wire"] / m["min_device"] if m["min_device"] else 0.0
+      row["copies_over_min"] = m["copies"] / m["min_device"] if m["min_device"] else 0.0
+      row["cross_node_share"] = m["wire_cross_node"] / m["wire"] if m["wire"] else 0.0
+    rows[name] = row
+  return {"B": b, "S": s, "d": dm, **SHAPES[shape], "devices": _DEVICES.value,
+          "devices_per_node": _PER_NODE.value, "limit_nodes": _LIMIT.value,
+          "capacity_factor": _EP_CF.value, "variants": rows}
+
+
+def conditions() -> dict:
+  return {"platform": jax.default_backend(), "num_devices": len(jax.devices()),
+          "cpu_count": os.cpu_count(), "load_avg_1_5_15": list(os.getloadavg()),
+          "jax": jax.__version__, "python": platform.python_version()}
+
+
+def ep_suite(repeats: int) -> dict:
+  ensure_devices(_DEVICES.value)
+  unknown = set(_EP_SHAPES.value) - set(SHAPES)
+  if unknown:
+    raise app.UsageError(f"--ep_shapes: unknown {sorted(unknown)}; use {sorted(SHAPES)}")
+  out = {"conditions": conditions(), "shapes": {}}
+  for shape in _EP_SHAPES.value:
+    out["shapes"][shape] = run_shape(shape, repeats)
+  out["conditions_after"] = {"load_avg_1_5_15": list(os.getloadavg())}
+  return out
+
+
+def print_ep_table(res: dict) -> None:
+  mb = 2.0 ** 20
+  for shape, s in res["shapes"].items():
+    print(f"\n{shape}: B={s['B']} S={s['S']} d={s['d']} E={s['num_experts']} "
+          f"K={s['top_k']} f={s['expert_width']}, {s['devices']} devices, "
+          f"{s['devices_per_node']} per node; bytes = both directions, one forward")
+    print(f"{'variant':<17}{'step s':>8}{'x single':>9}{'wire MiB':>9}{'min MiB':>8}"
+          f"{'wire/min':>9}{'copy/min':>9}{'pad':>6}{'x-node':>7}{'minN MiB':>9}{'drops':>7}")
+    for name, r in s["variants"].items():
+      if name == "single":
+        print(f"{name:<17}{r['step_s']:>8.3f}{r['x_single']:>9.2f}")
+        continue
+      print(f"{name:<17}{r['step_s']:>8.3f}{r['x_single']:>9.2f}{r['wire'] / mb:>9.2f}"
+            f"{r['min_device'] / mb:>8.2f}{r['wire_over_min']:>9.2f}"
+            f"{r['copies_over_min']:>9.2f}{r['padding_waste']:>6.2f}"
+            f"{r['cross_node_share']:>7.2f}{r['min_node'] / mb:>9.2f}{r['num_dropped']:>7}")
+
+
+def main(argv):
+  del argv
+  res = ep_suite(_EP_REPEATS.value)
+  print_ep_table(res)
+  print(f"\nconditions: {json.dumps(res['conditions'])}")
+  if _EP_JSON.value:
+    with open(_EP_JSON.value, "w") as fh:
+      json.dump(res, fh, indent=1)
+    print(f"wrote {_EP_JSON.value}")
+
+
+if __name__ == "__main__":
+  app.run(main)
