@@ -52,7 +52,7 @@ _EP_REPEATS = flags.DEFINE_integer("ep_repeats", 5, "standalone: timed runs per 
 SHAPES = {"coarse": dict(num_experts=16, top_k=2, expert_width=512),
           "fine": dict(num_experts=64, top_k=8, expert_width=128)}
 COMM_KEYS = ("wire", "copies", "min_device", "min_node", "wire_cross_node",
-             "copies_cross_node", "padding_waste")
+             "copies_cross_node", "padding_waste", "wire_max_device")
 
 
 def ensure_devices(n: int) -> None:

@@ -24,8 +24,9 @@ over all devices of the mesh):
 * ``wire_cross_node`` / ``copies_cross_node``: the part of ``wire`` /
   ``copies`` whose destination is on another node.
 
-Derived ratios: ``padding_waste`` = 1 - copies / wire, ``wire_over_min`` =
-wire / min_device.
+Derived: ``padding_waste`` = 1 - copies / wire, ``wire_over_min`` =
+wire / min_device, ``wire_max_device`` = the most bytes one device sends
+(both directions; the all_to_all waits for the busiest device).
 """
 
 from __future__ import annotations
@@ -83,7 +84,10 @@ def local_dispatch_bytes(dest: jax.Array, sent: jax.Array, wire_rows: jax.Array,
 
 def summarize(local: dict[str, jax.Array], axis_names: Sequence[str]) -> dict[str, jax.Array]:
   """Mesh totals of both directions plus the derived ratios (f32 scalars)."""
-  out = {k: 2.0 * stats.psum(local[k], tuple(axis_names)) for k in BYTE_KEYS}
+  axis_names = tuple(axis_names)
+  out = {k: 2.0 * stats.psum(local[k], axis_names) for k in BYTE_KEYS}
+  out["wire_max_device"] = 2.0 * (jax.lax.pmax(local["wire"], axis_names) if axis_names
+                                  else local["wire"])
   out["padding_waste"] = jnp.where(out["wire"] > 0,
                                    1.0 - out["copies"] / jnp.maximum(out["wire"], 1.0), 0.0)
   out["wire_over_min"] = jnp.where(out["min_device"] > 0,

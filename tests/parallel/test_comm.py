@@ -27,7 +27,7 @@ def test_hand_counted_bytes():
   for key in ("copies", "min_device", "min_node", "copies_cross_node"):
     assert host[key] == 2 * want[key], key
   total = comm.summarize(got, ())
-  assert float(total["wire"]) == 300
+  assert float(total["wire"]) == 300 and float(total["wire_max_device"]) == 300
   assert float(total["padding_waste"]) == pytest.approx(1 - 40 / 150)
   assert float(total["wire_over_min"]) == pytest.approx(5.0)
 

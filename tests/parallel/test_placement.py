@@ -72,3 +72,25 @@ def test_errors():
     P.from_phys_to_logical([0, 0, 1, 1], 3, 2)
   with pytest.raises(ValueError, match="keep_nodes needs devices_per_node"):
     P.compute_placement(np.ones(8), 4, keep_nodes=True)
+
+
+def test_layer_refuses_placements_that_break_a_routing_limit():
+  from moejax import config as C
+  from moejax.execution import mesh as M
+  from moejax.execution.parallel import check_placement
+  cfg = C.MoEConfig(num_experts=8, router=C.RouterConfig(top_k=2))
+  node_of = np.arange(4) // 2
+  load = np.array([50, 1, 1, 1, 1, 1, 1, 30], float)
+  kept = P.compute_placement(load, 4, slots_per_device=3, devices_per_node=2, keep_nodes=True)
+  moved = P.compute_placement(load, 4, slots_per_device=3)
+  nodes = M.ParallelConfig(expert=4, devices_per_node=2, route_limit="nodes",
+                           route_limit_count=1)
+  check_placement(kept, cfg, nodes, node_of)
+  check_placement(moved, cfg, M.ParallelConfig(expert=4), node_of)
+  with pytest.raises(ValueError, match="off their node.*keep_nodes=True"):
+    check_placement(moved, cfg, nodes, node_of)
+  with pytest.raises(ValueError, match="off their device"):
+    check_placement(kept, cfg, M.ParallelConfig(expert=4, route_limit="devices",
+                                                route_limit_count=2), node_of)
+  with pytest.raises(ValueError, match="placement covers 8 experts on 4 devices"):
+    check_placement(kept, cfg, M.ParallelConfig(expert=2), node_of)
