@@ -148,7 +148,6 @@ def emulated_ragged_all_to_all(operand, output, input_offsets, send_sizes,
   received segments written at the senders' ``output_offsets``), for
   segments of at most ``max_rows`` rows. Differentiable (gather / scatter).
   """
-  d = input_offsets.shape[0]
   p = jnp.arange(max_rows, dtype=jnp.int32)
   take = jnp.where(p[None, :] < send_sizes[:, None], input_offsets[:, None] + p[None, :],
                    operand.shape[0])
@@ -157,7 +156,6 @@ def emulated_ragged_all_to_all(operand, output, input_offsets, send_sizes,
   at = _a2a(output_offsets)                                      # where source i writes here
   pos = jnp.where(p[None, :] < recv_sizes[:, None], at[:, None] + p[None, :],
                   output.shape[0])
-  del d
   return output.at[pos.reshape(-1)].set(got.astype(output.dtype), mode="drop")
 
 
