@@ -23,10 +23,8 @@ import os
 from typing import Any, Optional
 
 import jax
-import numpy as np
 import orbax.checkpoint as ocp
 
-from moejax.config import to_dict
 from moejax.train.config import ExperimentConfig, diff, experiment_to_json
 
 CONFIG_FILE = "config.json"
@@ -40,12 +38,16 @@ class WorkdirError(RuntimeError):
   """The workdir holds a run this config cannot continue."""
 
 
-def _checkpoint_steps(workdir: str) -> list[int]:
+def checkpoint_steps(workdir: str) -> list[int]:
+  """Steps of the complete checkpoints in ``workdir``, ascending (orbax's temporaries excluded)."""
   root = os.path.join(workdir, CHECKPOINT_DIR)
   if not os.path.isdir(root):
     return []
   return sorted(int(n) for n in os.listdir(root) if n.isdigit()
                 and os.path.isdir(os.path.join(root, n)))
+
+
+_checkpoint_steps = checkpoint_steps  # the old private name; moejax.ablation calls it
 
 
 def check_workdir(workdir: str, cfg: ExperimentConfig) -> tuple[Optional[int], list[str]]:
@@ -57,7 +59,7 @@ def check_workdir(workdir: str, cfg: ExperimentConfig) -> tuple[Optional[int], l
   if os.path.exists(workdir) and not os.path.isdir(workdir):
     raise WorkdirError(f"--workdir={workdir} is a file. Fix: pass a directory")
   path = os.path.join(workdir, CONFIG_FILE)
-  steps = _checkpoint_steps(workdir)
+  steps = checkpoint_steps(workdir)
   if not os.path.exists(path):
     if steps:
       raise WorkdirError(

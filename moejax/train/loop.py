@@ -25,7 +25,7 @@ import math
 import os
 import sys
 import time
-from typing import Optional, TextIO
+from typing import TextIO
 
 import jax
 import numpy as np

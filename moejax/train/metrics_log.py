@@ -18,7 +18,6 @@ import json
 import math
 import os
 import sys
-import time
 from typing import Mapping, Optional, TextIO
 
 METRICS_FILE = "metrics.jsonl"
@@ -116,20 +115,3 @@ class Progress:
     if self.enabled:
       print(text, file=self.out, flush=True)
     return text
-
-
-class Timer:
-  """Wall time of the training steps only; pause around eval and checkpoints."""
-
-  def __init__(self):
-    self._start = time.perf_counter()
-    self.elapsed = 0.0
-
-  def lap(self) -> float:
-    now = time.perf_counter()
-    dt, self._start = now - self._start, now
-    self.elapsed += dt
-    return dt
-
-  def restart(self) -> None:
-    self._start = time.perf_counter()

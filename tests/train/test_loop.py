@@ -57,7 +57,7 @@ def test_tiny_run_learns_and_logs_every_metric(tiny_run):
   assert os.listdir(os.path.join(workdir, metrics_log.TENSORBOARD_DIR))
   with open(os.path.join(workdir, ckpt_lib.CONFIG_FILE)) as f:
     assert json.load(f)["model"]["d_model"] == cfg.model.d_model
-  assert ckpt_lib._checkpoint_steps(workdir) == [30, 40]  # keep_checkpoints=2
+  assert ckpt_lib.checkpoint_steps(workdir) == [30, 40]  # keep_checkpoints=2
 
 
 def _restore(cfg, workdir, step):
@@ -106,7 +106,7 @@ def test_nan_loss_stops_the_run_and_keeps_the_last_good_checkpoint(tmp_path, dat
   with pytest.raises(loop.NonFiniteLossError,
                      match=r"loss is nan at step 13 .*last good checkpoint is step 10"):
     loop.train(cfg, workdir, out=io.StringIO())
-  assert ckpt_lib._checkpoint_steps(workdir) == [5, 10]
+  assert ckpt_lib.checkpoint_steps(workdir) == [5, 10]
   assert max(_rows(workdir, "train")) == 10
   # The kept checkpoint is finite and resumable (without the hook it runs on).
   tree, _ = _restore(cfg, workdir, 10)
