@@ -23,9 +23,11 @@ SMALL_MOE = dict(
 
 def small_experiment(moe: Optional[dict] = None, steps: int = 300, **model) -> dict:
   """The experiment tree of the small suite model (``moe`` replaces SMALL_MOE)."""
+  model_tree = dict(vocab_size=256, d_model=64, n_layers=2, n_heads=4, dense_ff_width=256,
+                    moe=SMALL_MOE if moe is None else moe)
+  model_tree.update(model)
   return dict(
-      model=dict(vocab_size=256, d_model=64, n_layers=2, n_heads=4, dense_ff_width=256,
-                 moe=SMALL_MOE if moe is None else moe, **model),
+      model=model_tree,
       data=dict(name="python_stdlib", seq_len=64, batch_size=16, seed=0),
       train=dict(steps=steps, learning_rate=3e-3, warmup_steps=20, min_lr_ratio=0.1,
                  weight_decay=0.1, grad_clip=1.0, log_every=25, eval_every=steps // 3,
@@ -51,4 +53,10 @@ def suite_config(**fields):
   """The suite tree as an ``ml_collections.ConfigDict``, so ``--config.base.train.steps=50``
   style overrides work from the command line."""
   import ml_collections  # pylint: disable=g-import-not-at-top
-  return ml_collections.ConfigDict(fields)
+
+  def convert(v):  # nested dicts too: ConfigDict would otherwise sort the arms by name
+    if isinstance(v, dict):
+      return ml_collections.ConfigDict({k: convert(x) for k, x in v.items()}, sort_keys=False)
+    return v
+
+  return convert(fields)

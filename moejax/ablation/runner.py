@@ -161,7 +161,8 @@ def run_suite(suite: Suite, workdir: str, *, out: TextIO = sys.stdout,
   _write_json(os.path.join(workdir, "suite.json"), {
       "name": suite.name, "description": suite.description, "fixed": dict(suite.fixed),
       "seeds": list(suite.seeds), "analysis": dict(suite.analysis),
-      "arms": {a.name: a.overrides for a in suite.arms}})
+      "arms": {a.name: a.overrides for a in suite.arms},
+      "arm_order": [a.name for a in suite.arms]})
   _write_json(os.path.join(workdir, "budget.json"), {n: v.as_dict() for n, v in b.items()})
   results = {}
   runs = list(suite.runs())

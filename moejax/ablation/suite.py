@@ -28,7 +28,7 @@ import importlib.util
 import os
 from typing import Any, Mapping
 
-from moejax.config import ConfigError
+from moejax.config import ConfigError, to_dict
 from moejax.train.config import ExperimentConfig, experiment_from_dict
 
 QUANTITIES = ("total", "active", "flops_per_token", "tokens", "optimizer")
@@ -132,13 +132,18 @@ def suite_from_dict(tree: Mapping[str, Any] | Any) -> Suite:
     if key not in ANALYSIS_KEYS:
       raise ConfigError(f"suite.analysis.{key}", analysis[key], "is not an analysis option",
                         f"use one of {', '.join(ANALYSIS_KEYS)}")
+  try:  # the full tree, defaults included, so that an arm may set any existing field
+    base_tree = to_dict(experiment_from_dict(tree["base"]))
+  except ConfigError as e:
+    raise ConfigError("suite.base", "", f"is not a valid experiment: {e}",
+                      "fix the base config") from e
   arms = []
   for arm_name, overrides in arms_tree.items():
     if not arm_name or "/" in arm_name or arm_name.startswith("."):
       raise ConfigError("suite.arms", arm_name, "is not a usable directory name",
                         "use letters, digits, '_' or '-'")
     overrides = dict(overrides or {})
-    exp_tree = merge(tree["base"], overrides, f"suite.arms.{arm_name}")
+    exp_tree = merge(base_tree, overrides, f"suite.arms.{arm_name}")
     try:
       exp = experiment_from_dict(exp_tree)
     except ConfigError as e:

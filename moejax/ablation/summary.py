@@ -206,7 +206,7 @@ def write_summary(workdir: str, suite_name: str = "") -> dict:
   order_path = os.path.join(workdir, "suite.json")
   if os.path.exists(order_path):  # the suite's own arm order, not the directory order
     with open(order_path, encoding="utf-8") as f:
-      order = list(json.load(f).get("arms", {}))
+      order = list(json.load(f).get("arm_order", []))
     rows.sort(key=lambda r: order.index(r["arm"]) if r["arm"] in order else len(order))
   with open(os.path.join(workdir, "summary.md"), "w", encoding="utf-8") as f:
     f.write(markdown(rows, f"suite {suite_name}" if suite_name else ""))
