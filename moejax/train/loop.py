@@ -29,8 +29,10 @@ from typing import TextIO
 
 import jax
 import numpy as np
+from jax.sharding import NamedSharding, PartitionSpec
 
 from moejax import data as data_lib
+from moejax.config import ConfigError
 from moejax.evaluate.validation import evaluate, make_eval_step
 from moejax.train import checkpoint as ckpt_lib
 from moejax.train import metrics_log
@@ -48,9 +50,40 @@ def _state_tree(state: step_lib.TrainState) -> dict:
           ("step", "params", "router_state", "other", "opt_state", "rng")}
 
 
-def _eval_batches(cfg: ExperimentConfig, docs):
-  return data_lib.make_batch_iterator(docs, cfg.data.seq_len, cfg.data.batch_size,
-                                      seed=cfg.data.seed, train=False)
+def _eval_batches(cfg: ExperimentConfig, docs, put):
+  it = data_lib.make_batch_iterator(docs, cfg.data.seq_len, cfg.data.batch_size,
+                                    seed=cfg.data.seed, train=False,
+                                    process_index=jax.process_index(),
+                                    process_count=jax.process_count())
+  return (put(batch) for batch in it)
+
+
+def _data_parallel(cfg: ExperimentConfig):
+  """(put_batch, put_state): global arrays sharded over a ``data`` mesh axis.
+
+  Every device of every process holds a replica of the state and B / devices
+  rows of each batch; ``jax.jit`` partitions the step from these shardings
+  (gradients, MoE loads and losses are reduced over the global batch by the
+  partitioner). On one device this is plain placement.
+  """
+  # Auto axes: the partitioner propagates shardings through the model (the
+  # model code has no explicit-sharding annotations).
+  mesh = jax.make_mesh((jax.device_count(),), ("data",),
+                       axis_types=(jax.sharding.AxisType.Auto,))
+  rows = NamedSharding(mesh, PartitionSpec("data"))
+  replicated = NamedSharding(mesh, PartitionSpec())
+  put_batch = lambda batch: {k: jax.make_array_from_process_local_data(rows, v)
+                             for k, v in batch.items()}
+  put_state = lambda state: jax.device_put(state, replicated)
+  return put_batch, put_state
+
+
+def _check_devices(cfg: ExperimentConfig) -> None:
+  n = jax.device_count()
+  if cfg.data.batch_size % n:
+    raise ConfigError("data.batch_size", cfg.data.batch_size,
+                      f"does not split evenly over the {n} devices of the data-parallel mesh",
+                      f"use a multiple of {n}")
 
 
 def _mean_rows(rows: list[dict]) -> dict[str, float]:
@@ -70,6 +103,7 @@ def train(cfg: ExperimentConfig, workdir: str, *, out: TextIO = sys.stdout) -> d
   say = lambda text: print(text, file=out, flush=True)
 
   # --- 1. Read-only checks. -------------------------------------------------
+  _check_devices(cfg)
   resume_step, train_changes = ckpt_lib.check_workdir(workdir, cfg)
   tx = make_optimizer(tc)
   graphdef, abstract = step_lib.abstract_state(cfg, tx)
@@ -77,7 +111,9 @@ def train(cfg: ExperimentConfig, workdir: str, *, out: TextIO = sys.stdout) -> d
   if resume_step is not None:
     ckpt_lib.Checkpointer(workdir, tc.keep_checkpoints, read_only=True).check_shapes(
         resume_step, abstract_tree)
-  train_it = data_lib.make_batches(cfg.data, cfg.data.train_split)
+  train_it = data_lib.make_batches(cfg.data, cfg.data.train_split,
+                                   process_index=jax.process_index(),
+                                   process_count=jax.process_count())
   val_docs = data_lib.load_documents(cfg.data, cfg.data.eval_split)
   if val_docs.num_tokens() == 0:
     raise data_lib.DatasetUnavailableError(
@@ -106,6 +142,7 @@ def train(cfg: ExperimentConfig, workdir: str, *, out: TextIO = sys.stdout) -> d
 def _run(cfg, workdir, graphdef, tx, abstract_tree, resume_step, train_it, val_docs, ckpt,
          writer, say, out) -> dict:
   tc = cfg.train
+  put_batch, put_state = _data_parallel(cfg)
   unigram = data_lib.unigram_cross_entropy(train_it.docs, val_docs)
   if resume_step is None:
     _, state = step_lib.init_state(cfg, tx)
@@ -120,6 +157,7 @@ def _run(cfg, workdir, graphdef, tx, abstract_tree, resume_step, train_it, val_d
     train_it.set_state(data_state)
     start = int(state.step)
     say(f"{workdir}: resumed from checkpoint at step {start}")
+  state = put_state(state)
 
   train_step = step_lib.make_train_step(graphdef, cfg, tx)
   eval_step = make_eval_step(graphdef, cfg.model, len(val_docs.domain_names))
@@ -136,11 +174,11 @@ def _run(cfg, workdir, graphdef, tx, abstract_tree, resume_step, train_it, val_d
   timed_steps, excluded = 0, 0.0   # steps and eval/checkpoint seconds of this window
   while step < tc.steps:
     batch = next(train_it)
-    state, metrics = train_step(state, batch)
+    state, metrics = train_step(state, put_batch(batch))
     step += 1
     pending.append(metrics)
     if compiled:
-      tokens += float(batch["mask"].sum())
+      tokens += float(batch["mask"].sum()) * jax.process_count()  # local rows only
       timed_steps += 1
     else:
       # The first step compiles; keep it out of tokens/s and the ETA.
@@ -173,7 +211,8 @@ def _run(cfg, workdir, graphdef, tx, abstract_tree, resume_step, train_it, val_d
       t_eval = time.perf_counter()
       final = step == tc.steps
       result = evaluate(eval_step, state.params, state.router_state, state.other,
-                        _eval_batches(cfg, val_docs), None if final else tc.eval_batches)
+                        _eval_batches(cfg, val_docs, put_batch),
+                        None if final else tc.eval_batches)
       result["unigram_baseline"] = unigram
       writer.write(step, "eval", result)
       extra = "".join(f" | {name} {result[key]:.3f}" for key, name in

@@ -146,10 +146,13 @@ def test_missing_dataset_fails_before_the_workdir_exists(tmp_path):
 
 
 def test_changed_train_config_resumes_and_is_reported(tiny_copy, data_dir):
+  # Only bookkeeping changes (the compiled step stays the same program).
   cfg, workdir = tiny_copy
-  longer = helpers.experiment("tiny", data_dir, train__steps=45)
+  shutil.rmtree(os.path.join(workdir, "checkpoints", "40"))
+  changed = helpers.experiment("tiny", data_dir, train__log_every=10)
   out = io.StringIO()
-  summary = loop.train(longer, workdir, out=out)
-  assert "train.steps: 40 -> 45" in out.getvalue() and summary["step"] == 45
+  summary = loop.train(changed, workdir, out=out)
+  assert "train.log_every: 5 -> 10" in out.getvalue() and summary["step"] == 40
+  assert sorted(_rows(workdir, "train")) == [5, 10, 15, 20, 25, 30, 40]
   with open(os.path.join(workdir, ckpt_lib.CONFIG_FILE)) as f:
-    assert json.load(f)["train"]["steps"] == 45
+    assert json.load(f)["train"]["log_every"] == 10
