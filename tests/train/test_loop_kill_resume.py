@@ -23,7 +23,7 @@ COMPARED = ("loss", "ce", "aux_loss", "grad_norm", "max_vio_batch", "learning_ra
 def _command(workdir, data_dir):
   return [sys.executable, "-m", "experiments.train", "--config=configs/tiny.py",
           f"--workdir={workdir}", f"--config.data.data_dir={data_dir}",
-          "--config.train.log_every=1"]
+          "--config.train.log_every=1", "--config.train.checkpoint_every=4"]
 
 
 def _env(cache_env):
@@ -43,7 +43,9 @@ def test_sigkill_mid_training_then_restart_matches_uninterrupted_run(tmp_path, d
                         capture_output=True, text=True, timeout=600)
   assert done.returncode == 0, done.stderr[-3000:]
 
-  first_ckpt = os.path.join(killed, "checkpoints", "10")
+  # Killed early (soon after the first checkpoint, at step 4) so that even on
+  # a starved machine the child cannot finish its 40 steps before the signal.
+  first_ckpt = os.path.join(killed, "checkpoints", "4")
   proc = subprocess.Popen(_command(killed, data_dir), cwd=helpers.ROOT, env=env,
                           stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
   seen = []
@@ -52,7 +54,7 @@ def test_sigkill_mid_training_then_restart_matches_uninterrupted_run(tmp_path, d
       seen.append(line)
       step = int(line.split()[1].split("/")[0]) if line.startswith("step ") else 0
       # Mid-training: past the first complete (renamed, so finalised) checkpoint.
-      if step >= 13 and os.path.isdir(first_ckpt):
+      if step >= 5 and os.path.isdir(first_ckpt):
         os.kill(proc.pid, signal.SIGKILL)
         break
   finally:
