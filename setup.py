@@ -25,9 +25,13 @@ setup(
         "numpy>=1.26",
         # tensorflow-datasets 4.9.10 imports it but does not declare it on Python 3.9+.
         "importlib_resources",
+        # Ablation summaries write PNG plots (experiments.ablate).
+        "matplotlib>=3.8",
     ],
     extras_require={
-        "test": ["pytest>=8.0", "pytest-xdist>=3.5", "hypothesis>=6.100"],
+        "test": ["pytest>=8.0", "pytest-xdist>=3.5", "hypothesis>=6.100",
+                 # tests/ablation executes the notebooks.
+                 "nbclient>=0.10", "nbformat>=5.10", "ipykernel>=6.29"],
         # Checkpoint interop (moejax.interop). torch pinned exactly: a CPU build
         # of that version is what the machines here have; an unpinned torch
         # pulls a multi-GB CUDA build. transformers >= 5.24 has the Mixtral,

@@ -28,6 +28,7 @@ Everything here reads a finished run's checkpoints (never trains):
 
 from __future__ import annotations
 
+import functools
 import time
 from typing import Optional, Sequence
 
@@ -80,18 +81,18 @@ def val_batches(cfg: ExperimentConfig, num: int):
   return out, list(docs.domain_names)
 
 
+@functools.partial(jax.jit, static_argnums=0)
+def _routing_forward(graphdef, state, inputs):
+  """(logits, {layer: (expert_ids, valid)}); graphdef static, so checkpoints share one compile."""
+  logits, aux = nnx.merge(graphdef, state)(inputs, train=False)
+  routing = {name: (layer["expert_ids"], layer["valid"])
+             for name, layer in aux["moe"].items() if "expert_ids" in layer}
+  return logits, routing
+
+
 def _make_forward(model):
   graphdef, state = nnx.split(model)
-
-  @jax.jit
-  def fwd(state, inputs):
-    m = nnx.merge(graphdef, state)
-    logits, aux = m(inputs, train=False)
-    routing = {name: (layer["expert_ids"], layer["valid"])
-               for name, layer in aux["moe"].items() if "expert_ids" in layer}
-    return logits, routing
-
-  return lambda inputs: fwd(state, inputs)
+  return lambda inputs: _routing_forward(graphdef, state, inputs)
 
 
 def routing_pass(model, cfg: ExperimentConfig, batches, num_domains: int) -> dict:
@@ -163,7 +164,7 @@ def ep_devices(num_experts: int, wanted: int) -> int:
   return 1
 
 
-def moe_latency(cfg: ExperimentConfig, reps: int = 30, warmup: int = 3) -> dict:
+def moe_latency(cfg: ExperimentConfig, reps: int = 50, warmup: int = 3) -> dict:
   """P50 / P99 ms of one jitted MoE layer forward on T = batch x seq_len tokens."""
   from moejax import layer as layer_lib  # pylint: disable=g-import-not-at-top
   moe = cfg.model.moe
@@ -189,10 +190,7 @@ def moe_latency(cfg: ExperimentConfig, reps: int = 30, warmup: int = 3) -> dict:
 def causal_probe(model, batches, positions: Sequence[int]) -> dict:
   """Teacher-forced vs prefix-only loss at ``positions``; see the module doc."""
   graphdef, state = nnx.split(model)
-
-  @jax.jit
-  def logits_of(state, inputs):
-    return nnx.merge(graphdef, state)(inputs, train=False)[0]
+  logits_of = lambda state, inputs: _routing_forward(graphdef, state, inputs)[0]
 
   def ce(logits, targets):
     logp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)

@@ -13,8 +13,10 @@ returns an ``ml_collections.ConfigDict`` (or a plain dict) with:
   quantity in :data:`QUANTITIES` (``optimizer`` and ``tokens`` take 0: exact);
 - ``seeds``: ``train.seed`` values, every arm trained once per seed with the
   same data order (``data.seed`` stays the base's);
-- ``analysis``: optional extra measurements (``causal_probe``,
-  ``comm_devices``: expert-parallel devices for the all-to-all accounting).
+- ``analysis``: optional measurements: ``causal_probe`` (bool),
+  ``comm_devices`` (expert-parallel devices of the all-to-all accounting, 8),
+  ``latency`` (bool, True) and ``latency_reps`` (50), ``routing_batches``
+  (validation batches of the routing pass, 4).
 
 :func:`load_suite` turns it into a validated, frozen :class:`Suite` whose
 arms are full :class:`~moejax.train.config.ExperimentConfig` objects.
@@ -33,7 +35,7 @@ from moejax.train.config import ExperimentConfig, experiment_from_dict
 
 QUANTITIES = ("total", "active", "flops_per_token", "tokens", "optimizer")
 SUITE_KEYS = ("name", "description", "base", "arms", "fixed", "seeds", "analysis")
-ANALYSIS_KEYS = ("causal_probe", "comm_devices", "latency", "routing_batches")
+ANALYSIS_KEYS = ("causal_probe", "comm_devices", "latency", "latency_reps", "routing_batches")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -142,14 +142,14 @@ def read_csv(path: str) -> list[dict]:
 
 def plot_metrics(rows: Sequence[dict], path: str, metrics: Iterable[str] = PLOT_METRICS) -> str:
   """One bar chart per metric (n/a metrics are drawn as an empty panel saying so)."""
-  import matplotlib  # pylint: disable=g-import-not-at-top
-  matplotlib.use("Agg")
-  import matplotlib.pyplot as plt  # pylint: disable=g-import-not-at-top
+  from matplotlib.figure import Figure  # pylint: disable=g-import-not-at-top
   metrics = list(metrics)
   titles = dict(METRIC_COLUMNS)
   ncol = 4
   nrow = math.ceil(len(metrics) / ncol)
-  fig, axes = plt.subplots(nrow, ncol, figsize=(4 * ncol, 3.2 * nrow), squeeze=False)
+  # Figure, not pyplot: no global backend switch (a notebook keeps its inline backend).
+  fig = Figure(figsize=(4 * ncol, 3.2 * nrow))
+  axes = fig.subplots(nrow, ncol, squeeze=False)
   names = [r["arm"] for r in rows]
   for ax, key in zip(axes.flat, metrics):
     vals = [r.get(key) for r in rows]
@@ -168,16 +168,14 @@ def plot_metrics(rows: Sequence[dict], path: str, metrics: Iterable[str] = PLOT_
     ax.axis("off")
   fig.tight_layout()
   fig.savefig(path, dpi=80)
-  plt.close(fig)
   return path
 
 
 def plot_curves(results: Sequence[dict], path: str) -> str:
   """Validation loss and MaxVio_batch over training steps, one line per run."""
-  import matplotlib  # pylint: disable=g-import-not-at-top
-  matplotlib.use("Agg")
-  import matplotlib.pyplot as plt  # pylint: disable=g-import-not-at-top
-  fig, axes = plt.subplots(1, 3, figsize=(15, 3.6))
+  from matplotlib.figure import Figure  # pylint: disable=g-import-not-at-top
+  fig = Figure(figsize=(15, 3.6))
+  axes = fig.subplots(1, 3)
   arms = sorted({r["arm"] for r in results})
   for r in results:
     c = f"C{arms.index(r['arm'])}"
@@ -195,7 +193,6 @@ def plot_curves(results: Sequence[dict], path: str) -> str:
   axes[0].legend(fontsize=8)
   fig.tight_layout()
   fig.savefig(path, dpi=80)
-  plt.close(fig)
   return path
 
 
@@ -207,6 +204,9 @@ def write_summary(workdir: str, suite_name: str = "") -> dict:
   if os.path.exists(order_path):  # the suite's own arm order, not the directory order
     with open(order_path, encoding="utf-8") as f:
       order = list(json.load(f).get("arm_order", []))
+    if order:  # runs left over from arms the suite file no longer has are not summarised
+      results = [r for r in results if r["arm"] in order]
+      rows = [r for r in rows if r["arm"] in order]
     rows.sort(key=lambda r: order.index(r["arm"]) if r["arm"] in order else len(order))
   with open(os.path.join(workdir, "summary.md"), "w", encoding="utf-8") as f:
     f.write(markdown(rows, f"suite {suite_name}" if suite_name else ""))
