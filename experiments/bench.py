@@ -69,6 +69,9 @@ _GMM_G = flags.DEFINE_integer("gmm_groups", 64, "gmm groups")
 _GMM_DTYPE = flags.DEFINE_string("gmm_dtype", "bfloat16", "gmm operand dtype")
 _GMM_BACKENDS = flags.DEFINE_list("gmm_backends", None,
                                   "gmm backends to time (default: all native ones)")
+_GMM_CHECK = flags.DEFINE_bool("gmm_check", True,
+                               "also compare each backend's output and gradients with "
+                               "ragged_dot once (untimed), so one run checks correctness")
 
 SHAPES = {"fine": dict(num_experts=64, k=8, f=256), "coarse": dict(num_experts=8, k=2, f=1024)}
 
@@ -98,23 +101,36 @@ def _block(x):
 
 def time_round_robin(fns: dict[str, Callable[[], object]], repeats: int,
                      slow_s: float, slow_repeats: int) -> dict[str, dict]:
-  """Median seconds per fn; compile + first run are excluded."""
-  first = {}
+  """Median seconds per fn; compile + first run are excluded.
+
+  A variant that fails on its first run (e.g. out of memory) is reported
+  with its error instead of a time, and the others still run.
+  """
+  first, failed = {}, {}
   for name, fn in fns.items():
     t0 = time.perf_counter()
-    _block(fn())
+    try:
+      _block(fn())
+    except Exception as e:  # noqa: BLE001 - recorded, the suite goes on
+      failed[name] = f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"
+      logging.warning("%s failed: %s", name, failed[name])
+      continue
     first[name] = time.perf_counter() - t0
     logging.info("compiled+ran %s in %.2fs", name, first[name])
-  want = {n: (slow_repeats if first[n] > slow_s else repeats) for n in fns}
-  times = {n: [] for n in fns}
-  for r in range(max(want.values())):
-    for name, fn in fns.items():
+  live = {n: f for n, f in fns.items() if n in first}
+  want = {n: (slow_repeats if first[n] > slow_s else repeats) for n in live}
+  times = {n: [] for n in live}
+  for r in range(max(want.values(), default=0)):
+    for name, fn in live.items():
       if r < want[name]:
         t0 = time.perf_counter()
         _block(fn())
         times[name].append(time.perf_counter() - t0)
-  return {n: {"median_s": float(np.median(ts)), "runs": len(ts),
-              "all_s": [round(t, 4) for t in ts]} for n, ts in times.items()}
+  out = {n: {"median_s": float(np.median(ts)), "runs": len(ts),
+             "all_s": [round(t, 4) for t in ts], "first_run_s": round(first[n], 3)}
+         for n, ts in times.items()}
+  out.update({n: {"error": err} for n, err in failed.items()})
+  return out
 
 
 # --- Layer suite. -----------------------------------------------------------
@@ -226,7 +242,7 @@ def layer_suite(shapes, variants_filter=None) -> dict:
     base = table.get("dense")
     for name, row in table.items():
       for mode in ("fwd", "fwdbwd"):
-        if base and mode in row:
+        if base and "median_s" in row.get(mode, {}) and "median_s" in base.get(mode, {}):
           row[mode]["ratio_to_dense"] = row[mode]["median_s"] / base[mode]["median_s"]
     flops_fwd = 2 * t * d * (k * f) * 3
     out["shapes"][shape] = {
@@ -244,13 +260,18 @@ def print_layer_table(res: dict) -> None:
           f"(dense width {s['dense_width']}, {s['fwd_gflop']:.1f} GFLOP forward)")
     print(f"{'variant':<18}{'fwd s':>10}{'x dense':>9}{'fwd+bwd s':>11}{'x dense':>9}{'runs':>6}")
     for name, row in s["variants"].items():
-      cells = []
+      cells, notes = [], []
       for mode in ("fwd", "fwdbwd"):
-        r = row.get(mode)
-        cells += ([f"{r['median_s']:.3f}", f"{r.get('ratio_to_dense', float('nan')):.2f}"]
-                  if r else ["-", "-"])
-      runs = max(r["runs"] for r in row.values())
-      print(f"{name:<18}{cells[0]:>10}{cells[1]:>9}{cells[2]:>11}{cells[3]:>9}{runs:>6}")
+        r = row.get(mode, {})
+        if "median_s" in r:
+          cells += [f"{r['median_s']:.3f}", f"{r.get('ratio_to_dense', float('nan')):.2f}"]
+        else:
+          cells += ["failed" if "error" in r else "-", "-"]
+          if "error" in r:
+            notes.append(f"{mode}: {r['error'][:90]}")
+      runs = max((r.get("runs", 0) for r in row.values()), default=0)
+      print(f"{name:<18}{cells[0]:>10}{cells[1]:>9}{cells[2]:>11}{cells[3]:>9}{runs:>6}"
+            + (f"  ({'; '.join(notes)})" if notes else ""))
     for name, why in s["skipped"].items():
       print(f"{name:<18}skipped: {why}")
 
@@ -282,6 +303,10 @@ def gmm_suite() -> dict:
     f = jax.jit(lambda a, b, s, name=name: gmm_lib.gmm(a, b, s, backend=name))
     fns[name] = lambda f=f: f(lhs, rhs, sizes)
   timed = time_round_robin(fns, _REPEATS.value, _SLOW_S.value, _SLOW_REPEATS.value)
+  timed = {n: r for n, r in timed.items() if "median_s" in r}
+  if _GMM_CHECK.value:
+    for name, err in check_against_ragged_dot(lhs, rhs, sizes, list(timed)[1:]).items():
+      timed[name]["max_rel_err_vs_ragged_dot"] = err
   flops = 2 * m * k * n
   for name, r in timed.items():
     r["tflops"] = flops / r["median_s"] / 1e12
@@ -291,12 +316,44 @@ def gmm_suite() -> dict:
           "results": timed, "skipped": {b: w for b, w in skipped.items() if b not in backends}}
 
 
+def check_against_ragged_dot(lhs, rhs, sizes, backends) -> dict[str, dict]:
+  """Max |x - ref| / max |ref| of out, d_lhs, d_rhs per backend (f32 math)."""
+  cot = jax.random.normal(jax.random.PRNGKey(1), (lhs.shape[0], rhs.shape[2]), jnp.float32)
+
+  def run(name):
+    f = jax.jit(lambda a, b: jax.vjp(lambda a, b: gmm_lib.gmm(
+        a, b, sizes, backend=name, preferred_element_type=jnp.float32), a, b))
+    out, vjp = f(lhs, rhs)
+    return (out,) + tuple(vjp(cot))
+
+  try:
+    ref = [np.asarray(a, np.float32) for a in run("ragged_dot")]
+  except Exception as e:  # noqa: BLE001 - e.g. ragged_dot out of memory on CPU
+    logging.warning("no correctness check: ragged_dot failed: %s", e)
+    return {}
+  errs = {}
+  for name in backends:
+    try:
+      got = ref if name == "ragged_dot" else [np.asarray(a, np.float32) for a in run(name)]
+    except Exception as e:  # noqa: BLE001
+      errs[name] = {"error": f"{type(e).__name__}: {str(e)[:200]}"}
+      continue
+    errs[name] = {k: float(np.max(np.abs(g - r)) / max(float(np.max(np.abs(r))), 1e-30))
+                  for k, g, r in zip(("out", "d_lhs", "d_rhs"), got, ref)}
+  return errs
+
+
 def print_gmm_table(res: dict) -> None:
   print(f"\ngmm m={res['m']} k={res['k']} n={res['n']} G={res['groups']} {res['dtype']} "
         f"on {res['conditions']['platform']}")
-  print(f"{'variant':<14}{'median s':>12}{'TFLOP/s':>10}{'x dense':>9}")
+  print(f"{'variant':<14}{'median s':>12}{'TFLOP/s':>10}{'x dense':>9}  max rel err "
+        "vs ragged_dot (out, d_lhs, d_rhs)")
   for name, r in res["results"].items():
-    print(f"{name:<14}{r['median_s']:>12.5f}{r['tflops']:>10.3f}{r['fraction_of_dense']:>9.2f}")
+    err = r.get("max_rel_err_vs_ragged_dot")
+    err_s = (", ".join(f"{v:.1e}" if isinstance(v, float) else str(v) for v in err.values())
+             if err else "")
+    print(f"{name:<14}{r['median_s']:>12.5f}{r['tflops']:>10.3f}{r['fraction_of_dense']:>9.2f}"
+          f"  {err_s}")
   for name, why in res["skipped"].items():
     print(f"{name:<14}skipped: {why}")
 

@@ -7,22 +7,24 @@ Composing permute -> 3 grouped matmuls -> unpermute writes and re-reads
 several [M, d] and [M, f] arrays; on a CPU that is memory-bound outside the
 matmuls (M * d * 4 bytes = 128 MiB at T=8192, K=8, d=512) and it cost about
 as much as two of the nine matmul passes of a forward+backward. Here one
-loop visits the experts and, inside an expert, its tm-row tiles of the
-dropless layout (``permute.sort_by_expert``). Per tile:
+loop visits the experts and, inside an expert, its row tiles of the dropless
+layout (``permute.sort_by_expert``): full tm-row tiles, then tiles of ts rows
+for the remainder (waste < ts rows per expert). Per tile, with
+W1 = [W_gate | W_up] (one [d, 2f] matmul instead of two [d, f] ones):
 
     forward:  x_t = x[tokens]            (gather from [T, d], which stays in cache)
-              a = x_t Wg, b = x_t Wu, h = silu(a) * b, y_t = h Wd
+              [a|b] = x_t W1, h = silu(a) * b, y_t = h W_down
               y[tokens] += w * y_t       (scatter-add into [T, d])
-    backward: dh' = dy[tokens] Wd^T; dw = <h, dh'>; dh = w * dh'
-              dWd += h^T (w dy); dWg += x_t^T da; dWu += x_t^T db
-              dx[tokens] += da Wg^T + db Wu^T
+    backward: dh' = dy[tokens] W_down^T; dw = <h, dh'>; dh = w * dh'
+              dW_down += h^T (w dy); d[a|b] from dh; dW1 += x_t^T d[a|b]
+              dx[tokens] += d[a|b] W1^T
 
-so the only [M, *] traffic is saving a and b ([M, f]) for the backward pass;
-the backward does the 6 matmuls a dense FFN backward does, no recomputation.
-Weight gradients accumulate in per-expert registers of the inner loop (hot in
-cache) and are written once per expert. Rows of a tile that belong to another
-expert gather token T (out of range, filled with zeros), so they add nothing
-and scatter nowhere.
+so the only [M, *] traffic is saving [a|b] ([M, 2f]) for the backward pass;
+the backward does the matmuls a dense FFN backward does, no recomputation.
+Weight gradients accumulate in the inner loop's carry (hot in cache) and are
+written once per expert. Rows of a tile that belong to another expert gather
+token T (out of range, filled with zeros), so they add nothing and scatter
+nowhere. GELU experts use W1 = W_up and save a only.
 """
 
 from __future__ import annotations

@@ -120,13 +120,14 @@ def test_bf16_params_and_activations():
   want = naive_routed(jax.tree.map(lambda a: a.astype(jnp.float32), params), x, result,
                       "swiglu", mask)
   for cfg in (CONFIGS["blocked_fused"], CONFIGS["blocked_unfused"]):
-    y = X.routed_experts(params, x, result, num_experts=E, activation="swiglu",
-                         width_mask=mask, **cfg)
+    def run(p, cfg=cfg):
+      return X.routed_experts(p, x, result, num_experts=E, activation="swiglu",
+                              width_mask=mask, **cfg)
+
+    y, g = jax.jit(lambda p: (run(p), jax.grad(
+        lambda q: jnp.sum(run(q).astype(jnp.float32)))(p)))(params)
     assert y.dtype == jnp.bfloat16
     np.testing.assert_allclose(np.asarray(y, np.float32), want, rtol=5e-2, atol=5e-2)
-    g = jax.grad(lambda p: jnp.sum(X.routed_experts(
-        p, x, result, num_experts=E, activation="swiglu", width_mask=mask, **cfg
-    ).astype(jnp.float32)))(params)
     assert all(v.dtype == jnp.bfloat16 for v in g.values())
 
 
