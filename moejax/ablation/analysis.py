@@ -12,7 +12,8 @@ Everything here reads a finished run's checkpoints (never trains):
   checkpoint it gives per-expert load over training.
 - :func:`a2a_bytes`: all-to-all bytes per token that expert parallelism over P
   devices would move for the *realised* routing: tokens sharded over the
-  devices in order, experts placed contiguously (E/P per device), a copy sent
+  devices in order, experts placed contiguously (expert e on device
+  floor(e P / E): E/P per device when P divides E), a copy sent
   for each slot on a remote device (the per-copy all_to_all convention of
   :mod:`moejax.execution.comm`), dispatch + combine, forward only.
 - :func:`moe_latency`: P50 / P99 wall time of one jitted MoE layer forward at
@@ -138,13 +139,12 @@ def a2a_bytes(ids_per_batch, num_experts: int, devices: int, row_bytes: int) -> 
   Returns ``copies`` (what a per-copy all_to_all sends) and ``min_device``
   (each token once per distinct remote device), bytes per token.
   """
-  per_dev = num_experts // devices
   copies = dedup = 0.0
   tokens = 0
   for ids, sent in ids_per_batch:
     t = ids.shape[0]
     src = (np.arange(t) * devices) // t                                 # [T]
-    dest = ids // per_dev                                                # [T, K]
+    dest = (ids * devices) // num_experts                                # [T, K]
     remote = sent & (dest != src[:, None])
     copies += remote.sum()
     hot = np.zeros((t, devices), bool)
@@ -157,14 +157,12 @@ def a2a_bytes(ids_per_batch, num_experts: int, devices: int, row_bytes: int) -> 
 
 
 def ep_devices(num_experts: int, wanted: int) -> int:
-  """The largest P <= wanted dividing num_experts (experts must split evenly)."""
-  for p in range(min(wanted, num_experts), 0, -1):
-    if num_experts % p == 0:
-      return p
-  return 1
+  """P = min(wanted, E): experts are placed contiguously, floor(e P / E) (uneven when P does
+  not divide E, e.g. DeepSeekMoE's 31 routed experts over 8 devices)."""
+  return max(1, min(wanted, num_experts))
 
 
-def moe_latency(cfg: ExperimentConfig, reps: int = 50, warmup: int = 3) -> dict:
+def moe_latency(cfg: ExperimentConfig, reps: int = 30, warmup: int = 3) -> dict:
   """P50 / P99 ms of one jitted MoE layer forward on T = batch x seq_len tokens."""
   from moejax import layer as layer_lib  # pylint: disable=g-import-not-at-top
   moe = cfg.model.moe

@@ -139,7 +139,7 @@ def analyse(exp: ExperimentConfig, run_path: str, options: dict, say) -> tuple[d
                 if exp.model.moe_schedule == "scmoe" else ""))
   if options.get("latency", True):
     say("measuring MoE layer latency")
-    res.update(analysis_lib.moe_latency(exp, reps=int(options.get("latency_reps", 50))))
+    res.update(analysis_lib.moe_latency(exp, reps=int(options.get("latency_reps", 30))))
   if options.get("causal_probe"):
     s = exp.data.seq_len
     positions = sorted({s // 8, s // 4, s // 2, s - 1})

@@ -15,7 +15,7 @@ returns an ``ml_collections.ConfigDict`` (or a plain dict) with:
   same data order (``data.seed`` stays the base's);
 - ``analysis``: optional measurements: ``causal_probe`` (bool),
   ``comm_devices`` (expert-parallel devices of the all-to-all accounting, 8),
-  ``latency`` (bool, True) and ``latency_reps`` (50), ``routing_batches``
+  ``latency`` (bool, True) and ``latency_reps`` (30), ``routing_batches``
   (validation batches of the routing pass, 4).
 
 :func:`load_suite` turns it into a validated, frozen :class:`Suite` whose
