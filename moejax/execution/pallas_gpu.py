@@ -33,7 +33,6 @@ are accepted (wgmma has no plain f32 path).
 from __future__ import annotations
 
 import functools
-import math
 
 import jax
 import jax.numpy as jnp

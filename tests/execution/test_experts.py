@@ -1,7 +1,5 @@
 """routed_experts against a naive per-expert loop, for every backend."""
 
-import functools
-
 import jax
 import jax.numpy as jnp
 import numpy as np
