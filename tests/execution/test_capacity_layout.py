@@ -6,6 +6,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from moejax.balance import capacity as capacity_lib
 from moejax.execution import permute as P
 from moejax.routing.types import RoutingResult
 
@@ -68,7 +69,6 @@ def test_large_capacity_equals_the_dropless_layout():
 @hypothesis.settings(max_examples=25, deadline=None)
 @hypothesis.given(st.data())
 def test_drops_agree_with_balance_apply_capacity(data):
-  capacity_lib = __import__("pytest").importorskip("moejax.balance.capacity")
   t, k, e = 6, 2, 3
   ids = jnp.array(data.draw(st.lists(st.integers(0, e), min_size=t * k, max_size=t * k)),
                   jnp.int32).reshape(t, k)
