@@ -33,8 +33,8 @@ METRIC_COLUMNS = (
     ("probe_leak_gap", "leak gap"))
 NOTE_KEYS = (("a2a_bytes_per_token", "a2a_note"), ("exposed_comm", "exposed_comm_note"))
 PLOT_METRICS = ("val_loss", "max_vio_batch", "max_vio_global", "drop_rate",
-                "specialisation_mi_norm", "active_experts_var", "a2a_bytes_per_token",
-                "moe_latency_p99_ms")
+                "specialisation_mi_norm", "active_experts_mean", "active_experts_var",
+                "a2a_bytes_per_token", "exposed_comm", "moe_latency_p99_ms", "probe_leak_gap")
 
 
 def find_results(root: str) -> list[dict]:
@@ -155,13 +155,22 @@ def plot_metrics(rows: Sequence[dict], path: str, metrics: Iterable[str] = PLOT_
     vals = [r.get(key) for r in rows]
     ax.set_title(titles.get(key, key), fontsize=10)
     if all(v is None for v in vals):
-      ax.text(0.5, 0.5, "n/a", ha="center", va="center", transform=ax.transAxes)
+      if key == "probe_leak_gap":
+        ax.axis("off")  # only the expert-choice suite runs the probe
+        continue
+      ax.text(0.5, 0.5, "n/a (see summary.md notes)", ha="center", va="center",
+              transform=ax.transAxes)
       ax.set_xticks([])
       ax.set_yticks([])
       continue
     err = [r.get(key + "_std") or 0.0 for r in rows]
     ax.bar(range(len(names)), [v if v is not None else 0.0 for v in vals], yerr=err,
            color=[f"C{i}" for i in range(len(names))])
+    got = [v for v in vals if v is not None]
+    if key in ("val_loss", "train_loss") and min(got) > 0:
+      # Losses differ in the second decimal: a zero baseline would hide it.
+      span = max(max(got) - min(got), 1e-3)
+      ax.set_ylim(min(got) - 2 * span, max(got) + span)
     ax.set_xticks(range(len(names)))
     ax.set_xticklabels(names, rotation=30, ha="right", fontsize=8)
   for ax in list(axes.flat)[len(metrics):]:
