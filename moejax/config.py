@@ -24,6 +24,9 @@ SCORE_FNS = ("softmax", "sigmoid", "sqrtsoftplus")
 GATINGS = ("topk_softmax", "scores", "normalized")
 ROUTER_KINDS = ("topk", "expert_choice", "hash", "top_p", "hierarchical")
 GROUP_SCORES = ("auto", "top2_sum", "max")
+# Kept in step with moejax.execution.gmm.BACKENDS (a test checks it); config
+# must not import JAX-heavy modules.
+EXPERT_BACKENDS = ("reference", "blocked", "ragged_dot", "pallas_tpu", "pallas_gpu")
 LAYER_KINDS = ("sparse", "soft", "peer")
 ACTIVATIONS = ("swiglu", "gelu")
 AUX_SCOPES = ("batch", "sequence", "global")
@@ -229,7 +232,11 @@ class MoEConfig:
   slots_per_expert: Soft MoE slots p per expert.
   peer_*: PEER, N = peer_num_keys**2 singleton experts, peer_heads heads,
     peer_top_k experts per head, peer_key_dim query width.
-  backend: execution backend for the expert computation.
+  backend: execution backend for the expert computation: ``reference`` (every
+    expert on every token, the oracle) or a grouped-matmul backend of
+    ``moejax.execution.gmm`` (``blocked``, the fast portable path;
+    ``ragged_dot``; ``pallas_tpu``; ``pallas_gpu``).
+  backend_interpret: run a Pallas backend in interpret mode (CPU tests).
   """
 
   kind: str = "sparse"
@@ -251,6 +258,7 @@ class MoEConfig:
   peer_top_k: int = 8
   peer_key_dim: int = 128
   backend: str = "reference"
+  backend_interpret: bool = False
   router: RouterConfig = dataclasses.field(default_factory=RouterConfig)
   balance: BalanceConfig = dataclasses.field(default_factory=BalanceConfig)
 
@@ -277,6 +285,7 @@ class MoEConfig:
     _check_choice(f"{p}.kind", self.kind, LAYER_KINDS)
     _check_choice(f"{p}.activation", self.activation, ACTIVATIONS)
     _check_choice(f"{p}.drop_priority", self.drop_priority, DROP_PRIORITIES)
+    _check_choice(f"{p}.backend", self.backend, EXPERT_BACKENDS)
     _check_positive(f"{p}.num_experts", self.num_experts)
     _check_positive(f"{p}.expert_width", self.expert_width)
     _check_positive(f"{p}.slots_per_expert", self.slots_per_expert)

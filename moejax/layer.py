@@ -95,7 +95,8 @@ def _routed_output(params: Params, x: jax.Array, result: RoutingResult,
   mask = experts_lib.width_mask(cfg) if cfg.expert_widths is not None else None
   return exec_experts.routed_experts(
       params["experts"], x, result, num_experts=cfg.num_experts,
-      activation=cfg.activation, backend=cfg.backend, width_mask=mask)
+      activation=cfg.activation, backend=cfg.backend, width_mask=mask,
+      interpret=cfg.backend_interpret)
 
 
 def _sparse_layer(params, x, state, cfg, *, token_ids, rng, train, axis_names,

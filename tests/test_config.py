@@ -90,3 +90,10 @@ def test_configs_are_frozen():
   cfg = moe()
   with pytest.raises(Exception):
     cfg.num_experts = 3  # type: ignore[misc]
+
+
+def test_backend_names_match_the_execution_registry():
+  from moejax.execution import gmm
+  assert set(C.EXPERT_BACKENDS) == {"reference", *gmm.BACKENDS}
+  with pytest.raises(C.ConfigError, match="did you mean 'blocked'"):
+    moe(backend="blockd")

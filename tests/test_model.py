@@ -22,19 +22,9 @@ from moejax.model import (RouterStateVar, Transformer, active_ffn_params,
                           dense_equivalent, param_count)
 from moejax.nn import mod as mod_lib
 from moejax.nn.attention import apply_rope
+from moejax.topology import accounting
 
 V, S = 32, 12
-
-
-def _has_moe_layer() -> bool:
-  try:
-    import moejax.layer  # noqa: F401
-    return True
-  except ImportError:
-    return False
-
-
-needs_moe = pytest.mark.skipif(not _has_moe_layer(), reason="moejax.layer not importable yet")
 
 
 def tiny(moe=None, **kw) -> ModelConfig:
@@ -270,7 +260,6 @@ def _moe_cfg(kind="topk", n_layers=2, **kw):
   return tiny(moe=tiny_moe(kind), n_layers=n_layers, **kw)
 
 
-@needs_moe
 @pytest.mark.parametrize("kind", ["topk", "hash", "top_p", "expert_choice"])
 def test_moe_shapes_and_aux(kind):
   cfg = _moe_cfg(kind, moe_layout="every_other")
@@ -286,7 +275,6 @@ def test_moe_shapes_and_aux(kind):
   np.testing.assert_allclose(aux["loss"], layer["losses"]["total"])
 
 
-@needs_moe
 @pytest.mark.parametrize("kind", ["topk", "hash", "top_p"])
 def test_token_choice_moe_is_causal(kind):
   # The shapes test's config: nnx.jit reuses its compiled forward.
@@ -306,7 +294,6 @@ def _paths(state):
   return {"/".join(map(str, path)) for path, _ in nnx.to_flat_state(state)}
 
 
-@needs_moe
 def test_router_state_is_state_not_a_param():
   model = Transformer(_bias_cfg(), rngs=nnx.Rngs(0))
   param_paths = _paths(nnx.state(model, nnx.Param))
@@ -320,7 +307,6 @@ def test_router_state_is_state_not_a_param():
   assert not any("router_state" in p for p in _paths(nnx.state(opt)))
 
 
-@needs_moe
 def test_moe_training_reduces_loss_and_the_controller_moves_the_bias():
   model = Transformer(_bias_cfg("sign"), rngs=nnx.Rngs(0))
   tokens = _repeating_tokens()
@@ -342,7 +328,6 @@ def test_moe_training_reduces_loss_and_the_controller_moves_the_bias():
   np.testing.assert_array_equal(model.blocks[0].ffn.router_state.bias[...], before)
 
 
-@needs_moe
 def test_expert_sharing_shares_exactly_the_routed_experts():
   cfg = _moe_cfg(n_layers=4)
   shared = dataclasses.replace(cfg, expert_sharing_group=2)
@@ -360,7 +345,6 @@ def test_expert_sharing_shares_exactly_the_routed_experts():
   assert ffn[1].params["experts"]["w_up"] is not ffn[2].params["experts"]["w_up"]
 
 
-@needs_moe
 def test_mod_block_around_moe_routes_only_selected_tokens():
   cfg = _moe_cfg(mod_every=1, mod_capacity=0.5)
   logits, aux = _forward(Transformer(cfg, rngs=nnx.Rngs(0)), _tokens())
@@ -372,7 +356,6 @@ def test_mod_block_around_moe_routes_only_selected_tokens():
     assert not valid[~sel].any() and valid[sel].all()  # top-k: K valid slots each
 
 
-@needs_moe
 def test_moe_bf16_compute():
   cfg = _moe_cfg(compute_dtype="bfloat16")
   logits, aux = _forward(Transformer(cfg, rngs=nnx.Rngs(0)), _tokens())
@@ -388,7 +371,6 @@ def _ffn_param_count(model) -> int:
 
 
 def test_dense_equivalent_by_hand():
-  pytest.importorskip("moejax.topology.accounting")
   moe = MoEConfig(num_experts=4, expert_width=16, num_shared_experts=1,
                   shared_expert_width=8, router=RouterConfig(top_k=2))
   cfg = tiny(moe=moe)
@@ -413,7 +395,6 @@ def test_dense_equivalent_by_hand():
 
 
 def test_dense_equivalent_matches_accounting():
-  accounting = pytest.importorskip("moejax.topology.accounting")
   moe = MoEConfig(num_experts=4, expert_width=16, num_shared_experts=1,
                   router=RouterConfig(top_k=2))
   cfg = tiny(moe=moe)
@@ -437,8 +418,5 @@ def test_param_count_equals_accounting_total(kw):
     kw["moe"] = tiny_moe()
   elif kw.get("moe") == "shared":
     kw["moe"] = tiny_moe(num_shared_experts=1, shared_expert_width=8)
-  if kw.get("moe") is not None and not _has_moe_layer():
-    pytest.skip("moejax.layer not importable yet")
-  accounting = pytest.importorskip("moejax.topology.accounting")
   cfg = tiny(**kw)
   assert param_count(Transformer(cfg, rngs=nnx.Rngs(0))) == accounting.budget(cfg).total

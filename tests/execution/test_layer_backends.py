@@ -70,3 +70,17 @@ def test_ragged_dot_layer_equals_reference_layer():
   np.testing.assert_allclose(y1, y0, rtol=1e-5, atol=1e-5)
   for a, b in zip(jax.tree.leaves(g1), jax.tree.leaves(g0)):
     np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("backend", ["pallas_tpu", "pallas_gpu"])
+def test_pallas_layer_in_interpret_mode_equals_reference_layer(backend):
+  # The layer reaches the Pallas kernels through moe.backend_interpret on CPU.
+  case = CASES["mixtral"]
+  params = L.init_moe_params(jax.random.PRNGKey(0), D, make("reference", **case))
+  x = jax.random.normal(jax.random.PRNGKey(1), (1, 6, D))
+  ids = jnp.zeros((1, 6), jnp.int32)
+  y0, g0 = _layer_and_grads(make("reference", **case))(params, x, ids)
+  y1, g1 = _layer_and_grads(make(backend, backend_interpret=True, **case))(params, x, ids)
+  np.testing.assert_allclose(y1, y0, rtol=1e-5, atol=1e-5)
+  for a, b in zip(jax.tree.leaves(g1), jax.tree.leaves(g0)):
+    np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5)
