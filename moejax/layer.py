@@ -99,19 +99,28 @@ def _routed_output(params: Params, x: jax.Array, result: RoutingResult,
       interpret=cfg.backend_interpret)
 
 
-def _sparse_layer(params, x, state, cfg, *, token_ids, rng, train, axis_names,
-                  batch_shape):
+def route_and_drop(params: Params, x: jax.Array, state: RouterState, cfg: MoEConfig, *,
+                   token_ids, rng, train: bool):
+  """Router, then the capacity rule: (result, dropped bool[T, K], capacity or None).
+
+  Shared with the expert-parallel layer, which applies the same rule per
+  device group.
+  """
   result = router_lib.route(params["router"], x, state, cfg,
                             token_ids=token_ids, rng=rng, train=train)
-  routed_before = result.valid
   dropped = jnp.zeros_like(result.valid)
+  cap = None
   if cfg.capacity_factor is not None:
     cap = capacity_lib.expert_capacity(x.shape[0], cfg.num_experts,
                                        result.k, cfg.capacity_factor)
     result, dropped = capacity_lib.apply_capacity(
         result, cap, num_experts=cfg.num_experts, priority=cfg.drop_priority)
+  return result, dropped, cap
 
-  y = _routed_output(params, x, result, cfg)
+
+def add_token_local_experts(params: Params, x: jax.Array, result: RoutingResult,
+                            cfg: MoEConfig, y: jax.Array) -> jax.Array:
+  """y[T, d] plus the zero-computation and shared experts (no dispatch needed)."""
   if cfg.num_zero_compute:
     # Zero-computation experts are elementwise; their [T, Z] gates come from
     # the same routing result as the FFN experts.
@@ -120,20 +129,37 @@ def _sparse_layer(params, x, state, cfg, *, token_ids, rng, train, axis_names,
     y = y + jnp.einsum("tz,tzd->td", z_gates.astype(z_out.dtype), z_out)
   if cfg.num_shared_experts:
     y = y + experts_lib.apply_shared(params["shared"], x)
+  return y
 
-  # Loads over every routed column drive the bias controller; they are
-  # reduced over the mesh axes so the update sees the global batch.
+
+def controller_step(state: RouterState, result: RoutingResult, cfg: MoEConfig, *,
+                    train: bool, axis_names: Sequence[str]):
+  """(new_state, load f32[E_routed]) from the load over every routed column.
+
+  The load is reduced over the mesh axes so the bias update sees the global
+  batch (DeepSeek-V3; MaxText #2494 is what happens otherwise).
+  """
   load_all = metrics.expert_load(result, cfg.num_routed, axis_names=axis_names)
   new_state = state
   if train and cfg.balance.bias_update != "none":
     new_state = controller.update_bias(state, load_all, cfg.balance)
+  return new_state, load_all
+
+
+def _sparse_layer(params, x, state, cfg, *, token_ids, rng, train, axis_names,
+                  batch_shape):
+  result, dropped, _ = route_and_drop(params, x, state, cfg, token_ids=token_ids,
+                                      rng=rng, train=train)
+  y = add_token_local_experts(params, x, result, cfg, _routed_output(params, x, result, cfg))
+  new_state, load_all = controller_step(state, result, cfg, train=train,
+                                        axis_names=axis_names)
   aux = {
       "losses": losses.balance_losses(result, cfg, batch_shape=batch_shape,
                                        axis_names=axis_names),
       "metrics": metrics.routing_metrics(result, cfg, dropped=dropped,
                                          axis_names=axis_names),
       "load": load_all[: cfg.num_experts],
-      "num_dropped": jnp.sum(dropped & routed_before),
+      "num_dropped": jnp.sum(dropped),
       "routing": result,
   }
   return y, new_state, aux

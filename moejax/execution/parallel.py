@@ -66,8 +66,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, PartitionSpec as P
 
-from moejax.balance import capacity as capacity_lib
-from moejax.balance import controller, losses, metrics, stats
+from moejax import layer as layer_lib
+from moejax.balance import losses, metrics, stats
 from moejax.config import MoEConfig
 from moejax.execution import comm as comm_lib
 from moejax.execution import experts as exec_experts
@@ -76,10 +76,8 @@ from moejax.execution import mesh as mesh_lib
 from moejax.execution import permute as permute_lib
 from moejax.execution import placement as placement_lib
 from moejax.execution.mesh import EXPERT, FSDP, ParallelConfig
-from moejax.routing import router as router_lib
 from moejax.routing.types import RouterState, RoutingResult
 from moejax.topology import experts as experts_lib
-from moejax.topology import zero_compute as zero_lib
 
 NATIVE_RAGGED_PLATFORMS = ("gpu", "cuda", "rocm", "tpu")
 
@@ -260,31 +258,15 @@ def _body(args, *, cfg: MoEConfig, impl: str, plc, backend: str, node_of, axes,
   rng = args.get("rng")
   if rng is not None:
     rng = jax.random.fold_in(rng, _device_index(axes))
-  result = router_lib.route(params["router"], x2, state, cfg, token_ids=ids, rng=rng,
-                            train=train)
-  routed_before = result.valid
-  dropped = jnp.zeros_like(result.valid)
-  cap = None
-  if cfg.capacity_factor is not None:
-    cap = capacity_lib.expert_capacity(x2.shape[0], cfg.num_experts, result.k,
-                                       cfg.capacity_factor)
-    result, dropped = capacity_lib.apply_capacity(
-        result, cap, num_experts=cfg.num_experts, priority=cfg.drop_priority)
+  result, dropped, cap = layer_lib.route_and_drop(params, x2, state, cfg, token_ids=ids,
+                                                  rng=rng, train=train)
   experts = _gather_fsdp(params["experts"], has_fsdp)
   y, bytes_local, phys_rows, lost = _dispatch_combine(
       experts, args.get("width_mask"), x2, result, cfg=cfg, impl=impl, plc=plc, cap=cap,
       backend=backend, node_of=node_of)
-  if cfg.num_zero_compute:
-    z_out = zero_lib.apply_zero_compute(params["zero_compute"], x2, cfg)
-    z_gates = result.combine_weights()[:, cfg.num_experts:]
-    y = y + jnp.einsum("tz,tzd->td", z_gates.astype(z_out.dtype), z_out)
-  if cfg.num_shared_experts:
-    y = y + experts_lib.apply_shared(params["shared"], x2)
-
-  load_all = metrics.expert_load(result, cfg.num_routed, axis_names=axes)
-  new_state = state
-  if train and cfg.balance.bias_update != "none":
-    new_state = controller.update_bias(state, load_all, cfg.balance)
+  y = layer_lib.add_token_local_experts(params, x2, result, cfg, y)
+  new_state, load_all = layer_lib.controller_step(state, result, cfg, train=train,
+                                                  axis_names=axes)
   layer_losses = losses.balance_losses(result, cfg, batch_shape=(b, s), axis_names=axes)
   d, sp = plc.num_devices, plc.slots_per_device
   comm = comm_lib.summarize(bytes_local, axes)
@@ -293,7 +275,7 @@ def _body(args, *, cfg: MoEConfig, impl: str, plc, backend: str, node_of, axes,
       "losses": {k: stats.pmean(v, axes) for k, v in layer_losses.items()},
       "metrics": metrics.routing_metrics(result, cfg, dropped=dropped, axis_names=axes),
       "load": load_all[: cfg.num_experts],
-      "num_dropped": stats.psum(jnp.sum(dropped & routed_before), axes),
+      "num_dropped": stats.psum(jnp.sum(dropped), axes),
       "device_load": stats.psum(phys_rows.astype(jnp.float32), axes).reshape(d, sp).sum(-1),
       "comm": comm,
       "routing": result,
