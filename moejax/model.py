@@ -46,9 +46,9 @@ from moejax.config import ConfigError, ModelConfig
 from moejax.nn.attention import CausalSelfAttention
 from moejax.nn.ffn import DenseFFN, ffn_params
 from moejax.nn.mod import MoDBlock
-from moejax.nn.moe_block import MoEFFN, RouterStateVar
+from moejax.nn.moe_block import ExpertParallel, MoEFFN, RouterStateVar
 
-__all__ = ["Transformer", "Block", "RouterStateVar", "dense_equivalent",
+__all__ = ["Transformer", "Block", "RouterStateVar", "ExpertParallel", "dense_equivalent",
            "active_ffn_params", "param_count", "check_buildable"]
 
 _DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
@@ -74,7 +74,8 @@ class Block(nnx.Module):
   """One pre-norm transformer block: x[B, S, d] -> (x[B, S, d], moe aux or None)."""
 
   def __init__(self, cfg: ModelConfig, layer: int, *, rngs: nnx.Rngs,
-               shared_experts: Optional[dict] = None):
+               shared_experts: Optional[dict] = None,
+               expert_parallel: Optional[ExpertParallel] = None):
     dtype, d = _DTYPES[cfg.compute_dtype], cfg.d_model
     norm = lambda: nnx.RMSNorm(d, epsilon=1e-6, dtype=dtype, param_dtype=jnp.float32,
                                rngs=rngs)
@@ -85,11 +86,17 @@ class Block(nnx.Module):
     self.ffn_norm = norm()
     self.is_moe = cfg.is_moe_layer(layer)
     self.scmoe = self.is_moe and cfg.moe_schedule == "scmoe"
+    if self.scmoe and expert_parallel is not None:
+      raise ConfigError("model.moe_schedule", cfg.moe_schedule,
+                        "the ScMoE block calls the single-device layer; expert "
+                        "parallelism is wired for the serial schedule only",
+                        "use model.moe_schedule='serial' or parallel.expert=1")
     if self.scmoe:
       from moejax.nn.scmoe import ScMoEFFN  # shortcut-connected schedule (moejax.nn.scmoe)
       self.ffn = ScMoEFFN(d, cfg.moe, dtype=dtype, rngs=rngs, shared_experts=shared_experts)
     elif self.is_moe:
-      self.ffn = MoEFFN(d, cfg.moe, dtype=dtype, rngs=rngs, shared_experts=shared_experts)
+      self.ffn = MoEFFN(d, cfg.moe, dtype=dtype, rngs=rngs, shared_experts=shared_experts,
+                        expert_parallel=expert_parallel)
     else:
       self.ffn = DenseFFN(d, cfg.dense_ff_width, cfg.dense_activation, dtype=dtype,
                           rngs=rngs)
@@ -117,9 +124,14 @@ class Transformer(nnx.Module):
   ``cfg.expert_sharing_group``; every layer of a group uses the routed expert
   weights of the group's first layer (same nnx.Param objects) and its own
   router, shared experts and router state.
+
+  ``expert_parallel``: every MoE block runs its layer expert-parallel on that
+  mesh (:class:`~moejax.nn.moe_block.ExpertParallel`; the trainer passes it
+  when ``parallel.expert > 1``); None: the single-device layer.
   """
 
-  def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+  def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs,
+               expert_parallel: Optional[ExpertParallel] = None):
     check_buildable(cfg)
     self.cfg = cfg
     dtype, d = _DTYPES[cfg.compute_dtype], cfg.d_model
@@ -130,7 +142,8 @@ class Transformer(nnx.Module):
       share = None
       if cfg.is_moe_layer(i):
         share = group_experts if n_moe % cfg.expert_sharing_group else None
-      block = Block(cfg, i, rngs=rngs, shared_experts=share)
+      block = Block(cfg, i, rngs=rngs, shared_experts=share,
+                    expert_parallel=expert_parallel)
       if cfg.is_moe_layer(i):
         if n_moe % cfg.expert_sharing_group == 0:
           group_experts = block.ffn.params.get("experts")

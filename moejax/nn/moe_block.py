@@ -19,17 +19,28 @@ the default ``wrt=nnx.Param``) NNX propagates that write out of the trace, so
 one ``train_step`` updates the params through the optimizer and the bias
 through the controller, with nothing extra to thread. Evaluation calls
 (``train=False``) never touch the state.
+
+Expert parallelism: a MoEFFN built with ``expert_parallel=ExpertParallel(mesh,
+pcfg)`` calls :func:`moejax.execution.parallel.ep_moe_layer` on that mesh
+instead of the single-device layer (same params, state and aux; see
+docs/parallel.md). The mesh is a static attribute, so it lives in the graphdef
+and every forward of the model (train and eval) uses it.
 """
 
 from __future__ import annotations
 
-from typing import Any, Optional, Sequence
+import dataclasses
+from typing import TYPE_CHECKING, Any, Optional, Sequence
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax.sharding import Mesh
 
 from moejax.config import MoEConfig
+
+if TYPE_CHECKING:  # the execution plane is imported only where a layer runs expert-parallel
+  from moejax.execution.mesh import ParallelConfig
 
 
 class RouterStateVar(nnx.Variable):
@@ -37,6 +48,15 @@ class RouterStateVar(nnx.Variable):
 
   Filter with ``nnx.state(model, RouterStateVar)``; excluded by ``nnx.Param``.
   """
+
+
+@dataclasses.dataclass(frozen=True)
+class ExpertParallel:
+  """Where MoE layers run expert-parallel: a ``moejax.execution.mesh.make_mesh`` mesh and
+  the ``ParallelConfig`` it was built from (dispatch path, routing limits, nodes)."""
+
+  mesh: Mesh
+  pcfg: ParallelConfig
 
 
 def _is_var(v) -> bool:
@@ -76,12 +96,17 @@ class MoEFFN(nnx.Module):
   another MoEFFN to reuse instead of this layer's own; the router, shared
   experts and zero-computation experts stay per layer. NNX keeps the shared
   Variables once in ``nnx.state`` and sums their gradients over the layers.
+
+  ``expert_parallel``: run the layer with :func:`moejax.execution.parallel.ep_moe_layer`
+  on that mesh (None: the single-device :func:`moejax.layer.moe_layer`).
   """
 
   def __init__(self, d_model: int, cfg: MoEConfig, *, dtype=jnp.float32,
-               rngs: nnx.Rngs, shared_experts: Optional[dict] = None):
+               rngs: nnx.Rngs, shared_experts: Optional[dict] = None,
+               expert_parallel: Optional[ExpertParallel] = None):
     from moejax import layer as layer_lib  # imported here: dense models need no MoE planes
     self.cfg, self.dtype = cfg, dtype
+    self.expert_parallel = expert_parallel
     params = layer_lib.init_moe_params(rngs.params(), d_model, cfg)
     self.params = nnx.data(jax.tree.map(nnx.Param, params))
     if shared_experts is not None:
@@ -100,9 +125,20 @@ class MoEFFN(nnx.Module):
     params = {k: (v if k == "router" else
                   jax.tree.map(lambda a: a.astype(self.dtype), v))
               for k, v in params.items()}
-    y, new_state, aux = layer_lib.moe_layer(
-        params, x, values(self.router_state), self.cfg, token_ids=token_ids,
-        rng=rng, train=train, axis_names=axis_names)
+    ep = self.expert_parallel
+    if ep is None:
+      y, new_state, aux = layer_lib.moe_layer(
+          params, x, values(self.router_state), self.cfg, token_ids=token_ids,
+          rng=rng, train=train, axis_names=axis_names)
+    else:
+      if axis_names:
+        raise ValueError(f"MoEFFN: axis_names={tuple(axis_names)} with expert parallelism; "
+                         "the expert-parallel layer reduces over its own mesh. Fix: call "
+                         "the model outside shard_map, under jax.jit")
+      from moejax.execution import parallel as parallel_lib
+      y, new_state, aux = parallel_lib.ep_moe_layer(
+          params, x, values(self.router_state), self.cfg, ep.mesh, ep.pcfg,
+          token_ids=token_ids, rng=rng, train=train)
     if train:
       _assign(self.router_state, new_state)
     return y.astype(x.dtype), _aux_for_model(aux, x.shape[:2])

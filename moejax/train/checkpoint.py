@@ -51,7 +51,7 @@ _checkpoint_steps = checkpoint_steps  # the old private name; moejax.ablation ca
 
 
 def check_workdir(workdir: str, cfg: ExperimentConfig) -> tuple[Optional[int], list[str]]:
-  """(latest checkpoint step or None, train-config changes) of a compatible workdir.
+  """(latest checkpoint step or None, train/parallel config changes) of a compatible workdir.
 
   Raises WorkdirError when the saved run's model or data differ from ``cfg``.
   Reads only.
@@ -79,7 +79,10 @@ def check_workdir(workdir: str, cfg: ExperimentConfig) -> tuple[Optional[int], l
         f"with this config:\n  " + "\n  ".join(f"{c} (saved -> requested)" for c in fatal)
         + f"\nFix: use a new --workdir, or the saved config ({path}); nothing was changed in "
         f"{workdir}")
-  return (steps[-1] if steps else None), [c for c in changes if c.startswith("train.")]
+  # The device layout (``parallel``, absent from older config.json files) does
+  # not change the state's shapes or values, so it may change on resume too.
+  return (steps[-1] if steps else None), [c for c in changes
+                                          if c.startswith(("train.", "parallel"))]
 
 
 def write_config(workdir: str, cfg: ExperimentConfig) -> None:

@@ -1,7 +1,7 @@
 """TrainConfig and ExperimentConfig: what one training run is, validated early.
 
 An experiment config file (``configs/*.py``) returns an ``ml_collections``
-tree ``{model: ..., data: ..., train: ...}``; :func:`experiment_from_dict`
+tree ``{model: ..., data: ..., train: ..., parallel: ...}``; :func:`experiment_from_dict`
 turns it into a frozen :class:`ExperimentConfig` through
 :func:`moejax.config.from_dict`, so an unknown key anywhere is an error with
 a "did you mean" hint, and every value is checked (field, value, fix) before
@@ -17,6 +17,7 @@ from typing import Any, Mapping, Optional
 
 from moejax.config import ConfigError, ModelConfig, _unwrap_optional, from_dict, to_dict
 from moejax.data import VOCAB_SIZE, DataConfig
+from moejax.execution.mesh import ParallelConfig, check_experts, limited_moe_config
 
 
 @dataclasses.dataclass(frozen=True)
@@ -101,11 +102,18 @@ def _check_int(path: str, value: Any, minimum: int) -> None:
 
 @dataclasses.dataclass(frozen=True)
 class ExperimentConfig:
-  """One training run: the model, its data and its optimisation."""
+  """One training run: the model, its data, its optimisation and its device layout.
+
+  ``parallel`` (:class:`moejax.execution.mesh.ParallelConfig`): the default
+  (``expert=1``) is data parallelism over every device. ``expert > 1`` runs
+  every MoE layer expert-parallel (``ep_moe_layer``) on a ('data', 'fsdp',
+  'expert') mesh; the device count is checked when the run starts.
+  """
 
   model: ModelConfig = dataclasses.field(default_factory=ModelConfig)
   data: DataConfig = dataclasses.field(default_factory=DataConfig)
   train: TrainConfig = dataclasses.field(default_factory=TrainConfig)
+  parallel: ParallelConfig = dataclasses.field(default_factory=ParallelConfig)
 
   def __post_init__(self):
     from moejax.model import check_buildable  # the model's own "valid but not built" rules
@@ -114,6 +122,33 @@ class ExperimentConfig:
       raise ConfigError("model.vocab_size", self.model.vocab_size,
                         f"the data is byte-level with {VOCAB_SIZE} token ids",
                         f"set model.vocab_size={VOCAB_SIZE}")
+    _check_parallel(self.parallel, self.model)
+
+
+def _check_parallel(pcfg: ParallelConfig, model: ModelConfig) -> None:
+  """The device-count-free part of the layout checks (the rest needs the devices)."""
+  if pcfg.expert == 1:
+    if pcfg.fsdp > 1:
+      raise ConfigError("parallel.fsdp", pcfg.fsdp,
+                        "shards only the routed experts of the expert-parallel layer",
+                        "set parallel.expert > 1 as well, or parallel.fsdp=1")
+    return
+  if model.moe is None:
+    raise ConfigError("parallel.expert", pcfg.expert, "the model has no MoE layer",
+                      "set parallel.expert=1 (data parallelism)")
+  check_experts(pcfg, model.moe)
+  if model.moe_schedule == "scmoe":
+    raise ConfigError("model.moe_schedule", model.moe_schedule,
+                      "the ScMoE block calls the single-device layer; expert "
+                      "parallelism is wired for the serial schedule only",
+                      "use model.moe_schedule='serial' or parallel.expert=1")
+  if model.d_model % pcfg.fsdp:
+    raise ConfigError("parallel.fsdp", pcfg.fsdp,
+                      f"does not divide model.d_model={model.d_model}",
+                      f"pick fsdp among the divisors of {model.d_model}")
+  if pcfg.route_limit == "devices" or (pcfg.route_limit == "nodes"
+                                       and pcfg.devices_per_node is not None):
+    limited_moe_config(model.moe, pcfg)  # node counts from processes are known only at run time
 
 
 def experiment_from_dict(tree: Mapping[str, Any] | Any) -> ExperimentConfig:

@@ -25,7 +25,7 @@ import math
 import os
 import sys
 import time
-from typing import TextIO
+from typing import Callable, NamedTuple, Optional, TextIO
 
 import jax
 import numpy as np
@@ -34,6 +34,9 @@ from jax.sharding import NamedSharding, PartitionSpec
 from moejax import data as data_lib
 from moejax.config import ConfigError
 from moejax.evaluate.validation import evaluate, make_eval_step
+from moejax.execution import mesh as mesh_lib
+from moejax.execution import parallel as parallel_lib
+from moejax.model import ExpertParallel
 from moejax.train import checkpoint as ckpt_lib
 from moejax.train import metrics_log
 from moejax.train import step as step_lib
@@ -58,32 +61,72 @@ def _eval_batches(cfg: ExperimentConfig, docs, put):
   return (put(batch) for batch in it)
 
 
-def _data_parallel(cfg: ExperimentConfig):
-  """(put_batch, put_state): global arrays sharded over a ``data`` mesh axis.
+class DeviceLayout(NamedTuple):
+  """Where the run's arrays live: the model's expert-parallel mesh (or None) and placement."""
 
-  Every device of every process holds a replica of the state and B / devices
-  rows of each batch; ``jax.jit`` partitions the step from these shardings
-  (gradients, MoE loads and losses are reduced over the global batch by the
+  expert_parallel: Optional[ExpertParallel]
+  put_batch: Callable
+  put_state: Callable
+
+
+def device_layout(cfg: ExperimentConfig) -> DeviceLayout:
+  """Checks ``cfg.parallel`` against the devices (no compute) and returns the layout.
+
+  ``parallel.expert == 1`` (the default): data parallelism. Every device of
+  every process holds a replica of the state and B / devices rows of each
+  batch; ``jax.jit`` partitions the step from these shardings (gradients,
+  MoE loads and losses are reduced over the global batch by the
   partitioner). On one device this is plain placement.
+
+  ``parallel.expert > 1``: a ('data', 'fsdp', 'expert') mesh from
+  :func:`moejax.execution.mesh.make_mesh`; the batch rows are split over every
+  axis, the routed expert weights (and their optimizer moments) over
+  'expert' (d over 'fsdp'), everything else is replicated, and the model's
+  MoE layers run :func:`moejax.execution.parallel.ep_moe_layer` on the mesh.
   """
-  # Auto axes: the partitioner propagates shardings through the model (the
-  # model code has no explicit-sharding annotations).
-  mesh = jax.make_mesh((jax.device_count(),), ("data",),
-                       axis_types=(jax.sharding.AxisType.Auto,))
-  rows = NamedSharding(mesh, PartitionSpec("data"))
-  replicated = NamedSharding(mesh, PartitionSpec())
-  put_batch = lambda batch: {k: jax.make_array_from_process_local_data(rows, v)
-                             for k, v in batch.items()}
-  put_state = lambda state: jax.device_put(state, replicated)
-  return put_batch, put_state
-
-
-def _check_devices(cfg: ExperimentConfig) -> None:
-  n = jax.device_count()
+  pcfg, n = cfg.parallel, jax.device_count()
+  pcfg.axis_sizes(n)  # ConfigError naming the axes when their product is not n
   if cfg.data.batch_size % n:
     raise ConfigError("data.batch_size", cfg.data.batch_size,
-                      f"does not split evenly over the {n} devices of the data-parallel mesh",
+                      f"does not split evenly over the {n} devices of the mesh",
                       f"use a multiple of {n}")
+  if pcfg.expert == 1:
+    # Auto axes: the partitioner propagates shardings through the model (the
+    # model code has no explicit-sharding annotations).
+    mesh = jax.make_mesh((n,), ("data",), axis_types=(jax.sharding.AxisType.Auto,))
+    rows = NamedSharding(mesh, PartitionSpec("data"))
+    replicated = NamedSharding(mesh, PartitionSpec())
+    put_batch = lambda batch: {k: jax.make_array_from_process_local_data(rows, v)
+                               for k, v in batch.items()}
+    put_state = lambda state: jax.device_put(state, replicated)
+    return DeviceLayout(None, put_batch, put_state)
+
+  moe = cfg.model.moe
+  mesh = mesh_lib.make_mesh(pcfg, cfg=moe)
+  parallel_lib.resolve_dispatch(pcfg, mesh.devices.flat[0].platform)  # native ragged on CPU
+  nodes = int(mesh_lib.nodes_of_expert_axis(mesh, pcfg.devices_per_node).max()) + 1
+  mesh_lib.limited_moe_config(moe, pcfg, num_nodes=nodes)
+  rows = NamedSharding(mesh, mesh_lib.batch_spec(mesh))
+  put_batch = lambda batch: {k: jax.make_array_from_process_local_data(rows, v)
+                             for k, v in batch.items()}
+  put_state = lambda state: jax.device_put(state, state_shardings(state, mesh))
+  return DeviceLayout(ExpertParallel(mesh, pcfg), put_batch, put_state)
+
+
+def state_shardings(state, mesh):
+  """NamedShardings of a TrainState on an expert-parallel mesh.
+
+  A leaf ``.../experts/<name>`` (the routed expert weights in ``params`` and
+  their moments in ``opt_state``) gets the layer's expert spec (E over
+  'expert', d over 'fsdp'), so the shard_map inside the step finds its
+  inputs in place; every other leaf is replicated.
+  """
+  def sharding(path, leaf):
+    keys = [getattr(k, "key", None) for k in path]
+    if len(keys) >= 2 and keys[-2] == "experts" and getattr(leaf, "ndim", 0) == 3:
+      return NamedSharding(mesh, mesh_lib.expert_param_specs({keys[-1]: None}, mesh)[keys[-1]])
+    return NamedSharding(mesh, PartitionSpec())
+  return jax.tree_util.tree_map_with_path(sharding, state)
 
 
 def _mean_rows(rows: list[dict]) -> dict[str, float]:
@@ -103,10 +146,10 @@ def train(cfg: ExperimentConfig, workdir: str, *, out: TextIO = sys.stdout) -> d
   say = lambda text: print(text, file=out, flush=True)
 
   # --- 1. Read-only checks. -------------------------------------------------
-  _check_devices(cfg)
+  layout = device_layout(cfg)
   resume_step, train_changes = ckpt_lib.check_workdir(workdir, cfg)
   tx = make_optimizer(tc)
-  graphdef, abstract = step_lib.abstract_state(cfg, tx)
+  graphdef, abstract = step_lib.abstract_state(cfg, tx, layout.expert_parallel)
   abstract_tree = _state_tree(abstract)
   if resume_step is not None:
     ckpt_lib.Checkpointer(workdir, tc.keep_checkpoints, read_only=True).check_shapes(
@@ -126,13 +169,13 @@ def train(cfg: ExperimentConfig, workdir: str, *, out: TextIO = sys.stdout) -> d
   # --- 2. Write and compute. ---------------------------------------------
   if resume_step is None or train_changes:
     for change in train_changes:
-      say(f"resuming with a changed train config: {change}")
+      say(f"resuming with a changed train/parallel config: {change}")
     ckpt_lib.write_config(workdir, cfg)
   ckpt = ckpt_lib.Checkpointer(workdir, tc.keep_checkpoints)
   writer = metrics_log.MetricsWriter(workdir, resume_step or 0)
   try:
     return _run(cfg, workdir, graphdef, tx, abstract_tree, resume_step, train_it, val_docs,
-                ckpt, writer, say, out)
+                ckpt, writer, say, out, layout)
   finally:
     ckpt.wait()
     ckpt.close()
@@ -140,12 +183,12 @@ def train(cfg: ExperimentConfig, workdir: str, *, out: TextIO = sys.stdout) -> d
 
 
 def _run(cfg, workdir, graphdef, tx, abstract_tree, resume_step, train_it, val_docs, ckpt,
-         writer, say, out) -> dict:
+         writer, say, out, layout) -> dict:
   tc = cfg.train
-  put_batch, put_state = _data_parallel(cfg)
+  put_batch, put_state = layout.put_batch, layout.put_state
   unigram = data_lib.unigram_cross_entropy(train_it.docs, val_docs)
   if resume_step is None:
-    _, state = step_lib.init_state(cfg, tx)
+    _, state = step_lib.init_state(cfg, tx, layout.expert_parallel)
     start = 0
     n_params = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(state.params))
     say(f"{workdir}: new run, {n_params / 1e6:.2f}M params, {tc.steps} steps of "

@@ -19,14 +19,14 @@ orbax call checkpoints it.
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import Any, Callable, Optional
 
 import jax
 import jax.numpy as jnp
 import optax
 from flax import nnx, struct
 
-from moejax.model import RouterStateVar, Transformer
+from moejax.model import ExpertParallel, RouterStateVar, Transformer
 from moejax.train.config import ExperimentConfig
 from moejax.train.losses import masked_cross_entropy
 from moejax.train.optim import learning_rate_schedule
@@ -64,17 +64,24 @@ def split_model(model: nnx.Module):
 _FAST_COMPILE = {"xla_backend_optimization_level": 0, "xla_llvm_disable_expensive_passes": True}
 
 
-def _build(cfg: ExperimentConfig, tx: optax.GradientTransformation, holder: dict) -> TrainState:
+def _build(cfg: ExperimentConfig, tx: optax.GradientTransformation, holder: dict,
+           expert_parallel: Optional[ExpertParallel]) -> TrainState:
   init_key, run_key = jax.random.split(jax.random.key(cfg.train.seed))
-  model = Transformer(cfg.model, rngs=nnx.Rngs(params=init_key))
+  model = Transformer(cfg.model, rngs=nnx.Rngs(params=init_key),
+                      expert_parallel=expert_parallel)
   graphdef, params, router_state, other = split_model(model)
   holder["graphdef"] = graphdef
   return TrainState(step=jnp.zeros((), jnp.int32), params=params, router_state=router_state,
                     other=other, opt_state=tx.init(params), rng=jax.random.key_data(run_key))
 
 
-def init_state(cfg: ExperimentConfig, tx: optax.GradientTransformation):
+def init_state(cfg: ExperimentConfig, tx: optax.GradientTransformation,
+               expert_parallel: Optional[ExpertParallel] = None):
   """(graphdef, TrainState) of a freshly initialised model (seed ``cfg.train.seed``).
+
+  ``expert_parallel`` (the trainer's mesh when ``parallel.expert > 1``) goes
+  into the graphdef, so the merged model runs its MoE layers expert-parallel;
+  the initial values do not depend on it.
 
   Initialisation runs under one ``jax.jit`` (op by op it would dispatch and
   compile every initialiser separately), compiled without LLVM's expensive
@@ -83,14 +90,16 @@ def init_state(cfg: ExperimentConfig, tx: optax.GradientTransformation):
   """
   holder: dict = {}
   options = _FAST_COMPILE if jax.default_backend() == "cpu" else None
-  state = jax.jit(lambda: _build(cfg, tx, holder), compiler_options=options)()
+  state = jax.jit(lambda: _build(cfg, tx, holder, expert_parallel),
+                  compiler_options=options)()
   return holder["graphdef"], state
 
 
-def abstract_state(cfg: ExperimentConfig, tx: optax.GradientTransformation):
+def abstract_state(cfg: ExperimentConfig, tx: optax.GradientTransformation,
+                   expert_parallel: Optional[ExpertParallel] = None):
   """(graphdef, TrainState of ShapeDtypeStructs): shapes without any compute."""
   holder: dict = {}
-  shapes = jax.eval_shape(lambda: _build(cfg, tx, holder))
+  shapes = jax.eval_shape(lambda: _build(cfg, tx, holder, expert_parallel))
   return holder["graphdef"], shapes
 
 
