@@ -30,7 +30,6 @@ Everything here reads a finished run's checkpoints (never trains):
 from __future__ import annotations
 
 import functools
-import time
 from typing import Optional, Sequence
 
 import jax
@@ -39,6 +38,7 @@ import numpy as np
 from flax import nnx
 
 from moejax import data as data_lib
+from moejax.evaluate import latency as latency_lib
 from moejax.train import checkpoint as ckpt_lib
 from moejax.train import step as step_lib
 from moejax.train.config import ExperimentConfig
@@ -163,26 +163,16 @@ def ep_devices(num_experts: int, wanted: int) -> int:
 
 
 def moe_latency(cfg: ExperimentConfig, reps: int = 30, warmup: int = 3) -> dict:
-  """P50 / P99 ms of one jitted MoE layer forward on T = batch x seq_len tokens."""
-  from moejax import layer as layer_lib  # pylint: disable=g-import-not-at-top
-  moe = cfg.model.moe
-  d = cfg.model.d_model
-  t = cfg.data.batch_size * cfg.data.seq_len
-  key = jax.random.key(0)
-  params = layer_lib.init_moe_params(key, d, moe)
-  state = layer_lib.init_router_state(moe)
-  x = jax.random.normal(jax.random.key(1), (cfg.data.batch_size, cfg.data.seq_len, d))
-  token_ids = jax.random.randint(jax.random.key(2), x.shape[:2], 0, cfg.model.vocab_size)
-  fwd = jax.jit(lambda p, s, x, ids: layer_lib.moe_layer(p, x, s, moe, token_ids=ids)[0])
-  for _ in range(warmup):
-    jax.block_until_ready(fwd(params, state, x, token_ids))
-  times = []
-  for _ in range(reps):
-    t0 = time.perf_counter()
-    jax.block_until_ready(fwd(params, state, x, token_ids))
-    times.append(1e3 * (time.perf_counter() - t0))
-  return {"moe_latency_p50_ms": float(np.percentile(times, 50)),
-          "moe_latency_p99_ms": float(np.percentile(times, 99)), "moe_latency_tokens": t}
+  """P50 / P99 ms of one jitted MoE layer forward on T = batch x seq_len tokens.
+
+  The measurement is :func:`moejax.evaluate.latency.layer_latency` at the
+  suite's own batch shape.
+  """
+  row, = latency_lib.layer_latency(cfg.model.moe, cfg.model.d_model,
+                                   batch_sizes=(cfg.data.batch_size,),
+                                   seq_len=cfg.data.seq_len, iters=reps, warmup=warmup)
+  return {"moe_latency_p50_ms": row["p50_ms"], "moe_latency_p99_ms": row["p99_ms"],
+          "moe_latency_tokens": row["tokens"]}
 
 
 def causal_probe(model, batches, positions: Sequence[int]) -> dict:

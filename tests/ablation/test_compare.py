@@ -58,7 +58,6 @@ def test_no_results_is_an_error(tmp_path):
   assert proc.returncode == 1 and "no result.json" in proc.stderr
 
 
-@pytest.mark.slow  # trains the tiny suite (conftest)
 def test_compare_reads_a_real_suite(tiny_suite_dir):
   workdir, _, _ = tiny_suite_dir
   proc = _compare(workdir)

@@ -4,16 +4,14 @@ from __future__ import annotations
 
 import os
 
+import nbclient
+import nbformat
 import pytest
 
 from tests.ablation import helpers
 
-# Every test here uses the tiny suite run (conftest): ~40 s of compilation on an idle
-# 2-core machine, 2 min on a loaded one.
-pytestmark = pytest.mark.slow
-
-nbformat = pytest.importorskip("nbformat")
-nbclient = pytest.importorskip("nbclient")
+# Every test here uses the tiny suite run (conftest, shared with the runner and
+# compare tests): ~40 s of compilation on an idle 2-core machine.
 
 
 @pytest.mark.parametrize("name", ["ablation_results", "routing_analysis"])

@@ -16,7 +16,6 @@ from tests.ablation import helpers
 
 # Every test here uses the tiny suite run (conftest): ~40 s of compilation on an idle
 # 2-core machine, 2 min on a loaded one.
-pytestmark = pytest.mark.slow
 
 
 def test_tiny_suite_writes_results_table_and_plots(tiny_suite_dir):
