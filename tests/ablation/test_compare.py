@@ -7,7 +7,6 @@ import os
 import subprocess
 import sys
 
-import pytest
 
 from moejax.ablation import summary
 from tests.ablation import helpers

@@ -7,7 +7,6 @@ import json
 import os
 import shutil
 
-import pytest
 
 from moejax.ablation import runner, suite as suite_lib
 from moejax.ablation import summary
