@@ -3,7 +3,6 @@ r"""Expert-parallel benchmark (``--suite=ep``): step time and all-to-all bytes.
 Usage (8 simulated CPU devices are set up by the suite itself when JAX has
 not started yet; otherwise export JAX_NUM_CPU_DEVICES=8):
   python -m experiments.bench --suite=ep --json_out=/tmp/ep.json
-  python -m experiments.bench_ep --ep_json_out=/tmp/ep.json     # standalone
 
 For each shape it times, side by side in one process (round-robin repeats,
 medians), forward+backward of
@@ -46,8 +45,6 @@ _EP_SHAPES = flags.DEFINE_list("ep_shapes", ["coarse", "fine"], "shapes to run")
 _EP_BATCH = flags.DEFINE_integer("ep_batch", 32, "sequences in the global batch")
 _EP_SEQ = flags.DEFINE_integer("ep_seq", 128, "sequence length")
 _EP_D = flags.DEFINE_integer("ep_d_model", 256, "model width")
-_EP_JSON = flags.DEFINE_string("ep_json_out", None, "standalone: write results here")
-_EP_REPEATS = flags.DEFINE_integer("ep_repeats", 5, "standalone: timed runs per variant")
 
 SHAPES = {"coarse": dict(num_experts=16, top_k=2, expert_width=512),
           "fine": dict(num_experts=64, top_k=8, expert_width=128)}
@@ -182,18 +179,3 @@ def print_ep_table(res: dict) -> None:
             f"{r['min_device'] / mb:>8.2f}{r['wire_over_min']:>9.2f}"
             f"{r['copies_over_min']:>9.2f}{r['padding_waste']:>6.2f}"
             f"{r['cross_node_share']:>7.2f}{r['min_node'] / mb:>9.2f}{r['num_dropped']:>7}")
-
-
-def main(argv):
-  del argv
-  res = ep_suite(_EP_REPEATS.value)
-  print_ep_table(res)
-  print(f"\nconditions: {json.dumps(res['conditions'])}")
-  if _EP_JSON.value:
-    with open(_EP_JSON.value, "w") as fh:
-      json.dump(res, fh, indent=1)
-    print(f"wrote {_EP_JSON.value}")
-
-
-if __name__ == "__main__":
-  app.run(main)
