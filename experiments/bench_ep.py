@@ -27,7 +27,6 @@ layer's overhead (permutes, buffers, collectives), not a speedup.
 
 from __future__ import annotations
 
-import json
 import os
 import platform
 import time
