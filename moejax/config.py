@@ -46,7 +46,7 @@ class ConfigError(ValueError):
     super().__init__(f"{field}={value!r}: {problem}. Fix: {fix}")
 
 
-def _check_choice(path: str, value: Any, choices: tuple) -> None:
+def check_choice(path: str, value: Any, choices: tuple) -> None:
   if value not in choices:
     hint = difflib.get_close_matches(str(value), [str(c) for c in choices], n=1)
     fix = f"use one of {', '.join(map(str, choices))}"
@@ -55,7 +55,7 @@ def _check_choice(path: str, value: Any, choices: tuple) -> None:
     raise ConfigError(path, value, "unknown value", fix)
 
 
-def _check_positive(path: str, value: Any, allow_zero: bool = False) -> None:
+def check_positive(path: str, value: Any, allow_zero: bool = False) -> None:
   if value is None or (value < 0 if allow_zero else value <= 0):
     bound = ">= 0" if allow_zero else "> 0"
     raise ConfigError(path, value, f"must be {bound}", f"set {path} {bound}")
@@ -115,21 +115,21 @@ class RouterConfig:
 
   def __post_init__(self):
     p = "moe.router"
-    _check_choice(f"{p}.kind", self.kind, ROUTER_KINDS)
-    _check_choice(f"{p}.score_fn", self.score_fn, SCORE_FNS)
-    _check_choice(f"{p}.gating", self.gating, GATINGS)
-    _check_choice(f"{p}.group_score", self.group_score, GROUP_SCORES)
-    _check_choice(f"{p}.router_dtype", self.router_dtype,
+    check_choice(f"{p}.kind", self.kind, ROUTER_KINDS)
+    check_choice(f"{p}.score_fn", self.score_fn, SCORE_FNS)
+    check_choice(f"{p}.gating", self.gating, GATINGS)
+    check_choice(f"{p}.group_score", self.group_score, GROUP_SCORES)
+    check_choice(f"{p}.router_dtype", self.router_dtype,
                   ("float32", "bfloat16", "float16"))
-    _check_positive(f"{p}.top_k", self.top_k)
-    _check_positive(f"{p}.routed_scaling_factor", self.routed_scaling_factor)
-    _check_positive(f"{p}.n_groups", self.n_groups)
-    _check_positive(f"{p}.topk_groups", self.topk_groups)
-    _check_positive(f"{p}.expert_choice_capacity", self.expert_choice_capacity)
-    _check_positive(f"{p}.n_families", self.n_families)
-    _check_positive(f"{p}.top_k_families", self.top_k_families)
-    _check_positive(f"{p}.input_jitter", self.input_jitter, allow_zero=True)
-    _check_positive(f"{p}.logit_noise", self.logit_noise, allow_zero=True)
+    check_positive(f"{p}.top_k", self.top_k)
+    check_positive(f"{p}.routed_scaling_factor", self.routed_scaling_factor)
+    check_positive(f"{p}.n_groups", self.n_groups)
+    check_positive(f"{p}.topk_groups", self.topk_groups)
+    check_positive(f"{p}.expert_choice_capacity", self.expert_choice_capacity)
+    check_positive(f"{p}.n_families", self.n_families)
+    check_positive(f"{p}.top_k_families", self.top_k_families)
+    check_positive(f"{p}.input_jitter", self.input_jitter, allow_zero=True)
+    check_positive(f"{p}.logit_noise", self.logit_noise, allow_zero=True)
     if self.input_jitter >= 1.0:
       raise ConfigError(f"{p}.input_jitter", self.input_jitter,
                         "jitter scales the input by [1-eps, 1+eps]",
@@ -200,13 +200,13 @@ class BalanceConfig:
 
   def __post_init__(self):
     p = "moe.balance"
-    _check_choice(f"{p}.aux_loss_scope", self.aux_loss_scope, AUX_SCOPES)
-    _check_choice(f"{p}.aux_loss_convention", self.aux_loss_convention, AUX_CONVENTIONS)
-    _check_choice(f"{p}.bias_update", self.bias_update, BIAS_UPDATES)
+    check_choice(f"{p}.aux_loss_scope", self.aux_loss_scope, AUX_SCOPES)
+    check_choice(f"{p}.aux_loss_convention", self.aux_loss_convention, AUX_CONVENTIONS)
+    check_choice(f"{p}.bias_update", self.bias_update, BIAS_UPDATES)
     for name in ("aux_loss_coef", "z_loss_coef", "device_loss_coef",
                  "comm_loss_coef", "entropy_loss_coef", "bias_rate"):
-      _check_positive(f"{p}.{name}", getattr(self, name), allow_zero=True)
-    _check_positive(f"{p}.loss_num_devices", self.loss_num_devices)
+      check_positive(f"{p}.{name}", getattr(self, name), allow_zero=True)
+    check_positive(f"{p}.loss_num_devices", self.loss_num_devices)
     if self.bias_freeze_step < -1:
       raise ConfigError(f"{p}.bias_freeze_step", self.bias_freeze_step,
                         "must be -1 (never freeze) or a step >= 0",
@@ -282,19 +282,19 @@ class MoEConfig:
     p, r, b = "moe", self.router, self.balance
     if isinstance(self.expert_widths, list):
       object.__setattr__(self, "expert_widths", tuple(self.expert_widths))
-    _check_choice(f"{p}.kind", self.kind, LAYER_KINDS)
-    _check_choice(f"{p}.activation", self.activation, ACTIVATIONS)
-    _check_choice(f"{p}.drop_priority", self.drop_priority, DROP_PRIORITIES)
-    _check_choice(f"{p}.backend", self.backend, EXPERT_BACKENDS)
-    _check_positive(f"{p}.num_experts", self.num_experts)
-    _check_positive(f"{p}.expert_width", self.expert_width)
-    _check_positive(f"{p}.slots_per_expert", self.slots_per_expert)
+    check_choice(f"{p}.kind", self.kind, LAYER_KINDS)
+    check_choice(f"{p}.activation", self.activation, ACTIVATIONS)
+    check_choice(f"{p}.drop_priority", self.drop_priority, DROP_PRIORITIES)
+    check_choice(f"{p}.backend", self.backend, EXPERT_BACKENDS)
+    check_positive(f"{p}.num_experts", self.num_experts)
+    check_positive(f"{p}.expert_width", self.expert_width)
+    check_positive(f"{p}.slots_per_expert", self.slots_per_expert)
     for name in ("num_shared_experts", "zero_experts", "copy_experts", "constant_experts"):
-      _check_positive(f"{p}.{name}", getattr(self, name), allow_zero=True)
+      check_positive(f"{p}.{name}", getattr(self, name), allow_zero=True)
     if self.shared_expert_width is not None:
-      _check_positive(f"{p}.shared_expert_width", self.shared_expert_width)
+      check_positive(f"{p}.shared_expert_width", self.shared_expert_width)
     if self.capacity_factor is not None:
-      _check_positive(f"{p}.capacity_factor", self.capacity_factor)
+      check_positive(f"{p}.capacity_factor", self.capacity_factor)
     if self.expert_widths is not None:
       if len(self.expert_widths) != self.num_experts:
         raise ConfigError(f"{p}.expert_widths", self.expert_widths,
@@ -306,7 +306,7 @@ class MoEConfig:
                           "every width must be > 0", "drop the non-positive entries")
     if self.kind == "peer":
       for name in ("peer_num_keys", "peer_heads", "peer_top_k", "peer_key_dim"):
-        _check_positive(f"{p}.{name}", getattr(self, name))
+        check_positive(f"{p}.{name}", getattr(self, name))
       if self.peer_top_k > self.peer_num_keys:
         raise ConfigError(f"{p}.peer_top_k", self.peer_top_k,
                           f"exceeds {p}.peer_num_keys={self.peer_num_keys} "
@@ -468,12 +468,12 @@ class ModelConfig:
 
   def __post_init__(self):
     p = "model"
-    _check_choice(f"{p}.compute_dtype", self.compute_dtype, ("float32", "bfloat16"))
-    _check_choice(f"{p}.mod_gate", self.mod_gate, ("sigmoid", "raw"))
-    _check_positive(f"{p}.rope_base", self.rope_base)
-    _check_positive(f"{p}.expert_sharing_group", self.expert_sharing_group)
-    _check_positive(f"{p}.mod_every", self.mod_every, allow_zero=True)
-    _check_positive(f"{p}.mod_aux_loss_coef", self.mod_aux_loss_coef, allow_zero=True)
+    check_choice(f"{p}.compute_dtype", self.compute_dtype, ("float32", "bfloat16"))
+    check_choice(f"{p}.mod_gate", self.mod_gate, ("sigmoid", "raw"))
+    check_positive(f"{p}.rope_base", self.rope_base)
+    check_positive(f"{p}.expert_sharing_group", self.expert_sharing_group)
+    check_positive(f"{p}.mod_every", self.mod_every, allow_zero=True)
+    check_positive(f"{p}.mod_aux_loss_coef", self.mod_aux_loss_coef, allow_zero=True)
     if not 0.0 < self.mod_capacity <= 1.0:
       raise ConfigError(f"{p}.mod_capacity", self.mod_capacity, "must be in (0, 1]",
                         "use the fraction of tokens a MoD block processes, e.g. 0.125")
@@ -481,13 +481,13 @@ class ModelConfig:
       raise ConfigError(f"{p}.expert_sharing_group", self.expert_sharing_group,
                         "expert sharing needs routed experts (moe.kind sparse or soft)",
                         f"set {p}.expert_sharing_group=1")
-    _check_choice(f"{p}.attention", self.attention, ATTENTIONS)
-    _check_choice(f"{p}.moe_layout", self.moe_layout, MOE_LAYOUTS)
-    _check_choice(f"{p}.dense_activation", self.dense_activation, ACTIVATIONS)
+    check_choice(f"{p}.attention", self.attention, ATTENTIONS)
+    check_choice(f"{p}.moe_layout", self.moe_layout, MOE_LAYOUTS)
+    check_choice(f"{p}.dense_activation", self.dense_activation, ACTIVATIONS)
     for name in ("vocab_size", "d_model", "n_layers", "n_heads", "dense_ff_width"):
-      _check_positive(f"{p}.{name}", getattr(self, name))
-    _check_positive(f"{p}.first_dense_layers", self.first_dense_layers, allow_zero=True)
-    _check_positive(f"{p}.encoder_layers", self.encoder_layers, allow_zero=True)
+      check_positive(f"{p}.{name}", getattr(self, name))
+    check_positive(f"{p}.first_dense_layers", self.first_dense_layers, allow_zero=True)
+    check_positive(f"{p}.encoder_layers", self.encoder_layers, allow_zero=True)
     if self.head_dim is None and self.d_model % self.n_heads:
       raise ConfigError(f"{p}.n_heads", self.n_heads,
                         f"does not divide {p}.d_model={self.d_model}",
@@ -500,7 +500,7 @@ class ModelConfig:
       raise ConfigError(f"{p}.first_dense_layers", self.first_dense_layers,
                         f"exceeds {p}.n_layers={self.n_layers}",
                         "use at most n_layers dense layers")
-    _check_choice(f"{p}.moe_schedule", self.moe_schedule, MOE_SCHEDULES)
+    check_choice(f"{p}.moe_schedule", self.moe_schedule, MOE_SCHEDULES)
     if self.moe_schedule == "scmoe":
       if self.moe is None or self.moe.kind != "sparse":
         raise ConfigError(f"{p}.moe_schedule", self.moe_schedule,
@@ -521,7 +521,7 @@ class ModelConfig:
 # ---------------------------------------------------------------------------
 # Building configs from dicts and overrides.
 
-def _unwrap_optional(tp):
+def unwrap_optional(tp):
   """Optional[X] -> X; anything else unchanged."""
   if typing.get_origin(tp) in (typing.Union, types.UnionType):
     args = [a for a in typing.get_args(tp) if a is not type(None)]
@@ -548,7 +548,7 @@ def from_dict(cls, data: Mapping[str, Any] | None, path: str = ""):
       fix = f"did you mean {close[0]!r}?" if close else (
           f"valid keys: {', '.join(sorted(fields))}")
       raise ConfigError(where, value, f"unknown key for {cls.__name__}", fix)
-    tp = _unwrap_optional(hints[key])
+    tp = unwrap_optional(hints[key])
     if dataclasses.is_dataclass(tp) and isinstance(value, Mapping | type(None)) \
         or (dataclasses.is_dataclass(tp) and hasattr(value, "to_dict")):
       value = from_dict(tp, value, where)

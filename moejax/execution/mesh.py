@@ -37,7 +37,7 @@ import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from moejax.config import ConfigError, MoEConfig, _check_choice, _check_positive
+from moejax.config import ConfigError, MoEConfig, check_choice, check_positive
 
 DATA, FSDP, EXPERT = "data", "fsdp", "expert"
 AXES = (DATA, FSDP, EXPERT)
@@ -81,16 +81,16 @@ class ParallelConfig:
 
   def __post_init__(self):
     p = "parallel"
-    _check_choice(f"{p}.dispatch", self.dispatch, DISPATCHES)
-    _check_choice(f"{p}.ragged_impl", self.ragged_impl, RAGGED_IMPLS)
-    _check_choice(f"{p}.route_limit", self.route_limit, ROUTE_LIMITS)
+    check_choice(f"{p}.dispatch", self.dispatch, DISPATCHES)
+    check_choice(f"{p}.ragged_impl", self.ragged_impl, RAGGED_IMPLS)
+    check_choice(f"{p}.route_limit", self.route_limit, ROUTE_LIMITS)
     if self.data != -1:
-      _check_positive(f"{p}.data", self.data)
-    _check_positive(f"{p}.fsdp", self.fsdp)
-    _check_positive(f"{p}.expert", self.expert)
-    _check_positive(f"{p}.route_limit_count", self.route_limit_count)
+      check_positive(f"{p}.data", self.data)
+    check_positive(f"{p}.fsdp", self.fsdp)
+    check_positive(f"{p}.expert", self.expert)
+    check_positive(f"{p}.route_limit_count", self.route_limit_count)
     if self.devices_per_node is not None:
-      _check_positive(f"{p}.devices_per_node", self.devices_per_node)
+      check_positive(f"{p}.devices_per_node", self.devices_per_node)
       big, small = max(self.expert, self.devices_per_node), min(self.expert,
                                                                 self.devices_per_node)
       if big % small:
@@ -100,7 +100,7 @@ class ParallelConfig:
                           f"use a divisor or a multiple of {self.expert}")
     if self.gmm_backend is not None:
       from moejax.execution import gmm as gmm_lib
-      _check_choice(f"{p}.gmm_backend", self.gmm_backend, gmm_lib.BACKENDS)
+      check_choice(f"{p}.gmm_backend", self.gmm_backend, gmm_lib.BACKENDS)
 
   def axis_sizes(self, num_devices: int) -> tuple[int, int, int]:
     """(data, fsdp, expert) for ``num_devices``; ConfigError if they do not divide."""

@@ -15,7 +15,7 @@ import json
 import typing
 from typing import Any, Mapping, Optional
 
-from moejax.config import ConfigError, ModelConfig, _unwrap_optional, from_dict, to_dict
+from moejax.config import ConfigError, ModelConfig, unwrap_optional, from_dict, to_dict
 from moejax.data import VOCAB_SIZE, DataConfig
 from moejax.execution.mesh import ParallelConfig, check_experts, limited_moe_config
 
@@ -168,7 +168,7 @@ def _to_config_dict_tree(obj) -> dict:
     if dataclasses.is_dataclass(value):
       out[f.name] = _to_config_dict_tree(value)
     elif value is None:
-      tp = _unwrap_optional(hints[f.name])
+      tp = unwrap_optional(hints[f.name])
       # A placeholder keeps the key overridable from the command line
       # (--config.data.data_dir=...); a None sub-config (a dense model's moe)
       # stays None.
