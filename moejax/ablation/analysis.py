@@ -45,26 +45,17 @@ from moejax.train.config import ExperimentConfig
 from moejax.train.optim import make_optimizer
 
 
-def _state_tree(state) -> dict:
-  return {f: getattr(state, f) for f in
-          ("step", "params", "router_state", "other", "opt_state", "rng")}
-
-
-def checkpoint_steps(workdir: str) -> list[int]:
-  return sorted(ckpt_lib._checkpoint_steps(workdir))  # pylint: disable=protected-access
-
-
 def load_model(cfg: ExperimentConfig, workdir: str, step: Optional[int] = None):
   """(nnx model, step) restored from the run's checkpoint (the latest by default)."""
   tx = make_optimizer(cfg.train)
   graphdef, abstract = step_lib.abstract_state(cfg, tx)
-  steps = checkpoint_steps(workdir)
+  steps = ckpt_lib.checkpoint_steps(workdir)
   if not steps:
     raise FileNotFoundError(f"{workdir} has no checkpoint to analyse")
   step = steps[-1] if step is None else step
   ckpt = ckpt_lib.Checkpointer(workdir, cfg.train.keep_checkpoints, read_only=True)
   try:
-    tree, _ = ckpt.restore(step, _state_tree(abstract))
+    tree, _ = ckpt.restore(step, abstract.checkpoint_tree())
   finally:
     ckpt.close()
   return nnx.merge(graphdef, tree["params"], tree["router_state"], tree["other"]), step

@@ -28,6 +28,7 @@ import numpy as np
 from moejax.ablation import analysis as analysis_lib
 from moejax.ablation import budget as budget_lib
 from moejax.ablation.suite import Suite
+from moejax.train import checkpoint as ckpt_lib
 from moejax.train import metrics_log
 from moejax.train.config import ExperimentConfig, experiment_to_json
 
@@ -99,7 +100,7 @@ def analyse(exp: ExperimentConfig, run_path: str, options: dict, say) -> tuple[d
     res["a2a_note"] = "n/a: dense model, no expert parallelism"
     return res, routing
   final = None
-  for step in analysis_lib.checkpoint_steps(run_path):
+  for step in ckpt_lib.checkpoint_steps(run_path):
     model, _ = analysis_lib.load_model(exp, run_path, step)
     rp = analysis_lib.routing_pass(model, exp, batches, len(domains))
     routing["steps"].append(step)

@@ -47,9 +47,6 @@ def checkpoint_steps(workdir: str) -> list[int]:
                 and os.path.isdir(os.path.join(root, n)))
 
 
-_checkpoint_steps = checkpoint_steps  # the old private name; moejax.ablation calls it
-
-
 def check_workdir(workdir: str, cfg: ExperimentConfig) -> tuple[Optional[int], list[str]]:
   """(latest checkpoint step or None, train/parallel config changes) of a compatible workdir.
 

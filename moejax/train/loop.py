@@ -48,11 +48,6 @@ class NonFiniteLossError(FloatingPointError):
   """The training loss became NaN or inf; the run stopped without saving after it."""
 
 
-def _state_tree(state: step_lib.TrainState) -> dict:
-  return {f: getattr(state, f) for f in
-          ("step", "params", "router_state", "other", "opt_state", "rng")}
-
-
 def _eval_batches(cfg: ExperimentConfig, docs, put):
   it = data_lib.make_batch_iterator(docs, cfg.data.seq_len, cfg.data.batch_size,
                                     seed=cfg.data.seed, train=False,
@@ -150,7 +145,7 @@ def train(cfg: ExperimentConfig, workdir: str, *, out: TextIO = sys.stdout) -> d
   resume_step, train_changes = ckpt_lib.check_workdir(workdir, cfg)
   tx = make_optimizer(tc)
   graphdef, abstract = step_lib.abstract_state(cfg, tx, layout.expert_parallel)
-  abstract_tree = _state_tree(abstract)
+  abstract_tree = abstract.checkpoint_tree()
   if resume_step is not None:
     ckpt_lib.Checkpointer(workdir, tc.keep_checkpoints, read_only=True).check_shapes(
         resume_step, abstract_tree)
@@ -268,7 +263,7 @@ def _run(cfg, workdir, graphdef, tx, abstract_tree, resume_step, train_it, val_d
       excluded += time.perf_counter() - t_eval
     if ckpt_now:
       t_ckpt = time.perf_counter()
-      ckpt.save(step, _state_tree(state), train_it.get_state())
+      ckpt.save(step, state.checkpoint_tree(), train_it.get_state())
       excluded += time.perf_counter() - t_ckpt
 
   ckpt.wait()

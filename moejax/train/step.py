@@ -54,6 +54,11 @@ class TrainState:
   opt_state: Any
   rng: jax.Array
 
+  def checkpoint_tree(self) -> dict:
+    """The state as the plain dict that orbax saves and restores."""
+    return {f: getattr(self, f) for f in
+            ("step", "params", "router_state", "other", "opt_state", "rng")}
+
 
 def split_model(model: nnx.Module):
   """(graphdef, params, router_state, other) with pure-dict states."""

@@ -64,7 +64,7 @@ def _restore(cfg, workdir, step):
   tx = make_optimizer(cfg.train)
   _, abstract = step_lib.abstract_state(cfg, tx)
   tree, data_state = ckpt_lib.Checkpointer(workdir, 2, read_only=True).restore(
-      step, loop._state_tree(abstract))
+      step, abstract.checkpoint_tree())
   return tree, data_state
 
 

@@ -42,7 +42,7 @@ def _router_biases(cfg, workdir: str) -> dict[str, list[float]]:
   _, abstract = step_lib.abstract_state(cfg, make_optimizer(cfg.train))
   ckpt = ckpt_lib.Checkpointer(workdir, cfg.train.keep_checkpoints, read_only=True)
   try:
-    tree, _ = ckpt.restore(STEPS, loop._state_tree(abstract))  # pylint: disable=protected-access
+    tree, _ = ckpt.restore(STEPS, abstract.checkpoint_tree())
   finally:
     ckpt.close()
   return {str(i): np.asarray(tree["router_state"]["blocks"][i]["ffn"]["router_state"]["bias"],
