@@ -20,12 +20,12 @@ def model():
   return dict(
       vocab_size=256, d_model=128, n_layers=4, n_heads=4,
       moe=dict(
-          num_experts=16, expert_width=128, activation="swiglu",
+          topology=dict(num_experts=16, expert_width=128, activation="swiglu"),
           # The execution plane's fast portable path: only the chosen experts
           # compute (the reference backend runs all 16 on every token).
-          backend="blocked",
-          router=dict(kind="topk", top_k=2, score_fn="sigmoid", gating="normalized",
-                      use_bias=True),
+          execution=dict(backend="blocked"),
+          routing=dict(kind="topk", top_k=2, score_fn="sigmoid", gating="normalized",
+                       use_bias=True),
           # DeepSeek-V3 moves the bias by 1e-3 per step over 14.8T tokens;
           # this run has 600 steps, and at 1e-3 the load stays skewed (MaxVio
           # ~4) for ~400 of them. 1e-2 balances in ~100 steps at no loss cost.

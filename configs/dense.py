@@ -1,10 +1,12 @@
 """The dense baseline of configs/default.py: same active FFN parameters per token.
 
-``moejax.model.dense_equivalent`` replaces every MoE FFN of the default model
-by one dense FFN of width K * f = 2 * 128 = 256 (same activation), keeping
-attention, embeddings, data and optimisation identical. The MoE model then
+``model.dense_twin='active'`` replaces every MoE FFN of the default model by
+one dense FFN of width K * f = 2 * 128 = 256 (same activation), keeping
+attention, embeddings, data and optimisation identical (resolved when the
+config is built: ``--print_config`` shows the width). The MoE model then
 differs from this one only in holding 8x the FFN parameters, of which each
-token uses the same number.
+token uses the same number. Any config has such a twin from the command line:
+``--config.model.dense_twin=active`` (or ``total`` for equal total parameters).
 
     python -m experiments.train --config=configs/dense.py --workdir=/tmp/moejax_dense
 """
@@ -12,8 +14,7 @@ token uses the same number.
 import importlib.util
 import os
 
-from moejax.config import ModelConfig, from_dict, to_dict
-from moejax.model import dense_equivalent
+from moejax.train.config import experiment_config_dict
 
 
 def _default():
@@ -27,7 +28,5 @@ def _default():
 def get_config():
   default = _default()
   cfg = default.get_config()
-  dense = dense_equivalent(from_dict(ModelConfig, default.model(), "model"))
-  from moejax.train.config import experiment_config_dict
-  return experiment_config_dict(model=to_dict(dense), data=cfg.data.to_dict(),
-                                train=cfg.train.to_dict())
+  return experiment_config_dict(model=dict(default.model(), dense_twin="active"),
+                                data=cfg.data.to_dict(), train=cfg.train.to_dict())

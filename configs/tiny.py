@@ -12,9 +12,9 @@ def get_config():
   return experiment_config_dict(
       model=dict(
           d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, dense_ff_width=64,
-          moe=dict(num_experts=4, expert_width=32,
-                   router=dict(kind="topk", top_k=2, score_fn="sigmoid", gating="normalized",
-                               use_bias=True),
+          moe=dict(topology=dict(num_experts=4, expert_width=32),
+                   routing=dict(kind="topk", top_k=2, score_fn="sigmoid", gating="normalized",
+                                use_bias=True),
                    balance=dict(bias_update="sign", bias_rate=1e-3, aux_loss_coef=1e-3,
                                 aux_loss_scope="sequence", z_loss_coef=1e-3))),
       data=dict(name="python_stdlib", seq_len=32, batch_size=8, stdlib_max_files=12,

@@ -83,24 +83,25 @@ def _variants(shape: str):
   from moejax.execution import mesh as mesh_lib
   d = _DEVICES.value
   base = dict(expert=d, data=1, devices_per_node=_PER_NODE.value)
-  moe = dict(SHAPES[shape], backend="blocked",
-             router=dict(top_k=SHAPES[shape]["top_k"]))
-  moe.pop("top_k")
+  shape_ = dict(SHAPES[shape])
+  moe = dict(topology=dict(num_experts=shape_["num_experts"],
+                           expert_width=shape_["expert_width"]),
+             execution=dict(backend="blocked"), routing=dict(top_k=shape_["top_k"]))
   cfg = C.from_dict(C.MoEConfig, moe)
-  cf = C.from_dict(C.MoEConfig, dict(moe, capacity_factor=_EP_CF.value))
+  cf = C.from_dict(C.MoEConfig, dict(moe, balance=dict(capacity_factor=_EP_CF.value)))
+  limited = C.ParallelConfig(**base, dispatch="ragged", route_limit="nodes",
+                             route_limit_count=_LIMIT.value)
   return cfg, {
-      "ep_capacity": (cfg, mesh_lib.ParallelConfig(**base)),
-      "ep_capacity_cf": (cf, mesh_lib.ParallelConfig(**base)),
-      "ep_ragged": (cfg, mesh_lib.ParallelConfig(**base, dispatch="ragged")),
-      "ep_node_limited": (cfg, mesh_lib.ParallelConfig(
-          **base, dispatch="ragged", route_limit="nodes", route_limit_count=_LIMIT.value)),
+      "ep_capacity": (cfg, C.ParallelConfig(**base)),
+      "ep_capacity_cf": (cf, C.ParallelConfig(**base)),
+      "ep_ragged": (cfg, C.ParallelConfig(**base, dispatch="ragged")),
+      "ep_node_limited": (C.resolve_route_limit(cfg, limited), limited),
   }
 
 
 def run_shape(shape: str, repeats: int) -> dict:
   from moejax import layer as L
   from moejax.execution import mesh as mesh_lib
-  from moejax.execution import parallel as EP
   cfg, variants = _variants(shape)
   b, s, dm = _EP_BATCH.value, _EP_SEQ.value, _EP_D.value
   k = jax.random.split(jax.random.PRNGKey(0), 3)
@@ -110,7 +111,7 @@ def run_shape(shape: str, repeats: int) -> dict:
 
   def step(layer):
     def loss(p, x):
-      y, _, aux = layer(p, x)
+      y, aux = layer(p, x)
       return jnp.vdot(y, cot) + aux["losses"]["total"], aux
     return jax.jit(jax.value_and_grad(loss, (0, 1), has_aux=True))
 
@@ -121,12 +122,12 @@ def run_shape(shape: str, repeats: int) -> dict:
   meta = {}
   for name, (vcfg, pcfg) in variants.items():
     mesh = mesh_lib.make_mesh(pcfg, jax.devices()[:pcfg.expert], cfg=vcfg)
-    f = step(lambda p, x, vcfg=vcfg, pcfg=pcfg, mesh=mesh: EP.ep_moe_layer(
+    f = step(lambda p, x, vcfg=vcfg, pcfg=pcfg, mesh=mesh: L.ep_moe_layer(
         p, x, None, vcfg, mesh, pcfg))
     pp, xx = mesh_lib.shard_params(params, mesh), mesh_lib.shard_batch(x, mesh)
     fns[name] = lambda f=f, pp=pp, xx=xx: f(pp, xx)
     (_, aux), _ = f(pp, xx)
-    meta[name] = {key: float(aux["comm"][key]) for key in COMM_KEYS}
+    meta[name] = {key: float(aux["execution"]["comm"][key]) for key in COMM_KEYS}
     meta[name]["num_dropped"] = int(aux["num_dropped"])
   timed = _time(fns, repeats)
   rows = {}

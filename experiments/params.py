@@ -4,7 +4,7 @@ Usage:
   python -m experiments.params --preset=deepseek_v3
   python -m experiments.params --preset=all
   python -m experiments.params --config=configs/presets/mixtral_8x7b.py \
-      --config.model.moe.num_experts=64 --seq_len=2048
+      --config.model.moe.topology.num_experts=64 --seq_len=2048
 
 For each model: total parameters, active parameters per token (matmul
 convention: LM head counted, input embedding table not; 'active+emb' adds
@@ -20,8 +20,8 @@ import pathlib
 from absl import app, flags
 from ml_collections import config_flags
 
-from moejax.config import ConfigError, ModelConfig, from_dict
-from moejax.topology import accounting, presets
+from moejax.config import ArchitectureConfig, ConfigError, ModelConfig, files, from_dict
+from moejax.topology import accounting
 
 _PRESET = flags.DEFINE_string(
     "preset", None, "preset name from configs/presets (or 'all' for every preset)")
@@ -42,11 +42,11 @@ def collect(preset: str | None, config, seq_len: int):
   """(label -> Budget, label -> published) for the requested models."""
   budgets, published = {}, {}
   if preset is not None:
-    names = presets.list_presets() if preset == "all" else [preset]
+    names = files.list_presets() if preset == "all" else [preset]
     for name in names:
-      model, pub = presets.load_preset(name)  # ValueError lists the valid names
-      budgets[name] = accounting.budget(model, seq_len)
-      published[name] = pub
+      preset = files.load_preset(name)  # ValueError lists the valid names
+      budgets[name] = accounting.budget(preset.model, seq_len, preset.architecture)
+      published[name] = preset.published
   if config is not None:
     if "model" not in config:
       raise ConfigError("config", sorted(config.keys()), "has no 'model' subtree",
@@ -54,15 +54,17 @@ def collect(preset: str | None, config, seq_len: int):
     path = config_flags.get_config_filename(flags.FLAGS["config"])
     label = pathlib.Path(path).stem
     model = from_dict(ModelConfig, config.model, "model")
+    arch = (from_dict(ArchitectureConfig, config.accounting, "accounting")
+            if "accounting" in config else ArchitectureConfig())
     pub = _published(config)
     if pub:
       # Published numbers describe the file as written, not an overridden arm.
-      as_written = from_dict(ModelConfig, presets.load_config_file(path).model, "model")
+      as_written = from_dict(ModelConfig, files.load_config_file(path).model, "model")
       if as_written != model:
         label, pub = label + " (overridden)", None
     if label in budgets:
       label += " (--config)"
-    budgets[label] = accounting.budget(model, seq_len)
+    budgets[label] = accounting.budget(model, seq_len, arch)
     if pub:
       published[label] = pub
   return budgets, published
@@ -73,7 +75,7 @@ def main(argv):
     raise app.UsageError(f"unexpected arguments: {' '.join(argv[1:])}")
   if _PRESET.value is None and _CONFIG.value is None:
     raise app.UsageError("give --preset=NAME (or all) and/or --config=path/to/config.py; "
-                         f"presets: {', '.join(presets.list_presets())}")
+                         f"presets: {', '.join(files.list_presets())}")
   try:
     budgets, published = collect(_PRESET.value, _CONFIG.value, _SEQ_LEN.value)
   except (ValueError, ConfigError) as e:

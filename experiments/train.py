@@ -1,6 +1,6 @@
 r"""Trains one experiment: ``python -m experiments.train --config=configs/default.py --workdir=DIR``.
 
-Overrides: ``--config.train.steps=2000 --config.model.moe.num_experts=16``;
+Overrides: ``--config.train.steps=2000 --config.model.moe.topology.num_experts=16``;
 a key that does not exist is an error (the config files list every field),
 and the values are validated before anything runs. A ``--workdir`` holding a
 checkpoint of the same model resumes from it exactly; one holding another

@@ -1,24 +1,46 @@
-"""The reference MoE layer: routing, balance, topology and execution composed.
+"""The MoE layer: routing, balance, topology and execution composed, in one place.
 
-Legend: B batch, S sequence length, T = B*S tokens, d model width, E routed
-FFN experts, Z zero-computation experts, K slots per token, f expert hidden
-width, P = E * p Soft MoE slots.
+Legend: B batch, S sequence length, T = B*S tokens (on this device), d model
+width, E routed FFN experts, Z zero-computation experts, E_r = E + Z router
+outputs, K slots per token, f expert hidden width, P = E * p Soft MoE slots,
+D devices on the ``expert`` mesh axis.
 
 The layer is a pure function::
 
-    y, new_state, aux = moe_layer(params, x, state, cfg, token_ids=..., rng=...,
-                                  train=..., axis_names=...)
+    y, aux = moe_layer(params, x, state, cfg, token_ids=..., rng=..., train=...,
+                       axis_names=..., executor=...)
 
-``params`` is a plain pytree (router, experts, shared, zero-compute), ``state``
-is the non-trainable :class:`RouterState` (selection bias), ``aux`` holds the
-weighted losses (``aux['losses']['total']`` is what the trainer adds to the
-objective), per-expert loads, drop counts and routing metrics. Nothing is
-stored on the side.
+One token's walk through a routed (``kind='sparse'``) layer:
 
-``cfg.backend='reference'`` computes every expert on every token in a scan
-over experts and combines with the dense [T, E] gate matrix: obviously
-correct, slow, and the oracle for every fast backend in
-``moejax.execution``.
+1. routing plane: ``route`` turns x into a :class:`RoutingResult` (expert
+   ids, gate weights, valid slots, router probabilities), selecting on the
+   router state's bias when the router uses one;
+2. balance plane: the capacity rule drops copies beyond each expert's
+   capacity (``routing`` in aux is the decision after it); losses, loads and
+   metrics are computed on the decision *before* it (Switch eq. 4-5 count
+   every token's choice; the bias controller balances what the router
+   chose);
+3. execution plane: an executor computes the routed FFN experts for the kept
+   slots (:mod:`moejax.execution.executor`; expert-parallel:
+   :mod:`moejax.execution.parallel`);
+4. topology plane: zero-computation and shared experts are added per token.
+
+Nothing is stored on the side and nothing is updated: ``state`` (the router
+bias) is read, never written. ``aux['router_load']`` is the controller's
+input; the train step applies :func:`moejax.balance.controller.update_bias`
+once per optimizer step on the loads of the whole global batch, outside the
+differentiated function.
+
+``aux``: ``losses`` (weighted, with ``total``: what the trainer adds to the
+objective), ``metrics`` (per layer kind, see :mod:`moejax.balance.metrics`),
+and for routed layers ``load`` f32[E] and ``router_load`` f32[E_r] (token
+copies the router sent, before capacity, summed over ``axis_names``),
+``num_dropped`` (copies capacity removed, summed over ``axis_names``),
+``routing`` (the RoutingResult after capacity) and ``execution`` (the
+executor's extras; empty on one device).
+
+:func:`ep_moe_layer` is the same layer under ``jax.shard_map`` with the
+expert-parallel executor and the mesh axes as ``axis_names``.
 """
 
 from __future__ import annotations
@@ -27,10 +49,14 @@ from typing import Any, Optional, Sequence
 
 import jax
 import jax.numpy as jnp
+from jax.sharding import Mesh, PartitionSpec as P
 
 from moejax.balance import capacity as capacity_lib
-from moejax.balance import controller, losses, metrics
-from moejax.config import MoEConfig
+from moejax.balance import losses, metrics, stats
+from moejax.config import MoEConfig, ParallelConfig
+from moejax.execution import executor as executor_lib
+from moejax.execution import parallel as parallel_lib
+from moejax.execution import placement as placement_lib
 from moejax.routing import router as router_lib
 from moejax.routing import soft as soft_lib
 from moejax.routing.types import RouterState, RoutingResult
@@ -54,7 +80,7 @@ def init_moe_params(key: jax.Array, d_model: int, cfg: MoEConfig,
       "router": router_lib.init_router_params(k_router, d_model, cfg),
       "experts": experts_lib.init_experts(k_experts, d_model, cfg, dtype),
   }
-  if cfg.num_shared_experts:
+  if cfg.topology.num_shared_experts:
     params["shared"] = experts_lib.init_shared(k_shared, d_model, cfg)
   if cfg.num_zero_compute:
     params["zero_compute"] = zero_lib.init_zero_compute(k_zero, d_model, cfg)
@@ -66,149 +92,123 @@ def init_router_state(cfg: MoEConfig) -> RouterState:
   return RouterState.zeros(cfg.num_routed)
 
 
-def _reference_routed(expert_params: Params, x: jax.Array, combine: jax.Array,
-                      cfg: MoEConfig) -> jax.Array:
-  """y[T, d] = sum_e combine[t, e] * FFN_e(x_t), one expert at a time.
-
-  A scan over experts keeps memory at O(T f) instead of materialising the
-  [E, T, f] hidden activations of all experts at once.
-  """
-  f = expert_params["w_down"].shape[1]
-  masks = (experts_lib.width_mask(cfg) if cfg.expert_widths is not None
-           else jnp.ones((cfg.num_experts, f), x.dtype))
-
-  def body(y, inputs):
-    params_e, weight_e, mask_e = inputs  # weight_e: [T]
-    out = experts_lib.expert_ffn(params_e, x, cfg.activation, mask_e)
-    return y + weight_e[:, None].astype(out.dtype) * out, None
-
-  weights_et = combine[:, : cfg.num_experts].T  # [E, T]
-  y, _ = jax.lax.scan(body, jnp.zeros_like(x), (expert_params, weights_et, masks))
-  return y
-
-
-def _routed_output(params: Params, x: jax.Array, result: RoutingResult,
-                   cfg: MoEConfig) -> jax.Array:
-  if cfg.backend == "reference":
-    return _reference_routed(params["experts"], x, result.combine_weights(), cfg)
-  from moejax.execution import experts as exec_experts  # fast paths, by name
-  mask = experts_lib.width_mask(cfg) if cfg.expert_widths is not None else None
-  return exec_experts.routed_experts(
-      params["experts"], x, result, num_experts=cfg.num_experts,
-      activation=cfg.activation, backend=cfg.backend, width_mask=mask,
-      interpret=cfg.backend_interpret)
-
-
 def route_and_drop(params: Params, x: jax.Array, state: RouterState, cfg: MoEConfig, *,
                    token_ids, rng, train: bool):
-  """Router, then the capacity rule: (result, dropped bool[T, K], capacity or None).
+  """(decision, kept, dropped bool[T, K], capacity or None): the router, then capacity.
 
-  Shared with the expert-parallel layer, which applies the same rule per
-  device group.
+  ``decision`` is the router's result; ``kept`` the same with the dropped
+  copies made invalid (``decision`` itself when the layer is dropless).
   """
-  result = router_lib.route(params["router"], x, state, cfg,
-                            token_ids=token_ids, rng=rng, train=train)
-  dropped = jnp.zeros_like(result.valid)
-  cap = None
-  if cfg.capacity_factor is not None:
-    cap = capacity_lib.expert_capacity(x.shape[0], cfg.num_experts,
-                                       result.k, cfg.capacity_factor)
-    result, dropped = capacity_lib.apply_capacity(
-        result, cap, num_experts=cfg.num_experts, priority=cfg.drop_priority)
-  return result, dropped, cap
+  decision = router_lib.route(params["router"], x, state, cfg,
+                              token_ids=token_ids, rng=rng, train=train)
+  cf = cfg.balance.capacity_factor
+  if cf is None:
+    return decision, decision, jnp.zeros_like(decision.valid), None
+  cap = capacity_lib.expert_capacity(x.shape[0], cfg.num_experts, decision.k, cf)
+  kept, dropped = capacity_lib.apply_capacity(decision, cap, num_experts=cfg.num_experts,
+                                              priority=cfg.balance.drop_priority)
+  return decision, kept, dropped, cap
 
 
-def add_token_local_experts(params: Params, x: jax.Array, result: RoutingResult,
-                            cfg: MoEConfig, y: jax.Array) -> jax.Array:
-  """y[T, d] plus the zero-computation and shared experts (no dispatch needed)."""
+def token_local_experts(params: Params, x: jax.Array, shared_x: jax.Array,
+                        result: RoutingResult, cfg: MoEConfig) -> jax.Array:
+  """y[T, d] of the zero-computation experts (on x) and shared experts (on shared_x)."""
+  y = jnp.zeros_like(x)
   if cfg.num_zero_compute:
     # Zero-computation experts are elementwise; their [T, Z] gates come from
     # the same routing result as the FFN experts.
     z_out = zero_lib.apply_zero_compute(params["zero_compute"], x, cfg)
     z_gates = result.combine_weights()[:, cfg.num_experts:]
     y = y + jnp.einsum("tz,tzd->td", z_gates.astype(z_out.dtype), z_out)
-  if cfg.num_shared_experts:
-    y = y + experts_lib.apply_shared(params["shared"], x)
+  if cfg.topology.num_shared_experts:
+    y = y + experts_lib.apply_shared(params["shared"], shared_x).astype(y.dtype)
   return y
 
 
-def controller_step(state: RouterState, result: RoutingResult, cfg: MoEConfig, *,
-                    train: bool, axis_names: Sequence[str]):
-  """(new_state, load f32[E_routed]) from the load over every routed column.
-
-  The load is reduced over the mesh axes so the bias update sees the global
-  batch (DeepSeek-V3; MaxText #2494 is what happens otherwise).
-  """
-  load_all = metrics.expert_load(result, cfg.num_routed, axis_names=axis_names)
-  new_state = state
-  if train and cfg.balance.bias_update != "none":
-    new_state = controller.update_bias(state, load_all, cfg.balance)
-  return new_state, load_all
-
-
-def _sparse_layer(params, x, state, cfg, *, token_ids, rng, train, axis_names,
-                  batch_shape):
-  result, dropped, _ = route_and_drop(params, x, state, cfg, token_ids=token_ids,
-                                      rng=rng, train=train)
-  y = add_token_local_experts(params, x, result, cfg, _routed_output(params, x, result, cfg))
-  new_state, load_all = controller_step(state, result, cfg, train=train,
-                                        axis_names=axis_names)
+def _sparse_layer(params, x, shared_x, state, cfg, *, token_ids, rng, train, axis_names,
+                  batch_shape, executor, width_mask):
+  decision, kept, dropped, cap = route_and_drop(params, x, state, cfg, token_ids=token_ids,
+                                                rng=rng, train=train)
+  if width_mask is None and cfg.topology.expert_widths is not None:
+    width_mask = experts_lib.width_mask(cfg)
+  y, extras = executor(params["experts"], x, kept, width_mask=width_mask, capacity=cap)
+  y = y + token_local_experts(params, x, shared_x, kept, cfg)
+  router_load = metrics.expert_load(decision, cfg.num_routed, axis_names)
   aux = {
-      "losses": losses.balance_losses(result, cfg, batch_shape=batch_shape,
+      "losses": losses.balance_losses(decision, cfg, batch_shape=batch_shape,
                                        axis_names=axis_names),
-      "metrics": metrics.routing_metrics(result, cfg, dropped=dropped,
+      "metrics": metrics.routing_metrics(decision, cfg, dropped=dropped,
                                          axis_names=axis_names),
-      "load": load_all[: cfg.num_experts],
-      "num_dropped": jnp.sum(dropped),
-      "routing": result,
+      "load": router_load[: cfg.num_experts],
+      "router_load": router_load,
+      "num_dropped": stats.psum(jnp.sum(dropped, dtype=jnp.int32), axis_names),
+      "routing": kept,
+      "execution": extras,
   }
-  return y, new_state, aux
+  return y, aux
 
 
-def _soft_layer(params, x, cfg, batch_shape):
+def _soft_layer(params, x, cfg, batch_shape, axis_names):
   """Soft MoE (Puigcerver et al. 2308.00951), one sequence at a time.
 
   Every slot mixes all tokens of its sequence, so the layer is not causal.
   """
   b, s = batch_shape
   xs = x.reshape(b, s, -1)
-  mask = experts_lib.width_mask(cfg) if cfg.expert_widths is not None else None
+  t = cfg.topology
+  mask = experts_lib.width_mask(cfg) if t.expert_widths is not None else None
 
   def one(x_sd):
     dispatch, combine, _ = soft_lib.soft_weights(params["router"], x_sd, cfg)
-    slots = jnp.einsum("tp,td->pd", dispatch.astype(x_sd.dtype), x_sd)
-    slots = slots.reshape(cfg.num_experts, cfg.slots_per_expert, -1)  # [E, p, d]
-    out = experts_lib.experts_dense(params["experts"], slots, cfg.activation, mask)
-    out = out.reshape(cfg.num_experts * cfg.slots_per_expert, -1)  # [P, d]
-    return jnp.einsum("tp,pd->td", combine.astype(out.dtype), out)
+    slots = jnp.einsum("sp,sd->pd", dispatch.astype(x_sd.dtype), x_sd)
+    slots = slots.reshape(cfg.num_experts, t.slots_per_expert, -1)  # [E, p, d]
+    out = experts_lib.experts_dense(params["experts"], slots, t.activation, mask)
+    out = out.reshape(cfg.num_experts * t.slots_per_expert, -1)  # [P, d]
+    return jnp.einsum("sp,pd->sd", combine.astype(out.dtype), out), dispatch, combine
 
-  y = jax.vmap(one)(xs).reshape(x.shape)
+  y, dispatch, combine = jax.vmap(one)(xs)
   zero = jnp.zeros((), jnp.float32)
-  return y, {"losses": {"total": zero}, "metrics": {}, "num_dropped": jnp.zeros((), jnp.int32)}
+  aux = {"losses": {"total": zero},
+         "metrics": metrics.soft_metrics(dispatch, combine, cfg, axis_names=axis_names)}
+  return y.reshape(x.shape), aux
+
+
+def _peer_layer(params, x, cfg, axis_names):
+  y, peer_aux = peer_lib.peer_apply(params["peer"], x, cfg)
+  aux = {"losses": {"total": jnp.zeros((), jnp.float32)},
+         "metrics": metrics.peer_metrics(peer_aux["expert_ids"], cfg, axis_names=axis_names)}
+  return y, aux
 
 
 def moe_layer(params: Params, x: jax.Array, state: Optional[RouterState],
               cfg: MoEConfig, *, token_ids: Optional[jax.Array] = None,
               rng: Optional[jax.Array] = None, train: bool = False,
-              axis_names: Sequence[str] = ()) -> tuple[jax.Array, RouterState, dict]:
+              axis_names: Sequence[str] = (),
+              executor: Optional[executor_lib.Executor] = None,
+              shared_x: Optional[jax.Array] = None,
+              width_mask: Optional[jax.Array] = None) -> tuple[jax.Array, dict]:
   """Applies one MoE layer.
 
   Args:
     params: from :func:`init_moe_params`.
-    x: [B, S, d] or [T, d] activations (a 2-D input is one sequence).
-    state: router state from :func:`init_router_state` (None: zeros).
+    x: [B, S, d] or [T, d] activations (a 2-D input is one sequence): what the
+      router and the routed / zero-computation experts read.
+    state: router state from :func:`init_router_state` (None: zeros); read only.
     cfg: the layer config.
     token_ids: int[B, S] or int[T], needed by hash routing.
     rng: PRNG key for router jitter / noise (training only).
-    train: enables noise, jitter and the bias controller update.
+    train: enables noise and jitter.
     axis_names: mesh axes over which global statistics (loads, global-batch
-      balance loss, MaxVio) are reduced when called inside ``shard_map``.
+      balance loss, MaxVio, drops) are reduced when called inside ``shard_map``.
+    executor: computes the routed experts (default: the single-device
+      executor ``cfg.execution`` names).
+    shared_x: what the shared experts read (default x; ScMoE passes the
+      current block's representation while x is the previous block's).
+    width_mask: f32[E, f] hidden-unit mask of heterogeneous experts in the
+      executor's expert order (default: from ``cfg``).
 
   Returns:
-    ``(y, new_state, aux)``: y has x's shape and dtype; new_state is the
-    controller-updated router state (equal to ``state`` unless training with
-    a bias controller); aux holds ``losses`` (weighted, with ``total``),
-    ``metrics``, ``load`` f32[E] and ``num_dropped``.
+    ``(y, aux)``: y has x's shape and dtype; aux as the module docstring says.
   """
   if state is None:
     state = init_router_state(cfg)
@@ -219,21 +219,93 @@ def moe_layer(params: Params, x: jax.Array, state: Optional[RouterState],
     batch_shape = shape[:2]
   else:
     raise ValueError(f"moe_layer: x has shape {shape}; expected [B, S, d] or [T, d]")
+  if shared_x is not None and shared_x.shape != shape:
+    raise ValueError(f"moe_layer: shared_x has shape {shared_x.shape}, x has {shape}")
   x2 = x.reshape(-1, shape[-1])
   ids = None if token_ids is None else jnp.asarray(token_ids).reshape(-1)
   if ids is not None and ids.shape[0] != x2.shape[0]:
     raise ValueError(f"moe_layer: token_ids has {ids.shape[0]} entries for "
                      f"{x2.shape[0]} tokens; pass one id per token")
-
+  axis_names = tuple(axis_names)
   if cfg.kind == "soft":
-    y, aux = _soft_layer(params, x2, cfg, batch_shape)
-    return y.reshape(shape), state, aux
-  if cfg.kind == "peer":
-    y, peer_aux = peer_lib.peer_apply(params["peer"], x2, cfg)
-    aux = {"losses": {"total": jnp.zeros((), jnp.float32)}, "metrics": {},
-           "num_dropped": jnp.zeros((), jnp.int32), "peer": peer_aux}
-    return y.reshape(shape), state, aux
-  y, new_state, aux = _sparse_layer(params, x2, state, cfg, token_ids=ids, rng=rng,
-                                    train=train, axis_names=tuple(axis_names),
-                                    batch_shape=batch_shape)
-  return y.reshape(shape), new_state, aux
+    y, aux = _soft_layer(params, x2, cfg, batch_shape, axis_names)
+  elif cfg.kind == "peer":
+    y, aux = _peer_layer(params, x2, cfg, axis_names)
+  else:
+    sx = x2 if shared_x is None else shared_x.reshape(-1, shape[-1])
+    y, aux = _sparse_layer(params, x2, sx, state, cfg, token_ids=ids, rng=rng, train=train,
+                           axis_names=axis_names, batch_shape=batch_shape,
+                           executor=executor or executor_lib.local_executor(cfg),
+                           width_mask=width_mask)
+  return y.reshape(shape).astype(x.dtype), aux
+
+
+def ep_moe_layer(params: Params, x: jax.Array, state: Optional[RouterState], cfg: MoEConfig,
+                 mesh: Mesh, pcfg: ParallelConfig = ParallelConfig(), *,
+                 token_ids: Optional[jax.Array] = None, rng: Optional[jax.Array] = None,
+                 train: bool = False, shared_x: Optional[jax.Array] = None,
+                 placement: Optional[placement_lib.Placement] = None
+                 ) -> tuple[jax.Array, dict]:
+  """:func:`moe_layer` with expert parallelism; call it inside ``jax.jit``.
+
+  The layer runs under ``jax.shard_map`` over ``mesh`` (axes ('data',
+  'fsdp', 'expert'), :func:`moejax.execution.mesh.make_mesh`): each device
+  routes its B / N sequences, applies the capacity rule to them (GShard's
+  groups), and the expert-parallel executor moves the kept copies to the
+  devices holding their experts and back. Loads, metrics, drops and
+  global-scope losses are reduced over the whole mesh, so they equal the
+  single-device layer's on the whole batch; batch- and sequence-scope losses
+  are local by definition and returned as their mean over devices. Router
+  noise uses ``fold_in(rng, device index)``: with noise on, the layer equals
+  the single-device one in distribution, not bitwise.
+
+  Args:
+    params: from :func:`init_moe_params` (logical experts [E, ...]; place them
+      with :func:`moejax.execution.mesh.shard_params` to avoid reshards).
+    x: [B, S, d] with B divisible by the mesh's device count.
+    cfg: a ``kind='sparse'`` layer config whose routing limit (if any) was
+      resolved for ``pcfg`` (:func:`moejax.config.resolve_route_limit`).
+    pcfg: dispatch path, routing limits, nodes; its expert axis must match
+      the mesh's.
+    shared_x / token_ids / rng / train: as :func:`moe_layer`.
+    placement: optional expert placement (replicas of hot experts).
+
+  Returns:
+    ``(y [B, S, d], aux)`` with :func:`moe_layer`'s keys; ``aux['routing']``
+    is [B*S, K] in global token order and ``aux['execution']`` holds
+    ``device_load`` f32[D] and ``comm`` (byte counts).
+  """
+  if state is None:
+    state = init_router_state(cfg)
+  if x.ndim != 3:
+    raise ValueError(f"ep_moe_layer: x has shape {x.shape}; expected [B, S, d] (the batch "
+                     "is split over devices by whole sequences)")
+  for name, arr, want in (("token_ids", token_ids, x.shape[:2]), ("shared_x", shared_x,
+                                                                   x.shape)):
+    if arr is not None and tuple(arr.shape) != tuple(want):
+      raise ValueError(f"ep_moe_layer: {name} has shape {arr.shape}; expected {want}")
+  mask = experts_lib.width_mask(cfg) if cfg.topology.expert_widths is not None else None
+  prep = parallel_lib.prepare(params, cfg, mesh, pcfg, x.shape[0], x.shape[-1],
+                              width_mask=mask, placement=placement)
+  ex, tok = prep.executor, prep.token_spec
+  args = {"params": prep.params, "x": x, "state": state}
+  in_specs = {"params": prep.param_specs, "x": tok, "state": P()}
+  for name, arr, spec in (("token_ids", token_ids, tok), ("shared_x", shared_x, tok),
+                          ("rng", rng, P()), ("width_mask", prep.width_mask, P("expert"))):
+    if arr is not None:
+      args[name], in_specs[name] = arr, spec
+
+  def body(a):
+    key = a.get("rng")
+    if key is not None:
+      key = jax.random.fold_in(key, parallel_lib.device_index(ex.axes))
+    y, aux = moe_layer(a["params"], a["x"], a["state"], cfg, token_ids=a.get("token_ids"),
+                       rng=key, train=train, axis_names=ex.axes, executor=ex,
+                       shared_x=a.get("shared_x"), width_mask=a.get("width_mask"))
+    aux["losses"] = {k: stats.pmean(v, ex.axes) for k, v in aux["losses"].items()}
+    return y, aux
+
+  out_specs = (tok, {"losses": P(), "metrics": P(), "load": P(), "router_load": P(),
+                     "num_dropped": P(), "routing": tok, "execution": P()})
+  return jax.shard_map(body, mesh=mesh, in_specs=(in_specs,), out_specs=out_specs,
+                       check_vma=False)(args)

@@ -20,17 +20,19 @@ wrapped in a mixture-of-depths router (``cfg.is_mod_layer(i)``).
   layers of their weighted balance/z losses (``losses['total']``) plus the
   mixture-of-depths membership losses.
 - ``moe``: ``{'layer_<i>': layer aux}`` per MoE layer i: ``losses``,
-  ``metrics``, ``load`` f32[E], ``num_dropped``, and the routing decision
-  ``expert_ids`` int32[B, S, K], ``weights`` f32[B, S, K], ``valid``
-  bool[B, S, K] for specialisation analysis (sparse layers; tokens a MoD
-  block skipped have valid False).
+  ``metrics``, and for routed layers ``load`` f32[E], ``router_load``
+  f32[E_r] (the bias controller's input), ``num_dropped``, ``execution``,
+  and the routing decision ``expert_ids`` int32[B, S, K], ``weights``
+  f32[B, S, K], ``valid`` bool[B, S, K] for specialisation analysis (tokens a
+  MoD block skipped have valid False).
 - ``mod``: ``{'layer_<i>': {'selected' bool[B, S], 'scores' f32[B, S],
-  'loss'}}`` per mixture-of-depths block.
+  'loss', 'metrics'}}`` per mixture-of-depths block.
 
 Router state (the aux-loss-free bias) lives in
-:class:`~moejax.nn.moe_block.RouterStateVar` leaves, outside ``nnx.Param``;
-a train-mode call writes the controller's update into them (see
-:mod:`moejax.nn.moe_block`).
+:class:`~moejax.nn.moe_block.RouterStateVar` leaves, outside ``nnx.Param``.
+The forward only reads it; :meth:`Transformer.apply_controllers` applies the
+bias controller of every MoE layer to the loads in ``aux`` (the train step
+calls it once per optimizer step, outside the gradient).
 """
 
 from __future__ import annotations
@@ -47,27 +49,23 @@ from moejax.nn.attention import CausalSelfAttention
 from moejax.nn.ffn import DenseFFN, ffn_params
 from moejax.nn.mod import MoDBlock
 from moejax.nn.moe_block import ExpertParallel, MoEFFN, RouterStateVar
+from moejax.nn.scmoe import shortcut_input
+from moejax.topology import accounting
 
 __all__ = ["Transformer", "Block", "RouterStateVar", "ExpertParallel", "dense_equivalent",
+           "dense_twin",
            "active_ffn_params", "param_count", "check_buildable"]
 
 _DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 
 
 def check_buildable(cfg: ModelConfig) -> None:
-  """Raises ConfigError for valid configs this model does not implement."""
-  if cfg.attention == "mla":
-    raise ConfigError("model.attention", cfg.attention,
-                      "multi-head latent attention is only counted by the accounting "
-                      "code, the model does not implement it",
-                      "use model.attention='mha' (GQA through model.n_kv_heads)")
-  if cfg.encoder_layers:
-    raise ConfigError("model.encoder_layers", cfg.encoder_layers,
-                      "the model is decoder-only", "set model.encoder_layers=0")
-  if cfg.attn_head_dim % 2:
-    raise ConfigError("model.head_dim", cfg.attn_head_dim,
-                      "rotary embeddings rotate feature pairs, so the head width must be even",
-                      "pick an even head_dim (or d_model / n_heads)")
+  """Raises ConfigError for a valid config this model does not build as it stands."""
+  if cfg.dense_twin != "none" and cfg.moe is not None:
+    raise ConfigError("model.dense_twin", cfg.dense_twin,
+                      "the dense twin is resolved when the experiment config is built",
+                      "build the model from ExperimentConfig, or from "
+                      "moejax.model.dense_twin(cfg, cfg.dense_twin)")
 
 
 class Block(nnx.Module):
@@ -86,15 +84,7 @@ class Block(nnx.Module):
     self.ffn_norm = norm()
     self.is_moe = cfg.is_moe_layer(layer)
     self.scmoe = self.is_moe and cfg.moe_schedule == "scmoe"
-    if self.scmoe and expert_parallel is not None:
-      raise ConfigError("model.moe_schedule", cfg.moe_schedule,
-                        "the ScMoE block calls the single-device layer; expert "
-                        "parallelism is wired for the serial schedule only",
-                        "use model.moe_schedule='serial' or parallel.expert=1")
-    if self.scmoe:
-      from moejax.nn.scmoe import ScMoEFFN  # shortcut-connected schedule (moejax.nn.scmoe)
-      self.ffn = ScMoEFFN(d, cfg.moe, dtype=dtype, rngs=rngs, shared_experts=shared_experts)
-    elif self.is_moe:
+    if self.is_moe:
       self.ffn = MoEFFN(d, cfg.moe, dtype=dtype, rngs=rngs, shared_experts=shared_experts,
                         expert_parallel=expert_parallel)
     else:
@@ -108,10 +98,10 @@ class Block(nnx.Module):
     """return_tap: also return h, the normalized FFN input (the next ScMoE block's shortcut)."""
     x = x + self.attn(self.attn_norm(x), positions)
     h = self.ffn_norm(x)
-    if self.scmoe:
-      out, aux = self.ffn(h, shortcut, token_ids, train=train, rng=rng, axis_names=axis_names)
-    elif self.is_moe:
-      out, aux = self.ffn(h, token_ids, train=train, rng=rng, axis_names=axis_names)
+    if self.is_moe:
+      routed_x = shortcut_input(h, shortcut) if self.scmoe else None
+      out, aux = self.ffn(h, token_ids, train=train, rng=rng, axis_names=axis_names,
+                          routed_x=routed_x)
     else:
       out, aux = self.ffn(h), None
     return (x + out, aux, h) if return_tap else (x + out, aux)
@@ -181,13 +171,14 @@ class Transformer(nnx.Module):
       key = None if rng is None else jax.random.fold_in(rng, i)
       kw = dict(train=train, rng=key, axis_names=axis_names)
       if isinstance(block, MoDBlock):
-        x, moe_aux, mod_aux = block(x, positions, tokens, **kw)
+        x, moe_aux, mod_aux = self._run(block, x, positions, tokens, **kw)
         aux["mod"][f"layer_{i}"] = mod_aux
         aux["loss"] = aux["loss"] + mod_aux["loss"]
       elif self.cfg.moe_schedule == "scmoe":
-        x, moe_aux, tap = block(x, positions, tokens, shortcut=tap, return_tap=True, **kw)
+        x, moe_aux, tap = self._run(block, x, positions, tokens, shortcut=tap,
+                                    return_tap=True, **kw)
       else:
-        x, moe_aux = block(x, positions, tokens, **kw)
+        x, moe_aux = self._run(block, x, positions, tokens, **kw)
       if moe_aux is not None:
         aux["moe"][f"layer_{i}"] = moe_aux
         aux["loss"] = aux["loss"] + moe_aux["losses"]["total"].astype(jnp.float32)
@@ -201,12 +192,40 @@ class Transformer(nnx.Module):
       logits = self.lm_head(x)
     return logits, aux
 
+  def _run(self, block, x, *args, **kw):
+    """``block(x, ...)``, rematerialised in the backward pass when ``cfg.remat``."""
+    if not self.cfg.remat:
+      return block(x, *args, **kw)
+    # Static flags stay Python values; arrays pass through remat's arguments.
+    return nnx.remat(lambda blk, x_, *a: blk(x_, *a, **kw))(block, x, *args)
+
+  def moe_ffns(self) -> dict[str, MoEFFN]:
+    """``{'layer_<i>': MoEFFN}`` of every MoE block (the keys of ``aux['moe']``)."""
+    out = {}
+    for i, block in enumerate(self.blocks):
+      inner = block.block if isinstance(block, MoDBlock) else block
+      if inner.is_moe:
+        out[f"layer_{i}"] = inner.ffn
+    return out
+
+  def apply_controllers(self, router_loads: dict[str, jax.Array]) -> None:
+    """One bias-controller step per MoE layer, in place.
+
+    ``router_loads``: ``{'layer_<i>': f32[E_r]}``, the router loads of the
+    whole global batch (``aux['moe'][name]['router_load']``, summed over
+    micro-batches under gradient accumulation). Layers without a controller
+    are left as they are.
+    """
+    for name, ffn in self.moe_ffns().items():
+      if name in router_loads:
+        ffn.apply_controller(router_loads[name])
+
 
 def param_count(model: nnx.Module, filter=nnx.Param) -> int:
   """Number of scalars in the model's ``filter`` state (shared weights once).
 
   Equals ``accounting.budget(cfg).total`` except for heterogeneous experts
-  (``moe.expert_widths``), whose stacked arrays hold zero padding up to the
+  (``moe.topology.expert_widths``), whose stacked arrays hold zero padding up to the
   widest expert that the accounting does not count.
   """
   return sum(int(v.size) for v in jax.tree.leaves(nnx.state(model, filter)))
@@ -222,10 +241,9 @@ def _moe_ffn_active(cfg: ModelConfig) -> float:
   """
   moe = cfg.moe
   if moe.kind != "sparse":
-    raise ConfigError("moe.kind", moe.kind,
+    raise ConfigError("model.moe.kind", moe.kind,
                       "a per-token active FFN width is defined for routed (sparse) layers",
-                      "build the dense baseline by hand for soft / peer layers")
-  from moejax.topology import accounting  # one convention for "active", not a copy of it
+                      "use model.dense_twin='total' for soft / PEER layers")
   comps = accounting.moe_components(moe, cfg.d_model, seq_len=1)
   return sum(comps[name].active for name in ("routed_experts", "shared_experts")
              if name in comps)
@@ -236,6 +254,12 @@ def active_ffn_params(cfg: ModelConfig) -> float:
   dense = ffn_params(cfg.d_model, cfg.dense_ff_width, cfg.dense_activation)
   return sum(_moe_ffn_active(cfg) if cfg.is_moe_layer(i) else dense
              for i in range(cfg.n_layers))
+
+
+def _dense(cfg: ModelConfig, width: int, act: str) -> ModelConfig:
+  return dataclasses.replace(cfg, moe=None, dense_ff_width=width, dense_activation=act,
+                             moe_layout="all", first_dense_layers=0, expert_sharing_group=1,
+                             moe_schedule="serial")
 
 
 def dense_equivalent(cfg: ModelConfig) -> ModelConfig:
@@ -249,11 +273,31 @@ def dense_equivalent(cfg: ModelConfig) -> ModelConfig:
   n_layers * 3d / 2 params). Attention, embeddings, MoD and dtype are kept;
   router params (d*E per layer) are not matched.
   """
+  return dense_twin(cfg, "active")
+
+
+def dense_twin(cfg: ModelConfig, match: str = "active") -> ModelConfig:
+  """A dense model (moe=None) matching ``cfg`` in active or total parameters.
+
+  ``active``: :func:`dense_equivalent`'s width F (same active FFN params per
+  token, the equal-compute baseline). ``total``: the width whose dense model
+  has the MoE model's total parameters (to the nearest hidden unit): the
+  equal-memory baseline, which spends far more compute per token. Both keep
+  attention, embeddings, MoD, dtype and every non-FFN field; the result has
+  ``dense_twin=match`` as its label.
+  """
+  if match not in ("active", "total"):
+    raise ConfigError("model.dense_twin", match, "unknown twin", "use 'active' or 'total'")
   if cfg.moe is None:
     return cfg
-  act = cfg.moe.activation if all(cfg.is_moe_layer(i) for i in range(cfg.n_layers)) \
-      else cfg.dense_activation
-  per_layer = active_ffn_params(cfg) / cfg.n_layers
-  width = max(1, int(round(per_layer / ffn_params(cfg.d_model, 1, act))))
-  return dataclasses.replace(cfg, moe=None, dense_ff_width=width, dense_activation=act,
-                             moe_layout="all", first_dense_layers=0, expert_sharing_group=1)
+  all_moe = all(cfg.is_moe_layer(i) for i in range(cfg.n_layers))
+  act = cfg.moe.topology.activation if all_moe else cfg.dense_activation
+  unit = ffn_params(cfg.d_model, 1, act)
+  if match == "active":
+    width = int(round(active_ffn_params(cfg) / cfg.n_layers / unit))
+  else:
+    target = accounting.budget(cfg, seq_len=1).total
+    base = accounting.budget(_dense(cfg, 1, act), seq_len=1).total
+    width = 1 + int(round((target - base) / (cfg.n_layers * unit)))
+  out = _dense(cfg, max(1, width), act)
+  return dataclasses.replace(out, dense_twin=match)

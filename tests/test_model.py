@@ -17,12 +17,13 @@ import optax
 import pytest
 from flax import nnx
 
-from moejax.config import ConfigError, ModelConfig, MoEConfig, RouterConfig, BalanceConfig
+from moejax.config import ConfigError, ModelConfig, MoEConfig, RoutingConfig, BalanceConfig
 from moejax.model import (RouterStateVar, Transformer, active_ffn_params,
                           dense_equivalent, param_count)
 from moejax.nn import mod as mod_lib
 from moejax.nn.attention import apply_rope
 from moejax.topology import accounting
+from tests.configs import moe_config, replace_moe
 
 V, S = 32, 12
 
@@ -35,8 +36,8 @@ def tiny(moe=None, **kw) -> ModelConfig:
 
 
 def tiny_moe(kind="topk", **moe_kw) -> MoEConfig:
-  router = moe_kw.pop("router", None) or RouterConfig(kind=kind, top_k=2)
-  return MoEConfig(num_experts=4, expert_width=16, router=router, **moe_kw)
+  router = moe_kw.pop("routing", None) or RoutingConfig(kind=kind, top_k=2)
+  return moe_config(num_experts=4, expert_width=16, routing=router, **moe_kw)
 
 
 def _tokens(seed=0, b=2, s=S):
@@ -80,9 +81,8 @@ def test_dense_param_count_by_hand():
 
 
 @pytest.mark.parametrize("kw,field", [
-    ({"attention": "mla"}, "model.attention"),
-    ({"encoder_layers": 1}, "model.encoder_layers"),
     ({"head_dim": 5}, "model.head_dim"),
+    ({"dense_twin": "active", "moe": tiny_moe()}, "model.dense_twin"),
 ])
 def test_unbuildable_configs_raise_config_error(kw, field):
   with pytest.raises(ConfigError, match=field):
@@ -203,9 +203,11 @@ def _train(model, tokens, steps, lr=1e-2, return_optimizer=False):
     def loss_fn(model):
       logits, aux = model(tokens[:, :-1], train=True, rng=rng)
       ce = optax.softmax_cross_entropy_with_integer_labels(logits, tokens[:, 1:]).mean()
-      return ce + aux["loss"], ce
-    (_, ce), grads = nnx.value_and_grad(loss_fn, has_aux=True)(model)
+      loads = {k: v["router_load"] for k, v in aux["moe"].items() if "router_load" in v}
+      return ce + aux["loss"], (ce, loads)
+    (_, (ce, loads)), grads = nnx.value_and_grad(loss_fn, has_aux=True)(model)
     opt.update(model, grads)
+    model.apply_controllers(loads)  # once per step, outside the gradient
     return ce
 
   losses = [float(step(model, opt, tokens, jax.random.key(i))) for i in range(steps)]
@@ -282,9 +284,9 @@ def test_token_choice_moe_is_causal(kind):
 
 
 def _bias_cfg(bias_update="sign"):
-  router = RouterConfig(kind="topk", top_k=2, score_fn="sigmoid", gating="normalized",
+  router = RoutingConfig(kind="topk", top_k=2, score_fn="sigmoid", gating="normalized",
                         use_bias=True)
-  moe = MoEConfig(num_experts=4, expert_width=16, router=router,
+  moe = moe_config(num_experts=4, expert_width=16, routing=router,
                   balance=BalanceConfig(bias_update=bias_update, bias_rate=0.1,
                                         aux_loss_coef=1e-2, z_loss_coef=1e-3))
   return tiny(moe=moe)
@@ -354,6 +356,11 @@ def test_mod_block_around_moe_routes_only_selected_tokens():
     valid = np.asarray(aux["moe"][f"layer_{i}"]["valid"])
     assert sel.sum() == 2 * (S // 2)
     assert not valid[~sel].any() and valid[sel].all()  # top-k: K valid slots each
+    m = aux["mod"][f"layer_{i}"]["metrics"]
+    scores = np.asarray(aux["mod"][f"layer_{i}"]["scores"])
+    assert float(m["tokens"]) == 2 * (S // 2) and float(m["capacity_use"]) == 0.5
+    np.testing.assert_allclose(m["causal_share"], np.mean(scores > 0), rtol=1e-6)
+    np.testing.assert_allclose(m["causal_agreement"], np.mean((scores > 0) == sel), rtol=1e-6)
 
 
 def test_moe_bf16_compute():
@@ -371,8 +378,8 @@ def _ffn_param_count(model) -> int:
 
 
 def test_dense_equivalent_by_hand():
-  moe = MoEConfig(num_experts=4, expert_width=16, num_shared_experts=1,
-                  shared_expert_width=8, router=RouterConfig(top_k=2))
+  moe = moe_config(num_experts=4, expert_width=16, num_shared_experts=1,
+                  shared_expert_width=8, routing=RoutingConfig(top_k=2))
   cfg = tiny(moe=moe)
   dense = dense_equivalent(cfg)
   assert dense.moe is None and dense.dense_ff_width == 2 * 16 + 8
@@ -380,10 +387,11 @@ def test_dense_equivalent_by_hand():
   assert active_ffn_params(cfg) == active_ffn_params(dense) == 2 * 3 * 32 * 40
   # The dense model really has those FFN params.
   assert _ffn_param_count(Transformer(dense, rngs=nnx.Rngs(0))) == 2 * 3 * 32 * 40
-  # Everything but the FFN is unchanged.
-  assert dataclasses.replace(dense, dense_ff_width=cfg.dense_ff_width, moe=cfg.moe) == cfg
+  # Everything but the FFN (and the twin's label) is unchanged.
+  assert dataclasses.replace(dense, dense_ff_width=cfg.dense_ff_width, moe=cfg.moe,
+                             dense_twin="none") == cfg
 
-  gelu = tiny(moe=dataclasses.replace(moe, activation="gelu"))
+  gelu = tiny(moe=replace_moe(moe, activation="gelu"))
   assert dense_equivalent(gelu).dense_activation == "gelu"
   assert dense_equivalent(gelu).dense_ff_width == 40
   # Mixed layout: layer 0 dense (64), layer 1 MoE (40) -> average 52.
@@ -391,18 +399,31 @@ def test_dense_equivalent_by_hand():
   assert dense_equivalent(mixed).dense_ff_width == 52
   assert active_ffn_params(dense_equivalent(mixed)) == active_ffn_params(mixed)
   with pytest.raises(ConfigError, match="moe.kind"):
-    dense_equivalent(tiny(moe=MoEConfig(kind="soft", num_experts=4, expert_width=16)))
+    dense_equivalent(tiny(moe=moe_config(kind="soft", num_experts=4, expert_width=16)))
+
+
+def test_dense_twin_total_matches_the_total_parameters():
+  from moejax.model import dense_twin
+  from moejax.topology import accounting
+  cfg = tiny(moe=tiny_moe())
+  twin = dense_twin(cfg, "total")
+  assert twin.moe is None and twin.dense_twin == "total"
+  moe_total, dense_total = accounting.budget(cfg, 8).total, accounting.budget(twin, 8).total
+  # Within half a hidden unit per layer (2 layers x 3 d / 2 parameters).
+  assert abs(moe_total - dense_total) <= 2 * 3 * 32 / 2, (moe_total, dense_total)
+  assert param_count(Transformer(twin, rngs=nnx.Rngs(0))) == dense_total
+  assert dense_twin(twin, "total") is twin  # already dense
 
 
 def test_dense_equivalent_matches_accounting():
-  moe = MoEConfig(num_experts=4, expert_width=16, num_shared_experts=1,
-                  router=RouterConfig(top_k=2))
+  moe = moe_config(num_experts=4, expert_width=16, num_shared_experts=1,
+                  routing=RoutingConfig(top_k=2))
   cfg = tiny(moe=moe)
   a, b = accounting.budget(cfg), accounting.budget(dense_equivalent(cfg))
   router = a.breakdown["router"].active
   assert a.active - router == b.active
   # Zero-computation experts take a share of the K slots (MoE++ accounting).
-  zero = dataclasses.replace(moe, zero_experts=4)
+  zero = replace_moe(moe, zero_experts=4)
   assert dense_equivalent(tiny(moe=zero)).dense_ff_width == round(2 * 16 * 4 / 8 + 16)
 
 
@@ -420,3 +441,15 @@ def test_param_count_equals_accounting_total(kw):
     kw["moe"] = tiny_moe(num_shared_experts=1, shared_expert_width=8)
   cfg = tiny(**kw)
   assert param_count(Transformer(cfg, rngs=nnx.Rngs(0))) == accounting.budget(cfg).total
+
+
+@pytest.mark.parametrize("kind", ["soft", "peer"])
+def test_every_layer_kind_logs_its_metrics(kind):
+  from moejax.train.step import routing_summary
+  moe = (moe_config("soft", num_experts=2, expert_width=8, slots_per_expert=2) if kind == "soft"
+         else moe_config("peer", peer_num_keys=4, peer_heads=2, peer_top_k=2, peer_key_dim=8))
+  _, aux = _forward(Transformer(tiny(moe=moe), rngs=nnx.Rngs(0)), _tokens())
+  summary = routing_summary(aux)
+  want = {"soft": {"soft_dispatch_entropy", "soft_combine_entropy"},
+          "peer": {"peer_experts_touched", "peer_key_max_vio"}}[kind]
+  assert want <= set(summary) and "max_vio_batch" in summary, summary

@@ -29,11 +29,11 @@ def test_bad_preset_lists_valid_names():
 
 def test_config_file_with_override_and_typo():
   path = "configs/presets/mixtral_8x7b.py"
-  r = _run(f"--config={path}", "--config.model.moe.num_experts=64", "--seq_len=2048")
+  r = _run(f"--config={path}", "--config.model.moe.topology.num_experts=64", "--seq_len=2048")
   assert r.returncode == 0, r.stderr
   assert "mixtral_8x7b (overridden)" in r.stdout  # published numbers no longer apply
   assert "S=2048" in r.stdout
-  bad = _run(f"--config={path}", "--config.model.moe.num_expert=64")
+  bad = _run(f"--config={path}", "--config.model.moe.topology.num_expert=64")
   assert bad.returncode != 0 and "num_experts" in bad.stderr
 
 

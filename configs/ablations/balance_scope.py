@@ -24,8 +24,8 @@ _ROUTER = dict(kind="topk", top_k=2, score_fn="softmax", gating="normalized")
 
 
 def _moe(aux=0.0, scope="batch", bias=False):
-  return dict(num_experts=8, expert_width=128, backend="blocked",
-              router=dict(_ROUTER, use_bias=bias),
+  return dict(topology=dict(num_experts=8, expert_width=128), execution=dict(backend="blocked"),
+              routing=dict(_ROUTER, use_bias=bias),
               balance=dict(aux_loss_coef=aux, aux_loss_scope=scope,
                            bias_update="sign" if bias else "none", bias_rate=1e-3))
 

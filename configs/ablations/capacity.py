@@ -20,9 +20,9 @@ from moejax.ablation.bases import small_experiment, suite_config
 
 
 def _moe(cf, aux):
-  return dict(num_experts=8, expert_width=256, backend="blocked", capacity_factor=cf,
-              router=dict(kind="topk", top_k=1, score_fn="softmax", gating="scores"),
-              balance=dict(aux_loss_coef=aux, aux_loss_scope="batch",
+  return dict(topology=dict(num_experts=8, expert_width=256), execution=dict(backend="blocked"),
+              routing=dict(kind="topk", top_k=1, score_fn="softmax", gating="scores"),
+              balance=dict(capacity_factor=cf, aux_loss_coef=aux, aux_loss_scope="batch",
                            aux_loss_convention="switch"))
 
 

@@ -12,7 +12,7 @@ hidden units per layer in total and 256 active per token), 300 steps x 16 x 64:
 - ``gshard``: 8 experts of width 128, top-2, aux loss 1e-2;
 - ``deepseekmoe``: GShard segmented m=4 with 1 shared expert isolated: 1
   shared + 31 routed experts of width 32, top-7, aux loss 1e-2
-  (moejax.topology.segmentation.deepseekmoe).
+  (``topology.granularity=4, isolate_shared=1`` on the GShard layer).
 
 Routers differ (hash has none, DeepSeekMoE's is 31 wide): total and active
 parameters agree within 3% (DeepSeekMoE 2.6% above Hash in active).
@@ -21,16 +21,16 @@ Size: 4 arms, about 5-6 minutes on 2 CPU cores.
   python -m experiments.ablate --config=configs/ablations/deepseekmoe.py --workdir=/tmp/abl/deepseekmoe
 """
 
-from moejax.ablation.bases import moe_config, moe_dict, small_experiment, suite_config
-from moejax.topology import segmentation
+from moejax.ablation.bases import small_experiment, suite_config
 
 _AUX = dict(aux_loss_coef=1e-2, aux_loss_scope="batch")
 
 
-def _moe(n, width, k, kind="topk", aux=True):
-  return dict(num_experts=n, expert_width=width, backend="blocked",
-              router=dict(kind=kind, top_k=k, score_fn="softmax",
-                          gating="scores" if k == 1 else "normalized"),
+def _moe(n, width, k, kind="topk", aux=True, **topology):
+  return dict(topology=dict(num_experts=n, expert_width=width, **topology),
+              execution=dict(backend="blocked"),
+              routing=dict(kind=kind, top_k=k, score_fn="softmax",
+                           gating="scores" if k == 1 else "normalized"),
               balance=_AUX if aux else dict(aux_loss_coef=0.0))
 
 
@@ -44,8 +44,8 @@ def get_config():
           "hash": dict(model=dict(moe=_moe(4, 256, 1, kind="hash", aux=False))),
           "switch": dict(model=dict(moe=_moe(4, 256, 1))),
           "gshard": dict(model=dict(moe=gshard)),
-          "deepseekmoe": dict(model=dict(moe=moe_dict(
-              segmentation.deepseekmoe(moe_config(gshard), 4, 1)))),
+          "deepseekmoe": dict(model=dict(moe=_moe(8, 128, 2, granularity=4,
+                                                  isolate_shared=1))),
       },
       fixed=dict(total=0.03, active=0.03, flops_per_token=0.03, tokens=0.0, optimizer=0.0),
       seeds=(0,),

@@ -26,10 +26,11 @@ from moejax.ablation.bases import small_experiment, suite_config
 
 
 def _moe(kind="topk", top_k=2, top_p=0.5, zero=0, copy=0, const=0):
-  return dict(num_experts=8, expert_width=128, backend="blocked",
-              zero_experts=zero, copy_experts=copy, constant_experts=const,
-              router=dict(kind=kind, top_k=top_k, top_p=top_p, score_fn="softmax",
-                          gating="normalized"),
+  return dict(topology=dict(num_experts=8, expert_width=128, zero_experts=zero,
+                            copy_experts=copy, constant_experts=const),
+              execution=dict(backend="blocked"),
+              routing=dict(kind=kind, top_k=top_k, top_p=top_p, score_fn="softmax",
+                           gating="normalized"),
               balance=dict(aux_loss_coef=1e-2, aux_loss_scope="batch"))
 
 

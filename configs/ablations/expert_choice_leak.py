@@ -25,9 +25,9 @@ from moejax.ablation.bases import small_experiment, suite_config
 
 
 def _moe(kind, aux):
-  return dict(num_experts=8, expert_width=128, backend="blocked",
-              router=dict(kind=kind, top_k=2, expert_choice_capacity=2.0, score_fn="softmax",
-                          gating="normalized" if kind == "topk" else "scores"),
+  return dict(topology=dict(num_experts=8, expert_width=128), execution=dict(backend="blocked"),
+              routing=dict(kind=kind, top_k=2, expert_choice_capacity=2.0, score_fn="softmax",
+                           gating="normalized" if kind == "topk" else "scores"),
               balance=dict(aux_loss_coef=aux, aux_loss_scope="batch"))
 
 

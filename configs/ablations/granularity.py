@@ -5,7 +5,7 @@ width w/m and routing mK of them keeps total and active parameters and
 improves quality; isolating K_s of them as always-on shared experts improves
 it further (2B: GShard 1.867 vs DeepSeekMoE 1.808 Pile loss).
 
-Arms (moejax.topology.segmentation), from the coarse layer of the small suite
+Arms (``moe.topology.granularity`` / ``isolate_shared``), from the coarse layer of the small suite
 model (8 experts of width 128, top-2, softmax, batch aux loss 1e-2):
 ``coarse``; ``fine_m2`` (16 x 64, top-4), ``fine_m4`` (32 x 32, top-8),
 ``fine_m8`` (64 x 16, top-16); ``coarse_shared`` (1 shared + 7 routed of width
@@ -18,26 +18,29 @@ Size: 6 arms x 300 steps x 16 x 64 tokens, about 8-10 minutes on 2 CPU cores.
   python -m experiments.ablate --config=configs/ablations/granularity.py --workdir=/tmp/abl/granularity
 """
 
-from moejax.ablation.bases import moe_config, moe_dict, small_experiment, suite_config
-from moejax.topology import segmentation
+from moejax.ablation.bases import small_experiment, suite_config
 
-_COARSE = dict(num_experts=8, expert_width=128, backend="blocked",
-               router=dict(kind="topk", top_k=2, score_fn="softmax", gating="normalized"),
+_COARSE = dict(topology=dict(num_experts=8, expert_width=128), execution=dict(backend="blocked"),
+               routing=dict(kind="topk", top_k=2, score_fn="softmax", gating="normalized"),
                balance=dict(aux_loss_coef=1e-2, aux_loss_scope="batch"))
 
 
+def _knobs(m, shared=0):
+  """An arm: the coarse layer with DeepSeekMoE's knobs (resolved when the config is built)."""
+  return dict(model=dict(moe=dict(topology=dict(granularity=m, isolate_shared=shared))))
+
+
 def get_config():
-  coarse = moe_config(_COARSE)
-  arms = {"coarse": moe_dict(coarse)}
+  arms = {"coarse": _knobs(1)}
   for m in (2, 4, 8):
-    arms[f"fine_m{m}"] = moe_dict(segmentation.fine_grain(coarse, m))
-  arms["coarse_shared"] = moe_dict(segmentation.deepseekmoe(coarse, 1, 1))
-  arms["fine_m4_shared"] = moe_dict(segmentation.deepseekmoe(coarse, 4, 1))
+    arms[f"fine_m{m}"] = _knobs(m)
+  arms["coarse_shared"] = _knobs(1, 1)
+  arms["fine_m4_shared"] = _knobs(4, 1)
   return suite_config(
       name="granularity",
       description=__doc__,
       base=small_experiment(_COARSE),
-      arms={name: dict(model=dict(moe=moe)) for name, moe in arms.items()},
+      arms=arms,
       fixed=dict(total=0.05, active=0.05, flops_per_token=0.05, tokens=0.0, optimizer=0.0),
       seeds=(0,),
       analysis=dict(comm_devices=8),

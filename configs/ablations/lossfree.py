@@ -19,8 +19,8 @@ _ROUTER = dict(kind="topk", top_k=2, score_fn="sigmoid", gating="normalized", us
 
 
 def _moe(aux, bias, rate=1e-3):
-  return dict(num_experts=8, expert_width=128, backend="blocked",
-              router=dict(_ROUTER, use_bias=bias),
+  return dict(topology=dict(num_experts=8, expert_width=128), execution=dict(backend="blocked"),
+              routing=dict(_ROUTER, use_bias=bias),
               balance=dict(aux_loss_coef=aux, aux_loss_scope="batch",
                            bias_update="sign" if bias else "none", bias_rate=rate))
 

@@ -45,9 +45,9 @@ def get_config():
       description=__doc__,
       base=base,
       arms={
-          "aux_loss": dict(model=dict(moe=dict(router=dict(use_bias=False),
+          "aux_loss": dict(model=dict(moe=dict(routing=dict(use_bias=False),
                                                balance=_balance(1e-2, False)))),
-          "lossfree": dict(model=dict(moe=dict(router=dict(use_bias=True),
+          "lossfree": dict(model=dict(moe=dict(routing=dict(use_bias=True),
                                                balance=_balance(0.0, True, 1e-2)))),
       },
       fixed=dict(total=0.0, active=0.0, flops_per_token=0.0, tokens=0.0, optimizer=0.0),

@@ -23,9 +23,10 @@ Size: 2 arms, about 3-5 minutes on 2 CPU cores.
 
 from moejax.ablation.bases import small_experiment, suite_config
 
-_MOE = dict(num_experts=8, expert_width=128, backend="blocked", num_shared_experts=1,
-            shared_expert_width=128,
-            router=dict(kind="topk", top_k=2, score_fn="softmax", gating="normalized"),
+_MOE = dict(topology=dict(num_experts=8, expert_width=128, num_shared_experts=1,
+                          shared_expert_width=128),
+            execution=dict(backend="blocked"),
+            routing=dict(kind="topk", top_k=2, score_fn="softmax", gating="normalized"),
             balance=dict(aux_loss_coef=1e-2, aux_loss_scope="batch"))
 
 

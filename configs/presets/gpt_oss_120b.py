@@ -24,7 +24,6 @@ def get_config() -> ml_collections.ConfigDict:
       n_heads=64,
       n_kv_heads=8,
       head_dim=64,
-      attention="mha",
       attention_bias=True,
       dense_ff_width=2880,
       moe_layout="all",
@@ -32,10 +31,8 @@ def get_config() -> ml_collections.ConfigDict:
       rope_base=150000.0,
       moe=dict(
           kind="sparse",
-          num_experts=128,
-          expert_width=2880,
-          activation="swiglu",
-          router=dict(kind="topk", score_fn="softmax", top_k=4, gating="topk_softmax"),
+          topology=dict(num_experts=128, expert_width=2880, activation="swiglu"),
+          routing=dict(kind="topk", score_fn="softmax", top_k=4, gating="topk_softmax"),
       ),
   )
   cfg.published = dict(

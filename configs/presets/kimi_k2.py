@@ -23,12 +23,6 @@ def get_config() -> ml_collections.ConfigDict:
       d_model=7168,
       n_layers=61,
       n_heads=64,
-      attention="mla",
-      q_lora_rank=1536,
-      kv_lora_rank=512,
-      qk_nope_head_dim=128,
-      qk_rope_head_dim=64,
-      v_head_dim=128,
       dense_ff_width=18432,
       moe_layout="first_dense",
       first_dense_layers=1,
@@ -36,15 +30,21 @@ def get_config() -> ml_collections.ConfigDict:
       rope_base=50000.0,
       moe=dict(
           kind="sparse",
-          num_experts=384,
-          expert_width=2048,
-          activation="swiglu",
-          num_shared_experts=1,
-          shared_expert_width=2048,
-          router=dict(kind="topk", score_fn="sigmoid", top_k=8, gating="normalized",
-                      routed_scaling_factor=2.827, use_bias=True),
+          topology=dict(num_experts=384, expert_width=2048, activation="swiglu",
+                        num_shared_experts=1, shared_expert_width=2048),
+          routing=dict(kind="topk", score_fn="sigmoid", top_k=8, gating="normalized",
+                       routed_scaling_factor=2.827, use_bias=True),
           balance=dict(bias_update="sign", bias_rate=1e-3),
       ),
+  )
+  # Parts the moejax model does not build; only the accounting reads them.
+  cfg.accounting = dict(
+      attention="mla",
+      q_lora_rank=1536,
+      kv_lora_rank=512,
+      qk_nope_head_dim=128,
+      qk_rope_head_dim=64,
+      v_head_dim=128,
   )
   cfg.published = dict(
       total=1.04e12, active=32e9, active_convention="matmul",

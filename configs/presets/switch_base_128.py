@@ -23,24 +23,24 @@ def get_config() -> ml_collections.ConfigDict:
       vocab_size=32128,
       d_model=768,
       n_layers=12,
-      encoder_layers=12,
       n_heads=12,
       head_dim=64,
-      attention="mha",
       dense_ff_width=3072,
       dense_activation="gelu",
       moe_layout="every_other",
       tie_embeddings=True,
       moe=dict(
           kind="sparse",
-          num_experts=128,
-          expert_width=3072,
-          activation="gelu",
-          capacity_factor=1.25,
-          router=dict(kind="topk", score_fn="softmax", top_k=1, gating="scores",
-                      router_dtype="float32", input_jitter=0.01),
-          balance=dict(aux_loss_coef=0.01, aux_loss_convention="switch", z_loss_coef=0.001),
+          topology=dict(num_experts=128, expert_width=3072, activation="gelu"),
+          routing=dict(kind="topk", score_fn="softmax", top_k=1, gating="scores",
+                       router_dtype="float32", input_jitter=0.01),
+          balance=dict(capacity_factor=1.25, aux_loss_coef=0.01, aux_loss_convention="switch",
+                       z_loss_coef=0.001),
       ),
+  )
+  # Parts the moejax model does not build; only the accounting reads them.
+  cfg.accounting = dict(
+      encoder_layers=12,
   )
   cfg.published = dict(
       total=7.4e9, active=220e6, active_convention="matmul",

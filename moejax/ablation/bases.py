@@ -10,21 +10,36 @@ any published scale: the suites test directions and mechanisms, not numbers.
 
 from __future__ import annotations
 
-import dataclasses
+import copy
 from typing import Any, Optional
 
 from moejax.config import MoEConfig, from_dict, to_dict
 
 SMALL_MOE = dict(
-    num_experts=8, expert_width=128, activation="swiglu", backend="blocked",
-    router=dict(kind="topk", top_k=2, score_fn="softmax", gating="normalized"),
-    balance=dict(aux_loss_coef=1e-2, aux_loss_scope="batch", aux_loss_convention="topk"))
+    topology=dict(num_experts=8, expert_width=128, activation="swiglu"),
+    routing=dict(kind="topk", top_k=2, score_fn="softmax", gating="normalized"),
+    balance=dict(aux_loss_coef=1e-2, aux_loss_scope="batch", aux_loss_convention="topk"),
+    execution=dict(backend="blocked"))
+
+
+def small_moe(**sections: dict) -> dict:
+  """SMALL_MOE with some fields of its sections replaced: ``small_moe(routing=dict(top_k=1))``.
+
+  A key absent from SMALL_MOE's sections is added (the layer config checks it).
+  """
+  tree = copy.deepcopy(SMALL_MOE)
+  for name, fields in sections.items():
+    if isinstance(fields, dict) and isinstance(tree.get(name), dict):
+      tree[name].update(fields)
+    else:
+      tree[name] = fields
+  return tree
 
 
 def small_experiment(moe: Optional[dict] = None, steps: int = 300, **model) -> dict:
   """The experiment tree of the small suite model (``moe`` replaces SMALL_MOE)."""
   model_tree = dict(vocab_size=256, d_model=64, n_layers=2, n_heads=4, dense_ff_width=256,
-                    moe=SMALL_MOE if moe is None else moe)
+                    moe=copy.deepcopy(SMALL_MOE) if moe is None else moe)
   model_tree.update(model)
   return dict(
       model=model_tree,
@@ -42,11 +57,6 @@ def moe_config(tree: dict[str, Any]) -> MoEConfig:
 def moe_dict(cfg: MoEConfig) -> dict:
   """A MoEConfig as the nested dict an arm override takes (tuples as lists kept)."""
   return to_dict(cfg)
-
-
-def replace_moe(tree: dict, **changes) -> dict:
-  """``tree`` (a MoE dict) with top-level fields changed, validated."""
-  return moe_dict(dataclasses.replace(moe_config(tree), **changes))
 
 
 def suite_config(**fields):

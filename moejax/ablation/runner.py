@@ -114,17 +114,17 @@ def analyse(exp: ExperimentConfig, run_path: str, options: dict, say) -> tuple[d
   for name, acc in rp.items():
     routing["layers"][name]["joint"] = acc["joint"].tolist()
     routing["layers"][name]["coact"] = acc["coact"].tolist()
-  routing["num_experts"] = moe.num_experts
+  routing["num_experts"] = moe.topology.num_experts
   routing["num_routed"] = moe.num_routed
   if not rp:
     res["a2a_note"] = "n/a: the layer has no token -> expert decision (soft / PEER)"
   else:
     wanted = int(options.get("comm_devices", 8))
-    p = analysis_lib.ep_devices(moe.num_experts, wanted)
+    p = analysis_lib.ep_devices(moe.topology.num_experts, wanted)
     row_bytes = exp.model.d_model * (2 if exp.model.compute_dtype == "bfloat16" else 4)
     tot = {"copies": 0.0, "min_device": 0.0}
     for name, acc in rp.items():
-      b = analysis_lib.a2a_bytes(acc["ids"], moe.num_experts, p, row_bytes)
+      b = analysis_lib.a2a_bytes(acc["ids"], moe.topology.num_experts, p, row_bytes)
       for k in tot:
         tot[k] += b[k]
     res["a2a_bytes_per_token"] = tot["copies"]

@@ -196,7 +196,7 @@ def comm_balance_loss(result: RoutingResult, *, num_experts: int, num_devices: i
   if not isinstance(max_devices, int) or not 1 <= max_devices <= num_devices:
     raise ValueError(f"comm_balance_loss: max_devices={max_devices!r} must be in "
                      f"[1, num_devices={num_devices}]. Fix: pass device-limited "
-                     "routing's M (moe.router.topk_groups)")
+                     "routing's M (moe.routing.topk_groups)")
   per_device = num_experts // num_devices
   keep = stats.counted_slots(result, num_experts)
   device = jnp.where(keep, result.expert_ids, 0) // per_device
@@ -217,8 +217,8 @@ def comm_max_devices(cfg: MoEConfig, num_slots: int) -> int:
   reach at most min(K, D) devices.
   """
   d = cfg.balance.loss_num_devices
-  if cfg.router.n_groups > 1 and cfg.router.n_groups == d:
-    return min(cfg.router.topk_groups, d)
+  if cfg.routing.n_groups > 1 and cfg.routing.n_groups == d:
+    return min(cfg.routing.topk_groups, d)
   return min(num_slots, d)
 
 

@@ -6,10 +6,12 @@ zero-computation experts, E_r = all router outputs).
 Load metrics report **FFN experts only** (ids < ``num_experts``): a token
 copy sent to a zero-computation expert costs no FLOPs and no communication,
 so it is not load. Pass ``num_experts = MoEConfig.num_routed`` to count every
-router output instead (what the bias controller needs). Metrics describe the
-result they are given: pass the result after :func:`apply_capacity` to see
-what the experts actually computed. With ``axis_names`` the counts are
-psum-med over those mesh axes, so every device reports the global-batch value.
+router output instead (what the bias controller needs). The MoE layer passes
+the router's decision *before* capacity (loads are what the router asked
+for; :func:`routing_metrics` reports drops and the computed active budget
+separately). With ``axis_names`` the counts are psum-med over those mesh
+axes, so every device reports the global-batch value. Soft MoE and PEER
+layers have their own metrics (:func:`soft_metrics`, :func:`peer_metrics`).
 """
 
 from __future__ import annotations
@@ -139,20 +141,33 @@ def coactivation(result: RoutingResult, num_experts: int,
 def routing_metrics(result: RoutingResult, cfg: MoEConfig, *,
                     dropped: jax.Array | None = None,
                     axis_names: AxisNames = ()) -> dict[str, jax.Array]:
-  """The routing metrics of one layer over FFN experts (E = cfg.num_experts).
+  """The routing metrics of one routed layer over FFN experts (E = cfg.num_experts).
+
+  ``result`` is the router's decision *before* capacity; ``dropped``
+  (bool[T, K], from :func:`~moejax.balance.capacity.apply_capacity`) marks the
+  copies capacity removed. Load metrics describe the decision (what the
+  router asked of each expert, which is what balancing acts on); the active
+  budget describes what was computed (kept copies); ``drop_rate`` how much
+  capacity removed.
 
   Keys: ``load`` f32[E], ``max_vio`` (MaxVio_batch when axis_names span the
-  global batch), ``load_entropy``, ``active_mean``, ``active_var``,
+  global batch), ``load_entropy``, ``coactivation`` f32[E, E],
   ``zero_compute_fraction`` (share of valid slots on zero-computation
-  experts), ``coactivation`` f32[E, E]; plus ``drop_rate`` (FFN copies) when
-  ``dropped`` (bool[T, K], with ``result`` the routing after dropping) is
-  given. Scalars are f32[].
+  experts), ``active_mean`` / ``active_var`` (FFN experts computed per
+  token), and ``drop_rate`` (FFN copies) when ``dropped`` is given. Scalars
+  are f32[].
   """
   if not isinstance(cfg, MoEConfig):
     raise TypeError(f"routing_metrics: cfg must be a MoEConfig, got {type(cfg).__name__}")
   e = cfg.num_experts
   load = expert_load(result, e, axis_names)
-  _, mean, var = active_experts(result, e, axis_names)
+  kept = result
+  if dropped is not None:
+    if dropped.shape != result.valid.shape:
+      raise ValueError(f"routing_metrics: dropped shape {dropped.shape} != "
+                       f"valid shape {result.valid.shape}")
+    kept = result.replace(valid=result.valid & ~dropped)
+  _, mean, var = active_experts(kept, e, axis_names)
   n_valid = stats.psum(jnp.sum(result.valid, dtype=jnp.float32), axis_names)
   n_zero = stats.psum(jnp.sum(result.valid & (result.expert_ids >= e), dtype=jnp.float32),
                       axis_names)
@@ -167,10 +182,63 @@ def routing_metrics(result: RoutingResult, cfg: MoEConfig, *,
       "coactivation": coactivation(result, e, axis_names),
   }
   if dropped is not None:
-    if dropped.shape != result.valid.shape:
-      raise ValueError(f"routing_metrics: dropped shape {dropped.shape} != "
-                       f"valid shape {result.valid.shape}")
-    # Dropped slots had their id reset to 0 (an FFN id), so they are FFN slots.
-    ffn_before = (result.valid & (result.expert_ids < e)) | dropped
-    out["drop_rate"] = drop_rate(dropped, ffn_before, axis_names)
+    out["drop_rate"] = drop_rate(dropped, stats.counted_slots(result, e), axis_names)
   return out
+
+
+def _normalized_entropy(p: jax.Array, axis: int) -> jax.Array:
+  """Entropy of the distributions p along ``axis`` divided by log(size), in [0, 1]."""
+  n = p.shape[axis]
+  h = -jnp.sum(jnp.where(p > 0, p * jnp.log(jnp.where(p > 0, p, 1.0)), 0.0), axis=axis)
+  return h / math.log(n) if n > 1 else jnp.ones_like(h)
+
+
+def soft_metrics(dispatch: jax.Array, combine: jax.Array, cfg: MoEConfig, *,
+                 axis_names: AxisNames = ()) -> dict[str, jax.Array]:
+  """Metrics of a Soft MoE layer (Puigcerver et al. 2308.00951).
+
+  Args:
+    dispatch: f32[B, S, P] softmax over a sequence's S tokens for each of
+      the P = E p slots (every slot's column sums to 1, so slots are balanced
+      by construction).
+    combine: f32[B, S, P] softmax over the P slots for each token.
+
+  Keys: ``load`` f32[E]: the combine mass each expert contributes, summed
+  over tokens (what "load" means when every token uses every expert a
+  little); ``max_vio`` and ``load_entropy`` of it; ``dispatch_entropy``: mean
+  over slots of the entropy of its token mixture / log S (1 = a slot averages
+  its whole sequence, 0 = it copies one token); ``combine_entropy``: mean
+  over tokens of the entropy of its slot mixture / log P.
+  """
+  e, p = cfg.num_experts, cfg.topology.slots_per_expert
+  b, s, n = combine.shape
+  mass = jnp.sum(combine.astype(jnp.float32), axis=(0, 1)).reshape(e, p).sum(-1)
+  load = stats.psum(mass, axis_names)
+  tokens = stats.psum(jnp.asarray(b * s, jnp.float32), axis_names)
+  seqs = stats.psum(jnp.asarray(b, jnp.float32), axis_names)
+  d_ent = stats.psum(jnp.sum(_normalized_entropy(dispatch, axis=1)), axis_names) / (seqs * n)
+  c_ent = stats.psum(jnp.sum(_normalized_entropy(combine, axis=-1)), axis_names) / tokens
+  return {"load": load, "max_vio": max_vio(load), "load_entropy": load_entropy(load),
+          "dispatch_entropy": d_ent, "combine_entropy": c_ent}
+
+
+def peer_metrics(expert_ids: jax.Array, cfg: MoEConfig, *,
+                 axis_names: AxisNames = ()) -> dict[str, jax.Array]:
+  """Metrics of a PEER layer (He 2407.04153) from its retrievals.
+
+  Args:
+    expert_ids: int32[T, H, k] retrieved singleton experts (of N = n^2; the
+      id is a n + b for sub-keys a of the first half and b of the second).
+
+  Keys: ``experts_touched`` fraction of the N experts retrieved at least once
+  in the (global) batch; ``load_entropy`` of the retrieval counts over the N
+  experts; ``max_vio`` of them; ``key_max_vio`` / ``key_entropy``: the same
+  for the 2n sub-keys (how evenly the product keys are used).
+  """
+  n = cfg.topology.peer_num_keys
+  flat = expert_ids.reshape(-1)
+  counts = stats.psum(jnp.zeros((n * n,), jnp.float32).at[flat].add(1.0), axis_names)
+  keys = jnp.concatenate([counts.reshape(n, n).sum(1), counts.reshape(n, n).sum(0)])
+  return {"experts_touched": jnp.mean((counts > 0).astype(jnp.float32)),
+          "load_entropy": load_entropy(counts), "max_vio": max_vio(counts),
+          "key_max_vio": max_vio(keys), "key_entropy": load_entropy(keys)}

@@ -20,6 +20,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from moejax import layer as layer_lib
 from moejax.config import MoEConfig
 
 
@@ -27,7 +28,6 @@ def layer_latency(cfg: MoEConfig, d_model: int, *, batch_sizes: Sequence[int] = 
                   seq_len: int = 128, iters: int = 50, warmup: int = 2, num_inputs: int = 4,
                   seed: int = 0, dtype=jnp.float32) -> list[dict]:
   """One row per batch size: ``batch_size, tokens, p50_ms, p99_ms, mean_ms, iters``."""
-  from moejax import layer as layer_lib  # pylint: disable=g-import-not-at-top
   if iters < 1 or warmup < 0 or num_inputs < 1:
     raise ValueError(f"layer_latency: iters={iters} must be >= 1, warmup={warmup} >= 0, "
                      f"num_inputs={num_inputs} >= 1")

@@ -33,7 +33,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from moejax.train.losses import masked_cross_entropy
+from moejax.nn.losses import masked_cross_entropy
 
 
 class LeakageProbe:

@@ -31,7 +31,7 @@ from flax import nnx
 from moejax.balance.metrics import MaxVioAccumulator
 from moejax.config import ModelConfig
 from moejax.evaluate.specialization import joint_counts, mutual_information
-from moejax.train.losses import masked_cross_entropy
+from moejax.nn.losses import masked_cross_entropy
 
 Batch = dict[str, Any]
 
@@ -55,7 +55,7 @@ def make_eval_step(graphdef, model_cfg: ModelConfig, num_domains: int) -> Callab
       ids, valid, mask = layer["expert_ids"], layer["valid"], batch["mask"]
       joint = joint_counts(ids, valid, batch["labels"], mask, moe.num_routed, num_domains)
       out[f"joint/{name}"] = joint
-      out[f"load/{name}"] = jnp.sum(joint[: moe.num_experts], axis=1)
+      out[f"load/{name}"] = jnp.sum(joint[: moe.topology.num_experts], axis=1)
     return out
 
   return jax.jit(eval_step)

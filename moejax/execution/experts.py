@@ -110,7 +110,7 @@ def routed_experts(expert_params: Mapping[str, jax.Array], x: jax.Array,
   """
   if backend == "reference":
     raise ValueError("backend='reference' is the layer's own per-expert loop "
-                     "(moejax.layer with cfg.backend='reference'). Fix: pick one of "
+                     "(moejax.layer with cfg.execution.backend='reference'). Fix: pick one of "
                      f"{', '.join(gmm_lib.BACKENDS)} here")
   gmm_lib.check_available(backend, interpret)
   if x.ndim != 2:

@@ -53,18 +53,15 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from moejax.config import GMM_BACKEND_MODULES
 from moejax.execution import tiling
 
 DEFAULT_BACKEND = "blocked"
 
-# name -> module defining BACKEND; imported on first use so that the Pallas
-# modules are only loaded by the callers that pick them.
-_MODULES = {
-    "ragged_dot": "moejax.execution.gmm",
-    "blocked": "moejax.execution.blocked",
-    "pallas_tpu": "moejax.execution.pallas_tpu",
-    "pallas_gpu": "moejax.execution.pallas_gpu",
-}
+# name -> module defining BACKEND, from the config registry (the one list of
+# backend names); imported on first use so that the Pallas modules are only
+# loaded by the callers that pick them.
+_MODULES = dict(GMM_BACKEND_MODULES)
 BACKENDS = tuple(_MODULES)
 
 FLOAT_DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16)

@@ -1,4 +1,4 @@
-"""The expert-parallel MoE layer: ``jax.shard_map`` over a ('data', 'fsdp', 'expert') mesh.
+"""The expert-parallel executor: dispatch over the ``expert`` mesh axis, then back.
 
 Legend: B batch, S sequence length, T tokens on one device, d model width,
 K slots per token, E logical FFN experts, D devices on the ``expert`` axis,
@@ -6,22 +6,27 @@ S_p physical expert slots per device (E / D without a placement), E_p = D *
 S_p physical experts, C capacity per (device, expert), f expert hidden width,
 L = T * min(K, S_p) most rows one device can send to another.
 
-Per device (see :mod:`moejax.execution.mesh` for the layout), inside
-``shard_map``::
+The expert-parallel MoE layer is :func:`moejax.layer.ep_moe_layer`: the one
+MoE layer (:func:`moejax.layer.moe_layer`) run under ``jax.shard_map`` with
+the :class:`ExpertParallelExecutor` of this module and the mesh axes as
+``axis_names`` (so loads, MaxVio and global-scope losses are reduced over
+the whole mesh). Per device, the executor does::
 
-    route (local tokens) -> capacity drops (per device, see below)
-    -> local permute -> all_to_all over 'expert' -> grouped matmul on the
-    S_p local experts -> all_to_all back -> combine (unpermute, gate, sum)
-    + zero-computation and shared experts (local, no communication)
+    local permute -> all_to_all over 'expert' -> grouped matmul on the S_p
+    local experts -> all_to_all back -> combine (unpermute, gate, sum)
+
+Routing, capacity, zero-computation and shared experts, losses and metrics
+stay in the layer. This module also prepares the inputs of that
+``shard_map`` (:func:`prepare`: placement replicas, partition specs).
 
 Dispatch paths (``ParallelConfig.dispatch``):
 
 * ``capacity``: every device fills an [E_p, C] buffer (``permute.
   capacity_layout``) and the all_to_all moves fixed [S_p, C, d] slices;
-  runs on every backend, CPU included. With ``moe.capacity_factor`` set, C
-  is the layer's capacity; dropless layers use C = T (a token sends at most
-  one copy to an expert), exact but padded: the padding shows in
-  ``aux['comm']['padding_waste']``.
+  runs on every backend, CPU included. With ``moe.balance.capacity_factor``
+  set, C is the layer's capacity; dropless layers use C = T (a token sends
+  at most one copy to an expert), exact but padded: the padding shows in
+  ``aux['execution']['comm']['padding_waste']``.
 * ``ragged``: dropless and unpadded: rows sorted by expert
   (``permute.sort_by_expert``) travel in exact-size segments with
   ``jax.lax.ragged_all_to_all`` (``native``, GPU/TPU). XLA:CPU does not
@@ -32,32 +37,18 @@ Dispatch paths (``ParallelConfig.dispatch``):
   without the collective is refused before compiling.
 
 **Capacity semantics** (GShard's groups): the global batch is split into
-one group per device (its B / N sequences); inside a group the layer applies
-``moejax.balance.capacity`` exactly as the single-device layer does, with
-C = ceil(cf * T * K / E) for the group's T tokens and the configured
-priority (``position``: slot-major, earlier tokens first). The
-expert-parallel layer therefore drops exactly what
-``moejax.layer.moe_layer`` drops when called on each device's shard with
-the same config; ``aux['num_dropped']`` is the global count. Routers whose
-decision depends on other tokens (expert choice) are likewise applied per
-group. Token-choice routing without capacity is per token, so it equals the
-single-device layer on the whole batch.
-
-**Global statistics**: loads (``aux['load']``, the bias controller input),
-``metrics`` (MaxVio, drop rate, ...) and global-scope balance losses are
-psum-reduced over every mesh axis, so they equal the single-device values on
-the whole batch. Batch- and sequence-scope losses are local by definition;
-the layer returns their mean over devices (what data-parallel averaging of
-per-shard losses gives). Router noise uses ``fold_in(rng, device index)``:
-with noise on, the layer is equal in distribution, not bitwise.
+one group per device (its B / N sequences); the layer applies its capacity
+rule per group, so the expert-parallel layer drops exactly what the
+single-device layer drops when called on each device's shard.
 
 A :class:`~moejax.execution.placement.Placement` moves and replicates
 experts over devices without changing any routing decision (see that
-module); the per-device work shows in ``aux['device_load']``.
+module); the per-device work shows in ``aux['execution']['device_load']``.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from typing import Any, Optional
 
@@ -66,18 +57,16 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, PartitionSpec as P
 
-from moejax import layer as layer_lib
-from moejax.balance import losses, metrics, stats
-from moejax.config import MoEConfig
+from moejax.balance import stats
+from moejax.config import MoEConfig, ParallelConfig, check_experts, check_route_limit
 from moejax.execution import comm as comm_lib
 from moejax.execution import experts as exec_experts
 from moejax.execution import fused as fused_lib
 from moejax.execution import mesh as mesh_lib
 from moejax.execution import permute as permute_lib
 from moejax.execution import placement as placement_lib
-from moejax.execution.mesh import EXPERT, FSDP, ParallelConfig
-from moejax.routing.types import RouterState, RoutingResult
-from moejax.topology import experts as experts_lib
+from moejax.execution.mesh import EXPERT, FSDP
+from moejax.routing.types import RoutingResult
 
 NATIVE_RAGGED_PLATFORMS = ("gpu", "cuda", "rocm", "tpu")
 
@@ -102,10 +91,9 @@ def resolve_dispatch(pcfg: ParallelConfig, platform: str) -> str:
   return "ragged_native"
 
 
-def gmm_backend_for(cfg: MoEConfig, pcfg: ParallelConfig) -> str:
-  if pcfg.gmm_backend is not None:
-    return pcfg.gmm_backend
-  return "ragged_dot" if cfg.backend == "reference" else cfg.backend
+def gmm_backend_for(cfg: MoEConfig) -> str:
+  """The local experts' grouped-matmul backend (the layer's ``reference`` -> ``ragged_dot``)."""
+  return "ragged_dot" if cfg.execution.backend == "reference" else cfg.execution.backend
 
 
 # --- Local pieces (run per device inside shard_map). ------------------------
@@ -174,17 +162,17 @@ def _physical_ids(result: RoutingResult, sent: jax.Array, plc: placement_lib.Pla
   return reps[logical, tok % n]
 
 
-def _dispatch_combine(experts, width_mask, x, result, *, cfg, impl, plc, cap,
-                      backend, node_of):
+def _dispatch_combine(experts, width_mask, x, result, *, num_experts, activation, impl, plc,
+                      cap, backend, node_of):
   """Routed-expert output y[T, d] plus (comm bytes, per-physical-expert rows, transport drops)."""
   t, dm = x.shape
   k = result.k
-  e, s = cfg.num_experts, plc.slots_per_device
+  e, s = num_experts, plc.slots_per_device
   d = plc.num_devices
   sent = result.valid & (result.expert_ids >= 0) & (result.expert_ids < e)
   phys = _physical_ids(result, sent, plc)
   weights = jnp.where(result.valid, result.weights, 0)
-  ffn = functools.partial(local_experts, num_slots=s, activation=cfg.activation,
+  ffn = functools.partial(local_experts, num_slots=s, activation=activation,
                           backend=backend, width_mask=width_mask)
   if impl == "capacity":
     c = t if cap is None else cap
@@ -242,55 +230,55 @@ def _gather_fsdp(experts: dict, has_fsdp: bool) -> dict:
           for k, v in experts.items()}
 
 
-def _device_index(axes) -> jax.Array:
+
+
+def device_index(axes) -> jax.Array:
+  """int32[] this device's position in the mesh (row-major over ``axes``), inside shard_map."""
   idx = jnp.zeros((), jnp.int32)
   for a in axes:
     idx = idx * jax.lax.axis_size(a) + jax.lax.axis_index(a)
   return idx
 
 
-def _body(args, *, cfg: MoEConfig, impl: str, plc, backend: str, node_of, axes,
-          has_fsdp: bool, train: bool):
-  params, x, state = args["params"], args["x"], args["state"]
-  b, s, dm = x.shape
-  x2 = x.reshape(b * s, dm)
-  ids = args["token_ids"].reshape(-1) if "token_ids" in args else None
-  rng = args.get("rng")
-  if rng is not None:
-    rng = jax.random.fold_in(rng, _device_index(axes))
-  result, dropped, cap = layer_lib.route_and_drop(params, x2, state, cfg, token_ids=ids,
-                                                  rng=rng, train=train)
-  experts = _gather_fsdp(params["experts"], has_fsdp)
-  y, bytes_local, phys_rows, lost = _dispatch_combine(
-      experts, args.get("width_mask"), x2, result, cfg=cfg, impl=impl, plc=plc, cap=cap,
-      backend=backend, node_of=node_of)
-  y = layer_lib.add_token_local_experts(params, x2, result, cfg, y)
-  new_state, load_all = layer_lib.controller_step(state, result, cfg, train=train,
-                                                  axis_names=axes)
-  layer_losses = losses.balance_losses(result, cfg, batch_shape=(b, s), axis_names=axes)
-  d, sp = plc.num_devices, plc.slots_per_device
-  comm = comm_lib.summarize(bytes_local, axes)
-  comm["transport_dropped"] = stats.psum(lost, axes)
-  aux = {
-      "losses": {k: stats.pmean(v, axes) for k, v in layer_losses.items()},
-      "metrics": metrics.routing_metrics(result, cfg, dropped=dropped, axis_names=axes),
-      "load": load_all[: cfg.num_experts],
-      "num_dropped": stats.psum(jnp.sum(dropped), axes),
-      "device_load": stats.psum(phys_rows.astype(jnp.float32), axes).reshape(d, sp).sum(-1),
-      "comm": comm,
-      "routing": result,
-  }
-  return y.reshape(b, s, dm), new_state, aux
+@dataclasses.dataclass(frozen=True, eq=False)
+class ExpertParallelExecutor:
+  """The routed experts of one layer over the ``expert`` mesh axis (inside shard_map).
 
+  Built by :func:`prepare`; called by :func:`moejax.layer.moe_layer` like any
+  executor. ``extras``: ``device_load`` f32[D] token copies each expert-axis
+  position computed (summed over data groups) and ``comm``
+  (:mod:`moejax.execution.comm` byte counts, plus ``transport_dropped``,
+  always 0 by construction).
+  """
 
-# --- The public layer. ------------------------------------------------------
+  num_experts: int
+  activation: str
+  impl: str                      # capacity | ragged_native | ragged_emulated
+  placement: placement_lib.Placement
+  backend: str                   # grouped-matmul backend of the local experts
+  node_of: np.ndarray            # int[D] node of each expert-axis position
+  axes: tuple                    # every mesh axis (the global statistics' scope)
+  has_fsdp: bool
+
+  def __call__(self, experts, x, result, *, width_mask=None, capacity=None):
+    experts = _gather_fsdp(experts, self.has_fsdp)
+    y, bytes_local, phys_rows, lost = _dispatch_combine(
+        experts, width_mask, x, result, num_experts=self.num_experts,
+        activation=self.activation, impl=self.impl, plc=self.placement, cap=capacity,
+        backend=self.backend, node_of=self.node_of)
+    d, sp = self.placement.num_devices, self.placement.slots_per_device
+    comm = comm_lib.summarize(bytes_local, self.axes)
+    comm["transport_dropped"] = stats.psum(lost, self.axes)
+    device_load = stats.psum(phys_rows.astype(jnp.float32), self.axes).reshape(d, sp).sum(-1)
+    return y, {"device_load": device_load, "comm": comm}
+
 
 def check_placement(plc: placement_lib.Placement, cfg: MoEConfig, pcfg: ParallelConfig,
                     node_of: np.ndarray) -> None:
   """ValueError when the placement does not fit the mesh or breaks a routing limit."""
   if plc.num_experts != cfg.num_experts or plc.num_devices != pcfg.expert:
     raise ValueError(f"placement covers {plc.num_experts} experts on {plc.num_devices} "
-                     f"devices; the layer has moe.num_experts={cfg.num_experts} on "
+                     f"devices; the layer has moe.topology.num_experts={cfg.num_experts} on "
                      f"parallel.expert={pcfg.expert}. Fix: compute_placement(load, "
                      f"{pcfg.expert}, ...) with this config's load")
   if pcfg.route_limit == "none":
@@ -310,86 +298,62 @@ def check_placement(plc: placement_lib.Placement, cfg: MoEConfig, pcfg: Parallel
                      "with route_limit='nodes', or route_limit='none'")
 
 
-def ep_moe_layer(params: dict, x: jax.Array, state: Optional[RouterState], cfg: MoEConfig,
-                 mesh: Mesh, pcfg: ParallelConfig = ParallelConfig(), *,
-                 token_ids: Optional[jax.Array] = None, rng: Optional[jax.Array] = None,
-                 train: bool = False,
-                 placement: Optional[placement_lib.Placement] = None
-                 ) -> tuple[jax.Array, RouterState, dict[str, Any]]:
-  """Applies one MoE layer with expert parallelism; call it inside ``jax.jit``.
+@dataclasses.dataclass(frozen=True, eq=False)
+class Prepared:
+  """What :func:`moejax.layer.ep_moe_layer` needs to run the layer under shard_map.
 
-  Args:
-    params: from :func:`moejax.layer.init_moe_params` (logical experts [E, ...];
-      place with :func:`moejax.execution.mesh.shard_params` to avoid reshards).
-    x: [B, S, d] with B divisible by the mesh's device count.
-    state: router state (None: zeros).
-    cfg: the layer config (``kind='sparse'``).
-    mesh: from :func:`moejax.execution.mesh.make_mesh`.
-    pcfg: dispatch path, routing limits, nodes; its axis sizes must match the
-      mesh's expert axis.
-    token_ids: int[B, S], for hash routing.
-    rng / train: as :func:`moejax.layer.moe_layer`.
-    placement: optional expert placement (replicas of hot experts).
+  params: the layer params with the routed experts in physical order (replica
+  weights gathered from the logical ones, so every replica's gradient sums
+  into its expert); param_specs / token_spec: their PartitionSpecs;
+  width_mask: [E_p, f] or None; executor: the expert-parallel executor.
+  """
 
-  Returns:
-    ``(y [B, S, d], new_state, aux)`` with the single-device layer's aux keys
-    (``losses``, ``metrics``, ``load``, ``num_dropped``, ``routing``; the
-    routing is [B*S, K] in global token order) plus ``device_load`` f32[D]
-    (token copies each expert-axis position computed, summed over data
-    groups) and ``comm`` (:mod:`moejax.execution.comm` byte counts and
-    ``transport_dropped``, always 0 by construction).
+  params: dict
+  param_specs: Any
+  token_spec: P
+  width_mask: Optional[jax.Array]
+  executor: ExpertParallelExecutor
+
+
+def prepare(params: dict, cfg: MoEConfig, mesh: Mesh, pcfg: ParallelConfig, batch: int,
+            d_model: int, *, width_mask: Optional[jax.Array] = None,
+            placement: Optional[placement_lib.Placement] = None) -> Prepared:
+  """Checks the layout and builds the executor and the shard_map inputs (no compute).
+
+  Raises ValueError / ConfigError naming the mismatch (expert axis, batch
+  divisibility, fsdp, placement, unresolved routing limit, native ragged
+  dispatch on a platform without it).
   """
   axes = mesh_lib.mesh_axes(mesh)
   d = mesh_lib.axis_size(mesh, EXPERT)
   if d != pcfg.expert:
     raise ValueError(f"parallel.expert={pcfg.expert} but the mesh's 'expert' axis has "
                      f"{d} devices. Fix: build the mesh with make_mesh(pcfg)")
-  mesh_lib.check_experts(pcfg, cfg)
-  node_of = mesh_lib.nodes_of_expert_axis(mesh, pcfg.devices_per_node)
-  route_cfg = mesh_lib.limited_moe_config(cfg, pcfg, num_nodes=int(node_of.max()) + 1)
-  if state is None:
-    state = RouterState.zeros(cfg.num_routed)
-  if x.ndim != 3:
-    raise ValueError(f"ep_moe_layer: x has shape {x.shape}; expected [B, S, d] (the batch "
-                     "is split over devices by whole sequences)")
+  check_experts(pcfg, cfg)
+  check_route_limit(cfg, pcfg)
   n = int(np.prod([mesh.shape[a] for a in axes]))
-  if x.shape[0] % n:
-    raise ValueError(f"ep_moe_layer: batch B={x.shape[0]} is not divisible by the {n} "
+  if batch % n:
+    raise ValueError(f"ep_moe_layer: batch B={batch} is not divisible by the {n} "
                      f"devices of mesh {dict(mesh.shape)}. Fix: use a multiple of {n}")
-  if token_ids is not None and tuple(token_ids.shape) != tuple(x.shape[:2]):
-    raise ValueError(f"token_ids has shape {token_ids.shape}; expected {x.shape[:2]}")
+  has_fsdp = mesh_lib.axis_size(mesh, FSDP) > 1
+  if has_fsdp and d_model % mesh_lib.axis_size(mesh, FSDP):
+    raise ValueError(f"d_model={d_model} is not divisible by the fsdp axis "
+                     f"({mesh_lib.axis_size(mesh, FSDP)}). Fix: parallel.fsdp must divide d")
+  node_of = mesh_lib.nodes_of_expert_axis(mesh, pcfg.devices_per_node)
   plc = placement or placement_lib.identity_placement(cfg.num_experts, d)
   check_placement(plc, cfg, pcfg, node_of)
   impl = resolve_dispatch(pcfg, mesh.devices.flat[0].platform)
-  backend = gmm_backend_for(cfg, pcfg)
-  has_fsdp = mesh_lib.axis_size(mesh, FSDP) > 1
-  if has_fsdp and x.shape[-1] % mesh_lib.axis_size(mesh, FSDP):
-    raise ValueError(f"d_model={x.shape[-1]} is not divisible by the fsdp axis "
-                     f"({mesh_lib.axis_size(mesh, FSDP)}). Fix: parallel.fsdp must divide d")
-
   params = dict(params)
   identity = plc.slots_per_device * d == cfg.num_experts and \
       np.array_equal(plc.phys_to_logical, np.arange(cfg.num_experts))
-  p2l = jnp.asarray(plc.phys_to_logical, jnp.int32)
   if not identity:
-    # Replica weights are gathered from the logical ones, so the gradient of
-    # every replica sums into its logical expert.
+    p2l = jnp.asarray(plc.phys_to_logical, jnp.int32)
     params["experts"] = jax.tree.map(lambda w: jnp.take(w, p2l, axis=0), params["experts"])
-  specs = mesh_lib.param_specs(params, mesh)
-  tok = mesh_lib.batch_spec(mesh)
-  args = {"params": params, "x": x, "state": state}
-  in_specs = {"params": specs, "x": tok, "state": P()}
-  if token_ids is not None:
-    args["token_ids"], in_specs["token_ids"] = token_ids, tok
-  if rng is not None:
-    args["rng"], in_specs["rng"] = rng, P()
-  if cfg.expert_widths is not None:
-    mask = experts_lib.width_mask(cfg)
-    args["width_mask"] = mask if identity else jnp.take(mask, p2l, axis=0)
-    in_specs["width_mask"] = P(EXPERT)
-  out_specs = (tok, P(), {"losses": P(), "metrics": P(), "load": P(), "num_dropped": P(),
-                          "device_load": P(), "comm": P(), "routing": tok})
-  body = functools.partial(_body, cfg=route_cfg, impl=impl, plc=plc, backend=backend,
-                           node_of=node_of, axes=axes, has_fsdp=has_fsdp, train=train)
-  return jax.shard_map(body, mesh=mesh, in_specs=(in_specs,), out_specs=out_specs,
-                       check_vma=False)(args)
+    if width_mask is not None:
+      width_mask = jnp.take(width_mask, p2l, axis=0)
+  executor = ExpertParallelExecutor(
+      num_experts=cfg.num_experts, activation=cfg.topology.activation, impl=impl,
+      placement=plc, backend=gmm_backend_for(cfg), node_of=node_of, axes=axes,
+      has_fsdp=has_fsdp)
+  return Prepared(params, mesh_lib.param_specs(params, mesh), mesh_lib.batch_spec(mesh),
+                  width_mask, executor)

@@ -73,7 +73,7 @@ class LayerRouting:
 
 
 def _apply(params, x, state, cfg: MoEConfig):
-  y, _, aux = moe_layer(params, x, state, cfg)
+  y, aux = moe_layer(params, x, state, cfg)
   r = aux["routing"]
   return y, r.expert_ids, r.weights, r.valid, aux["metrics"]
 

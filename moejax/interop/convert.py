@@ -6,7 +6,7 @@ total shared width.
 Import::
 
     block = import_moe_block(model.state_dict(), model.config, layer=3)
-    y, _, aux = moe_layer(block.params, x, block.state, block.cfg)
+    y, aux = moe_layer(block.params, x, block.state, block.cfg)
 
 ``source`` is a state dict or a safetensors file / checkpoint directory
 (``hf_config`` then defaults to the directory's config.json). The block is
@@ -173,7 +173,7 @@ def import_moe_block(source: Any, hf_config: Any = None, *, layer: Optional[int]
   store = open_source(source)
   p = _resolve_prefix(store, family, hf_config, layer, prefix)
   rd = _Reader(store, p, _block_size(hf_config))
-  e, f = cfg.num_experts, cfg.expert_width
+  e, f = cfg.num_experts, cfg.topology.expert_width
 
   router_key = p + family.router_key
   router = store.get(router_key)
@@ -201,15 +201,15 @@ def import_moe_block(source: Any, hf_config: Any = None, *, layer: Optional[int]
                "w_down": np.stack([t[2].T for t in per])}
 
   params = {"router": {"w": router.T}, "experts": experts}
-  if cfg.num_shared_experts:
-    width = cfg.num_shared_experts * (cfg.shared_expert_width or f)
+  if cfg.topology.num_shared_experts:
+    width = cfg.topology.num_shared_experts * (cfg.topology.shared_expert_width or f)
     s = family.shared_key + "."
     params["shared"] = {
         "w_gate": rd(s + "gate_proj.weight", (width, d), "[F, d]").T,
         "w_up": rd(s + "up_proj.weight", (width, d), "[F, d]").T,
         "w_down": rd(s + "down_proj.weight", (d, width), "[d, F]").T,
     }
-    if cfg.shared_expert_gate:
+    if cfg.topology.shared_expert_gate:
       params["shared"]["w_shared_gate"] = rd(family.shared_gate_key + ".weight", (1, d),
                                              "[1, d]").T
   cast = (lambda a: jnp.asarray(a)) if dtype is None else (lambda a: jnp.asarray(a, dtype))
@@ -286,7 +286,7 @@ def export_moe_block(params: Mapping, state: Optional[RouterState], cfg: MoEConf
     raise InteropError(f"layout={layout!r}: use one of {', '.join(LAYOUTS)}")
   fam.check_moe_config(cfg, "cfg")
   family = fam.get_family(model_type)
-  e, f = cfg.num_experts, cfg.expert_width
+  e, f = cfg.num_experts, cfg.topology.expert_width
   router = params.get("router") if isinstance(params, Mapping) else None
   if not isinstance(router, Mapping) or "w" not in router:
     raise InteropError("params['router']['w'] is missing. Fix: export params built for "
@@ -322,7 +322,7 @@ def export_moe_block(params: Mapping, state: Optional[RouterState], cfg: MoEConf
       sd[f"{p}experts.{i}.{dn}.weight"] = np.ascontiguousarray(wd[i].T)
 
   if family.shared_key is not None:
-    width = cfg.num_shared_experts * (cfg.shared_expert_width or f)
+    width = cfg.topology.num_shared_experts * (cfg.topology.shared_expert_width or f)
     s = p + family.shared_key + "."
     if width:
       for hf_name, name, shape in (("gate_proj", "w_gate", (d, width)),

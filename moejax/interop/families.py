@@ -77,8 +77,8 @@ def _gating(norm: bool, default: str, base: Optional[MoEConfig]) -> str:
   """Gating for softmax scores; topk_softmax == normalized there, so keep base's."""
   if not norm:
     return "scores"
-  if base is not None and base.router.gating in ("topk_softmax", "normalized"):
-    return base.router.gating
+  if base is not None and base.routing.gating in ("topk_softmax", "normalized"):
+    return base.routing.gating
   return default
 
 
@@ -91,14 +91,14 @@ def _shared(total: int, gate: bool, expert_width: int, default: tuple,
   config with the same product is kept as it is.
   """
   if total == 0:
-    keep = base or MoEConfig()
+    keep = (base or MoEConfig()).topology
     return {"num_shared_experts": 0, "shared_expert_width": keep.shared_expert_width,
             "shared_expert_gate": keep.shared_expert_gate}
   ks, fs = default
-  if base is not None and base.num_shared_experts:
-    eff = base.shared_expert_width or expert_width
-    if base.num_shared_experts * eff == total:
-      ks, fs = base.num_shared_experts, base.shared_expert_width
+  if base is not None and base.topology.num_shared_experts:
+    eff = base.topology.shared_expert_width or expert_width
+    if base.topology.num_shared_experts * eff == total:
+      ks, fs = base.topology.num_shared_experts, base.topology.shared_expert_width
   return {"num_shared_experts": ks, "shared_expert_width": fs, "shared_expert_gate": gate}
 
 
@@ -108,16 +108,20 @@ def check_moe_config(cfg: Any, name: str) -> None:
                     "with moejax.config.MoEConfig(...) or from_dict(MoEConfig, ...)")
 
 
-def compose(base: Optional[MoEConfig], moe: dict, router: dict) -> MoEConfig:
-  """``base`` with every architecture field replaced (token-choice sparse SwiGLU)."""
+def compose(base: Optional[MoEConfig], topology: dict, router: dict) -> MoEConfig:
+  """``base`` with every architecture field replaced (token-choice sparse SwiGLU).
+
+  ``topology`` fields replace ``base.topology``'s, ``router`` fields
+  ``base.routing``'s; balance and execution settings of ``base`` are kept.
+  """
   base = base or MoEConfig()
   router = {"kind": "topk", "n_families": 1, "top_k_families": 1, **router}
   if router.get("n_groups", 1) == 1:
-    router.setdefault("group_score", base.router.group_score)  # no effect without groups
-  rc = dataclasses.replace(base.router, **router)
-  return dataclasses.replace(
-      base, kind="sparse", activation="swiglu", expert_widths=None, zero_experts=0,
-      copy_experts=0, constant_experts=0, router=rc, **moe)
+    router.setdefault("group_score", base.routing.group_score)  # no effect without groups
+  rc = dataclasses.replace(base.routing, **router)
+  tc = dataclasses.replace(base.topology, activation="swiglu", expert_widths=None,
+                           zero_experts=0, copy_experts=0, constant_experts=0, **topology)
+  return dataclasses.replace(base, kind="sparse", topology=tc, routing=rc)
 
 
 # ---------------------------------------------------------------------------
@@ -136,8 +140,8 @@ def _mixtral_cfg(hf: Any, base: Optional[MoEConfig]) -> MoEConfig:
 
 def _mixtral_fields(cfg: MoEConfig, d: int) -> dict:
   return {"model_type": "mixtral", "hidden_size": d, "hidden_act": "silu",
-          "intermediate_size": cfg.expert_width, "num_local_experts": cfg.num_experts,
-          "num_experts_per_tok": cfg.router.top_k}
+          "intermediate_size": cfg.topology.expert_width, "num_local_experts": cfg.num_experts,
+          "num_experts_per_tok": cfg.routing.top_k}
 
 
 def _qwen_cfg(hf: Any, base: Optional[MoEConfig], shared: bool) -> MoEConfig:
@@ -155,12 +159,12 @@ def _qwen_cfg(hf: Any, base: Optional[MoEConfig], shared: bool) -> MoEConfig:
 
 def _qwen_fields(cfg: MoEConfig, d: int, model_type: str) -> dict:
   out = {"model_type": model_type, "hidden_size": d, "hidden_act": "silu",
-         "moe_intermediate_size": cfg.expert_width, "num_experts": cfg.num_experts,
-         "num_experts_per_tok": cfg.router.top_k,
-         "norm_topk_prob": cfg.router.gating != "scores"}
+         "moe_intermediate_size": cfg.topology.expert_width, "num_experts": cfg.num_experts,
+         "num_experts_per_tok": cfg.routing.top_k,
+         "norm_topk_prob": cfg.routing.gating != "scores"}
   if model_type == "qwen2_moe":
-    fs = cfg.shared_expert_width or cfg.expert_width
-    out["shared_expert_intermediate_size"] = cfg.num_shared_experts * fs
+    fs = cfg.topology.shared_expert_width or cfg.topology.expert_width
+    out["shared_expert_intermediate_size"] = cfg.topology.num_shared_experts * fs
   return out
 
 
@@ -185,8 +189,8 @@ def _deepseek_cfg(hf: Any, base: Optional[MoEConfig]) -> MoEConfig:
   if n_group > 1:
     # HF ranks groups by the sum of their top-2 biased scores; with use_bias
     # moejax's 'auto' resolves to the same rule.
-    keep = base is not None and base.router.group_score in ("auto", "top2_sum")
-    router["group_score"] = base.router.group_score if keep else "top2_sum"
+    keep = base is not None and base.routing.group_score in ("auto", "top2_sum")
+    router["group_score"] = base.routing.group_score if keep else "top2_sum"
   return compose(base, {"num_experts": hf_get(hf, "n_routed_experts", "num_local_experts"),
                         "expert_width": f,
                         **_shared(n_shared * f, False, f, (n_shared, None), base)},
@@ -194,12 +198,12 @@ def _deepseek_cfg(hf: Any, base: Optional[MoEConfig]) -> MoEConfig:
 
 
 def _deepseek_fields(cfg: MoEConfig, d: int) -> dict:
-  rc, f = cfg.router, cfg.expert_width
-  total = cfg.num_shared_experts * (cfg.shared_expert_width or f)
+  rc, f = cfg.routing, cfg.topology.expert_width
+  total = cfg.topology.num_shared_experts * (cfg.topology.shared_expert_width or f)
   if total % f:
     raise InteropError(
-        f"moe.num_shared_experts={cfg.num_shared_experts} x moe.shared_expert_width="
-        f"{cfg.shared_expert_width} = {total} is not a multiple of moe.expert_width={f}: "
+        f"moe.topology.num_shared_experts={cfg.topology.num_shared_experts} x moe.topology.shared_expert_width="
+        f"{cfg.topology.shared_expert_width} = {total} is not a multiple of moe.topology.expert_width={f}: "
         "deepseek_v3 shared experts have the routed width (n_shared_experts * "
         "moe_intermediate_size). Fix: use shared widths that sum to a multiple of "
         "expert_width")

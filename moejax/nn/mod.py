@@ -74,8 +74,13 @@ class MoDBlock(nnx.Module):
                axis_names: Sequence[str] = ()) -> tuple[jax.Array, Any, dict]:
     """x[B, S, d] -> (x_out[B, S, d], moe_aux or None, mod_aux).
 
-    mod_aux: ``selected`` bool[B, S], ``scores`` f32[B, S] and ``loss`` (the
-    weighted membership cross-entropy; 0 when its coefficient is 0).
+    mod_aux: ``selected`` bool[B, S], ``scores`` f32[B, S], ``loss`` (the
+    weighted membership cross-entropy; 0 when its coefficient is 0) and
+    ``metrics``: ``tokens`` (tokens the block processed in this batch, B k),
+    ``capacity_use`` (k / S, the share it processed), ``causal_share`` (share
+    of tokens the causal rule sigmoid(r) > 0.5 would process) and
+    ``causal_agreement`` (share of tokens on which that rule agrees with the
+    top-k selection: how ready the router is for autoregressive sampling).
     """
     b, s, _ = x.shape
     scores = self.router(x.astype(jnp.float32))[..., 0]  # [B, S]
@@ -88,6 +93,13 @@ class MoDBlock(nnx.Module):
     x_out = scatter(x, idx, x_sel + (g[..., None] * (out - x_sel)).astype(x.dtype))
 
     selected = scatter(jnp.zeros((b, s), bool), idx, jnp.ones(idx.shape, bool))
+    causal = scores > 0
+    metrics = {
+        "tokens": jnp.asarray(b * idx.shape[1], jnp.float32),
+        "capacity_use": jnp.asarray(idx.shape[1] / s, jnp.float32),
+        "causal_share": jnp.mean(causal.astype(jnp.float32)),
+        "causal_agreement": jnp.mean((causal == selected).astype(jnp.float32)),
+    }
     loss = jnp.zeros((), jnp.float32)
     if self.aux_loss_coef:
       loss = self.aux_loss_coef * jnp.mean(
@@ -98,4 +110,5 @@ class MoDBlock(nnx.Module):
         if key in moe_aux:
           v = moe_aux[key]
           moe_aux[key] = scatter(jnp.zeros((b, s) + v.shape[2:], v.dtype), idx, v)
-    return x_out, moe_aux, {"selected": selected, "scores": scores, "loss": loss}
+    return x_out, moe_aux, {"selected": selected, "scores": scores, "loss": loss,
+                            "metrics": metrics}

@@ -1,7 +1,7 @@
 """The NNX owner of one MoE layer's params and router state.
 
 Legend: B batch, S sequence length, T = B*S tokens, d model width, K expert
-slots per token.
+slots per token, E_r router outputs.
 
 :func:`moejax.layer.moe_layer` is pure; this module only owns its inputs:
 
@@ -10,37 +10,35 @@ slots per token.
   ``wrt=nnx.Param`` see them);
 - the :class:`~moejax.routing.types.RouterState`, every leaf a
   :class:`RouterStateVar`. That is an ``nnx.Variable`` but *not* an
-  ``nnx.Param``: router state is never handed to the optimizer (DESIGN;
-  MaxText issue #2494 was a bias trained by the optimizer).
+  ``nnx.Param``: router state is never handed to the optimizer (MaxText issue
+  #2494 was a bias trained by the optimizer).
 
-Train-mode calls write the layer's controller-updated state back into the
-``RouterStateVar`` leaves. Under ``nnx.jit`` / ``nnx.value_and_grad`` (with
-the default ``wrt=nnx.Param``) NNX propagates that write out of the trace, so
-one ``train_step`` updates the params through the optimizer and the bias
-through the controller, with nothing extra to thread. Evaluation calls
-(``train=False``) never touch the state.
+The forward never writes the router state. The train step calls
+:meth:`MoEFFN.apply_controller` (through
+:meth:`moejax.model.Transformer.apply_controllers`) once per optimizer step,
+outside the differentiated function, with the router loads of the whole
+global batch; so a second forward, rematerialisation or gradient
+accumulation cannot move the bias twice.
 
 Expert parallelism: a MoEFFN built with ``expert_parallel=ExpertParallel(mesh,
-pcfg)`` calls :func:`moejax.execution.parallel.ep_moe_layer` on that mesh
-instead of the single-device layer (same params, state and aux; see
-docs/parallel.md). The mesh is a static attribute, so it lives in the graphdef
+pcfg)`` runs :func:`moejax.layer.ep_moe_layer` on that mesh (same params,
+state and aux). The mesh is a static attribute, so it lives in the graphdef
 and every forward of the model (train and eval) uses it.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from typing import TYPE_CHECKING, Any, Optional, Sequence
+from typing import Any, Optional, Sequence
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import Mesh
 
-from moejax.config import MoEConfig
-
-if TYPE_CHECKING:  # the execution plane is imported only where a layer runs expert-parallel
-  from moejax.execution.mesh import ParallelConfig
+from moejax import layer as layer_lib
+from moejax.balance import controller
+from moejax.config import MoEConfig, ParallelConfig
 
 
 class RouterStateVar(nnx.Variable):
@@ -68,16 +66,12 @@ def values(tree: Any) -> Any:
   return jax.tree.map(lambda v: v[...], tree, is_leaf=_is_var)
 
 
-def _assign(tree: Any, new: Any) -> None:
-  jax.tree.map(lambda v, n: v.set_value(n), tree, new, is_leaf=_is_var)
-
-
 def _aux_for_model(aux: dict, batch_shape: tuple[int, int]) -> dict:
   """The layer's aux with the routing decision reshaped to [B, S, K].
 
-  Router probabilities and logits ([T, E]) are dropped: losses and metrics
-  already consumed them, and keeping them would carry B*S*E floats per layer
-  out of every step.
+  Router probabilities and logits ([T, E_r]) are dropped: losses and metrics
+  already consumed them, and keeping them would carry B*S*E_r floats per
+  layer out of every step.
   """
   out = {k: v for k, v in aux.items() if k != "routing"}
   routing = aux.get("routing")
@@ -97,14 +91,13 @@ class MoEFFN(nnx.Module):
   experts and zero-computation experts stay per layer. NNX keeps the shared
   Variables once in ``nnx.state`` and sums their gradients over the layers.
 
-  ``expert_parallel``: run the layer with :func:`moejax.execution.parallel.ep_moe_layer`
-  on that mesh (None: the single-device :func:`moejax.layer.moe_layer`).
+  ``expert_parallel``: run the layer with :func:`moejax.layer.ep_moe_layer`
+  on that mesh (None: :func:`moejax.layer.moe_layer` on one device).
   """
 
   def __init__(self, d_model: int, cfg: MoEConfig, *, dtype=jnp.float32,
                rngs: nnx.Rngs, shared_experts: Optional[dict] = None,
                expert_parallel: Optional[ExpertParallel] = None):
-    from moejax import layer as layer_lib  # imported here: dense models need no MoE planes
     self.cfg, self.dtype = cfg, dtype
     self.expert_parallel = expert_parallel
     params = layer_lib.init_moe_params(rngs.params(), d_model, cfg)
@@ -115,30 +108,43 @@ class MoEFFN(nnx.Module):
         jax.tree.map(RouterStateVar, layer_lib.init_router_state(cfg)))
 
   def __call__(self, x: jax.Array, token_ids: jax.Array, *, train: bool = False,
-               rng: Optional[jax.Array] = None,
-               axis_names: Sequence[str] = ()) -> tuple[jax.Array, dict]:
-    """x[B, S, d], token_ids int[B, S] -> (y[B, S, d], aux)."""
-    from moejax import layer as layer_lib
+               rng: Optional[jax.Array] = None, axis_names: Sequence[str] = (),
+               routed_x: Optional[jax.Array] = None) -> tuple[jax.Array, dict]:
+    """x[B, S, d], token_ids int[B, S] -> (y[B, S, d], aux).
+
+    routed_x: what the router and the routed experts read (default x; the
+    ScMoE schedule passes the previous block's representation, and the shared
+    experts keep reading x).
+    """
     params = values(self.params)
     # Expert weights follow the compute dtype; the router keeps float32 params
-    # and casts to moe.router.router_dtype itself (Switch selective precision).
-    params = {k: (v if k == "router" else
-                  jax.tree.map(lambda a: a.astype(self.dtype), v))
+    # and casts to moe.routing.router_dtype itself (Switch selective precision).
+    params = {k: (v if k == "router" else jax.tree.map(lambda a: a.astype(self.dtype), v))
               for k, v in params.items()}
+    state = values(self.router_state)
+    inp, shared_x = (x, None) if routed_x is None else (routed_x, x)
     ep = self.expert_parallel
     if ep is None:
-      y, new_state, aux = layer_lib.moe_layer(
-          params, x, values(self.router_state), self.cfg, token_ids=token_ids,
-          rng=rng, train=train, axis_names=axis_names)
+      y, aux = layer_lib.moe_layer(params, inp, state, self.cfg, token_ids=token_ids, rng=rng,
+                                   train=train, axis_names=axis_names, shared_x=shared_x)
     else:
       if axis_names:
         raise ValueError(f"MoEFFN: axis_names={tuple(axis_names)} with expert parallelism; "
                          "the expert-parallel layer reduces over its own mesh. Fix: call "
                          "the model outside shard_map, under jax.jit")
-      from moejax.execution import parallel as parallel_lib
-      y, new_state, aux = parallel_lib.ep_moe_layer(
-          params, x, values(self.router_state), self.cfg, ep.mesh, ep.pcfg,
-          token_ids=token_ids, rng=rng, train=train)
-    if train:
-      _assign(self.router_state, new_state)
+      y, aux = layer_lib.ep_moe_layer(params, inp, state, self.cfg, ep.mesh, ep.pcfg,
+                                      token_ids=token_ids, rng=rng, train=train,
+                                      shared_x=shared_x)
     return y.astype(x.dtype), _aux_for_model(aux, x.shape[:2])
+
+  def apply_controller(self, router_load: jax.Array) -> None:
+    """One bias-controller step on f32[E_r] loads of the global batch (in place).
+
+    No-op without a controller (``balance.bias_update='none'``) or with a
+    frozen router (``routing.freeze``: the bias is part of the router).
+    """
+    if self.cfg.balance.bias_update == "none" or self.cfg.routing.freeze:
+      return
+    new = controller.update_bias(values(self.router_state), router_load, self.cfg.balance)
+    jax.tree.map(lambda var, value: var.set_value(value), self.router_state, new,
+                 is_leaf=_is_var)

@@ -5,7 +5,7 @@ Legend: T tokens, d model width, E routed experts, C tokens per expert.
 S = score_fn(logits) [T, E] (the paper: softmax over experts). Each expert
 takes its top C tokens by S[:, e], with
 
-    C = round(T * c / E),  c = moe.router.expert_choice_capacity,
+    C = round(T * c / E),  c = moe.routing.expert_choice_capacity,
 
 rounded half up (floor(T c / E + 0.5)) and clipped to [1, T]. Every expert
 therefore processes exactly C tokens (balanced by construction) while a token
@@ -13,7 +13,7 @@ may get anywhere from 0 to E experts.
 
 Output stays token-major so the execution plane needs nothing special:
 K = E slots per token, slot e is expert e, valid where expert e chose the
-token, weight = S[t, e] (the paper's gating; ``moe.router.gating`` does not
+token, weight = S[t, e] (the paper's gating; ``moe.routing.gating`` does not
 apply), times routed_scaling_factor.
 
 Not causal: an expert's top-C is taken over all T tokens, future ones
@@ -30,12 +30,11 @@ import jax.numpy as jnp
 
 from moejax.config import MoEConfig
 from moejax.routing.logits import router_logits
-from moejax.routing.result import make_result
+from moejax.routing.types import RoutingResult, make_result
 from moejax.routing.scores import probs_from_scores, scores
-from moejax.routing.types import RoutingResult
 
 
-def expert_capacity(num_tokens: int, num_experts: int, capacity: float) -> int:
+def tokens_per_expert(num_tokens: int, num_experts: int, capacity: float) -> int:
   """C = round-half-up(T * c / E), clipped to [1, T]."""
   c = math.floor(num_tokens * capacity / num_experts + 0.5)
   return max(1, min(num_tokens, c))
@@ -43,10 +42,10 @@ def expert_capacity(num_tokens: int, num_experts: int, capacity: float) -> int:
 
 def select_expert_choice(logits: jax.Array, cfg: MoEConfig) -> RoutingResult:
   """Expert-choice decision from logits f[T, E]; K = E slots per token."""
-  rc = cfg.router
+  rc = cfg.routing
   t, e = logits.shape
   s = scores(logits, rc.score_fn)
-  cap = expert_capacity(t, e, rc.expert_choice_capacity)
+  cap = tokens_per_expert(t, e, rc.expert_choice_capacity)
   _, tok = jax.lax.top_k(s.T, cap)  # [E, C] tokens chosen by each expert
   chosen = jnp.zeros((e, t), bool).at[jnp.arange(e)[:, None], tok].set(True)
   valid = chosen.T  # [T, E]
@@ -58,4 +57,4 @@ def select_expert_choice(logits: jax.Array, cfg: MoEConfig) -> RoutingResult:
 def route_expert_choice(params, x, bias, cfg: MoEConfig, *, token_ids=None, rng=None,
                         train=False) -> RoutingResult:
   del bias, token_ids
-  return select_expert_choice(router_logits(params["w"], x, cfg.router, rng, train), cfg)
+  return select_expert_choice(router_logits(params["w"], x, cfg.routing, rng, train), cfg)

@@ -1,4 +1,4 @@
-"""Gate weights from a selection: the ``gating`` conventions of RouterConfig.
+"""Gate weights from a selection: the ``gating`` conventions of RoutingConfig.
 
 Legend: T tokens, E routed experts, K slots per token.
 
@@ -51,6 +51,6 @@ def gate_weights(s: jax.Array, logits: jax.Array, ids: jax.Array, valid: jax.Arr
       denom = jnp.sum(g, axis=-1, keepdims=True)
       g = g / jnp.where(denom > 0, denom, 1)
     elif gating != "scores":
-      raise ValueError(f"moe.router.gating={gating!r}: unknown gating; "
+      raise ValueError(f"moe.routing.gating={gating!r}: unknown gating; "
                        "use topk_softmax, scores or normalized")
   return jnp.where(valid, g * scale, 0).astype(s.dtype)

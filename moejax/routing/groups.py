@@ -20,10 +20,10 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from moejax.config import RouterConfig
+from moejax.config import RoutingConfig
 
 
-def resolve_group_score(cfg: RouterConfig) -> str:
+def resolve_group_score(cfg: RoutingConfig) -> str:
   if cfg.group_score != "auto":
     return cfg.group_score
   return "top2_sum" if cfg.use_bias else "max"
@@ -38,7 +38,7 @@ def group_scores(sel: jax.Array, n_groups: int, how: str) -> jax.Array:
   if how == "top2_sum":
     best, _ = jax.lax.top_k(grouped, min(2, e // n_groups))
     return jnp.sum(best, axis=-1)
-  raise ValueError(f"moe.router.group_score={how!r}: unknown; use top2_sum or max")
+  raise ValueError(f"moe.routing.group_score={how!r}: unknown; use top2_sum or max")
 
 
 def group_mask(sel: jax.Array, n_groups: int, topk_groups: int, how: str) -> jax.Array:
@@ -49,7 +49,7 @@ def group_mask(sel: jax.Array, n_groups: int, topk_groups: int, how: str) -> jax
   return jnp.repeat(keep, e // n_groups, axis=-1)
 
 
-def limit_to_groups(sel: jax.Array, cfg: RouterConfig) -> jax.Array:
+def limit_to_groups(sel: jax.Array, cfg: RoutingConfig) -> jax.Array:
   """sel[T, E] with experts outside the chosen groups set to -inf.
 
   -inf rather than 0 (the HF DeepSeek-V3 code uses masked_fill(..., 0.0)):

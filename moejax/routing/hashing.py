@@ -30,8 +30,7 @@ import jax
 import jax.numpy as jnp
 
 from moejax.config import MoEConfig
-from moejax.routing.result import make_result
-from moejax.routing.types import RoutingResult
+from moejax.routing.types import RoutingResult, make_result
 
 
 def _fmix32(h: jax.Array) -> jax.Array:
@@ -46,7 +45,7 @@ def _fmix32(h: jax.Array) -> jax.Array:
 def hash_experts(token_ids: jax.Array, num_experts: int, top_k: int, seed: int) -> jax.Array:
   """int32[T, K] experts of each token id (see the module docstring)."""
   if top_k > num_experts:
-    raise ValueError(f"moe.router.top_k={top_k} exceeds the {num_experts} experts a hash "
+    raise ValueError(f"moe.routing.top_k={top_k} exceeds the {num_experts} experts a hash "
                      f"router can assign distinctly. Fix: set top_k <= {num_experts}.")
   ids = jnp.asarray(token_ids).astype(jnp.int32)
   block, pos = ids // num_experts, ids % num_experts
@@ -64,7 +63,7 @@ def hash_experts(token_ids: jax.Array, num_experts: int, top_k: int, seed: int) 
 
 def select_hash(token_ids: jax.Array, cfg: MoEConfig) -> RoutingResult:
   """Hash routing decision for token_ids int[T]."""
-  rc, e = cfg.router, cfg.num_routed
+  rc, e = cfg.routing, cfg.num_routed
   ids = hash_experts(token_ids, e, rc.top_k, rc.hash_seed)
   t, k = ids.shape
   w = jnp.full((t, k), rc.routed_scaling_factor / k, jnp.float32)
@@ -76,7 +75,7 @@ def route_hash(params, x, bias, cfg: MoEConfig, *, token_ids=None, rng=None,
                train=False) -> RoutingResult:
   del params, bias, rng, train
   if token_ids is None:
-    raise ValueError("moe.router.kind='hash' routes by token id but token_ids=None. "
+    raise ValueError("moe.routing.kind='hash' routes by token id but token_ids=None. "
                      "Fix: pass token_ids=int[T] (the input ids, flattened like x) to route().")
   token_ids = jnp.asarray(token_ids)
   if token_ids.shape != (x.shape[0],):

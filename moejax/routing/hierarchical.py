@@ -29,9 +29,8 @@ import jax.numpy as jnp
 from moejax.config import MoEConfig
 from moejax.routing.gating import gate_weights
 from moejax.routing.logits import router_logits
-from moejax.routing.result import make_result
+from moejax.routing.types import RoutingResult, make_result
 from moejax.routing.scores import probs_from_scores, scores
-from moejax.routing.types import RoutingResult
 
 
 def joint_probs(family_logits: jax.Array, expert_logits: jax.Array, score_fn: str) -> jax.Array:
@@ -48,7 +47,7 @@ def joint_probs(family_logits: jax.Array, expert_logits: jax.Array, score_fn: st
 def select_hierarchical(family_logits: jax.Array, expert_logits: jax.Array,
                         cfg: MoEConfig) -> RoutingResult:
   """Hierarchical decision from family logits [T, F] and expert logits [T, E]."""
-  rc = cfg.router
+  rc = cfg.routing
   t, e = expert_logits.shape
   f = family_logits.shape[-1]
   joint = joint_probs(family_logits, expert_logits, rc.score_fn)
@@ -67,6 +66,6 @@ def route_hierarchical(params, x, bias, cfg: MoEConfig, *, token_ids=None, rng=N
                        train=False) -> RoutingResult:
   del bias, token_ids
   k_fam, k_exp = jax.random.split(rng) if rng is not None else (None, None)
-  family_logits = router_logits(params["w_family"], x, cfg.router, k_fam, train)
-  expert_logits = router_logits(params["w"], x, cfg.router, k_exp, train)
+  family_logits = router_logits(params["w_family"], x, cfg.routing, k_fam, train)
+  expert_logits = router_logits(params["w"], x, cfg.routing, k_exp, train)
   return select_hierarchical(family_logits, expert_logits, cfg)

@@ -21,23 +21,23 @@ from typing import Optional
 import jax
 import jax.numpy as jnp
 
-from moejax.config import RouterConfig
+from moejax.config import RoutingConfig
 from moejax.routing.scores import router_dtype
 
 
-def needs_rng(cfg: RouterConfig, train: bool) -> bool:
+def needs_rng(cfg: RoutingConfig, train: bool) -> bool:
   return train and (cfg.input_jitter > 0 or cfg.logit_noise > 0)
 
 
-def check_rng(cfg: RouterConfig, rng: Optional[jax.Array], train: bool) -> None:
+def check_rng(cfg: RoutingConfig, rng: Optional[jax.Array], train: bool) -> None:
   if needs_rng(cfg, train) and rng is None:
-    names = [f"moe.router.{n}={getattr(cfg, n)}" for n in ("input_jitter", "logit_noise")
+    names = [f"moe.routing.{n}={getattr(cfg, n)}" for n in ("input_jitter", "logit_noise")
              if getattr(cfg, n) > 0]
     raise ValueError(f"{' and '.join(names)} draw random noise in training but rng=None. "
                      "Fix: pass rng=<PRNG key> to route(), or set them to 0, or train=False.")
 
 
-def jitter_input(x: jax.Array, cfg: RouterConfig, rng: Optional[jax.Array],
+def jitter_input(x: jax.Array, cfg: RoutingConfig, rng: Optional[jax.Array],
                  train: bool) -> jax.Array:
   """x[T, d] cast to the router dtype, times Uniform[1-eps, 1+eps] in training."""
   x = x.astype(router_dtype(cfg))
@@ -48,7 +48,7 @@ def jitter_input(x: jax.Array, cfg: RouterConfig, rng: Optional[jax.Array],
   return x * u
 
 
-def router_logits(w: jax.Array, x: jax.Array, cfg: RouterConfig,
+def router_logits(w: jax.Array, x: jax.Array, cfg: RoutingConfig,
                   rng: Optional[jax.Array], train: bool) -> jax.Array:
   """f[T, E] = x[T, d] @ w[d, E] in the router dtype, plus noise in training."""
   dt = router_dtype(cfg)

@@ -5,7 +5,7 @@ experts plus zero-computation experts), F families, K slots per token.
 
 ``route`` validates its inputs, applies router freezing (stop_gradient on
 the router weights) and input jitter, then dispatches on
-``cfg.router.kind`` through :data:`ROUTERS`; every router returns the same
+``cfg.routing.kind`` through :data:`ROUTERS`; every router returns the same
 token-major RoutingResult. Each router's decision rule lives in its own
 module and is also callable directly on logits (``select_*``), which is how
 the hand-computed tests pin them.
@@ -18,7 +18,7 @@ from typing import Callable, Optional
 import jax
 import jax.numpy as jnp
 
-from moejax.config import MoEConfig
+from moejax.config import ROUTER_KINDS, MoEConfig
 from moejax.routing.expert_choice import route_expert_choice
 from moejax.routing.hashing import route_hash
 from moejax.routing.hierarchical import route_hierarchical
@@ -37,6 +37,9 @@ ROUTERS: dict[str, Callable[..., RoutingResult]] = {
     "top_p": route_top_p,
     "hierarchical": route_hierarchical,
 }
+# The config registry is the one list of router kinds; every kind it allows
+# must be implemented here, and nothing else.
+assert tuple(ROUTERS) == ROUTER_KINDS, (tuple(ROUTERS), ROUTER_KINDS)
 
 # Switch Transformer (Fedus et al. §2.4): truncated normal, variance 0.1 / d
 # (their scale s = 0.1, ten times below the usual fan-in init). A small init
@@ -45,7 +48,7 @@ _ROUTER_INIT = jax.nn.initializers.variance_scaling(0.1, "fan_in", "truncated_no
 
 
 def init_router_params(key: jax.Array, d_model: int, cfg: MoEConfig) -> dict:
-  """Router parameters for ``cfg.router.kind``.
+  """Router parameters for ``cfg.routing.kind``.
 
   Returns:
     {'w': f32[d, E]} with E = cfg.num_routed; plus 'w_family': f32[d, F] for
@@ -53,7 +56,7 @@ def init_router_params(key: jax.Array, d_model: int, cfg: MoEConfig) -> dict:
     with variance 0.1 / d (Switch).
   """
   _check_layer_kind(cfg)
-  rc = cfg.router
+  rc = cfg.routing
   if rc.kind == "hash":
     return {}
   k_w, k_fam = jax.random.split(key)
@@ -71,7 +74,7 @@ def route(params: dict, x: jax.Array, state: Optional[RouterState], cfg: MoEConf
   Args:
     params: from :func:`init_router_params`.
     x: token-major activations [T, d] (flatten [B, S, d] first).
-    state: RouterState; its bias f32[E] is read when cfg.router.use_bias
+    state: RouterState; its bias f32[E] is read when cfg.routing.use_bias
       (may be None otherwise).
     cfg: the layer config (static).
     token_ids: int[T], required by ``hash`` routing.
@@ -81,10 +84,10 @@ def route(params: dict, x: jax.Array, state: Optional[RouterState], cfg: MoEConf
 
   Returns:
     RoutingResult (probs and logits f32[T, E]; router math in
-    cfg.router.router_dtype, float32 by default even for bf16 x).
+    cfg.routing.router_dtype, float32 by default even for bf16 x).
   """
   _check_layer_kind(cfg)
-  rc = cfg.router
+  rc = cfg.routing
   _check_inputs(params, x, state, cfg)
   if rc.kind != "hash":  # hash routing reads no activations, so has no noise
     check_rng(rc, rng, train)
@@ -109,7 +112,7 @@ def _check_layer_kind(cfg: MoEConfig) -> None:
 
 def _check_inputs(params: dict, x: jax.Array, state: Optional[RouterState],
                   cfg: MoEConfig) -> None:
-  rc, e = cfg.router, cfg.num_routed
+  rc, e = cfg.routing, cfg.num_routed
   if x.ndim != 2:
     raise ValueError(f"x has shape {x.shape}; route takes token-major x[T, d]. "
                      "Fix: reshape [B, S, d] to [B*S, d].")
@@ -120,12 +123,12 @@ def _check_inputs(params: dict, x: jax.Array, state: Optional[RouterState],
     if name not in params or params[name].shape != shape:
       got = params[name].shape if name in params else "missing"
       raise ValueError(
-          f"router params[{name!r}] is {got}, expected {shape} for moe.num_experts="
+          f"router params[{name!r}] is {got}, expected {shape} for moe.topology.num_experts="
           f"{cfg.num_experts} + {cfg.num_zero_compute} zero-computation experts, "
           f"router.kind={rc.kind!r}. Fix: build params with init_router_params(key, "
           f"{x.shape[1]}, cfg).")
   if rc.use_bias:
     if state is None or state.bias.shape != (e,):
       got = None if state is None else state.bias.shape
-      raise ValueError(f"moe.router.use_bias=True needs RouterState.bias of shape ({e},), "
+      raise ValueError(f"moe.routing.use_bias=True needs RouterState.bias of shape ({e},), "
                        f"got {got}. Fix: pass RouterState.zeros(cfg.num_routed).")

@@ -17,7 +17,7 @@ from typing import Callable
 import jax
 import jax.numpy as jnp
 
-from moejax.config import RouterConfig
+from moejax.config import RoutingConfig
 
 
 def _sqrtsoftplus(logits: jax.Array) -> jax.Array:
@@ -31,7 +31,7 @@ SCORE_FNS: dict[str, Callable[[jax.Array], jax.Array]] = {
 }
 
 
-def router_dtype(cfg: RouterConfig) -> jnp.dtype:
+def router_dtype(cfg: RoutingConfig) -> jnp.dtype:
   """The dtype of the router matmul and score function.
 
   float32 by default even under bf16 activations: Switch (Fedus et al.,

@@ -33,7 +33,7 @@ def _l2norm(v: jax.Array, axis: int) -> jax.Array:
 
 def init_soft_params(key: jax.Array, d_model: int, cfg: MoEConfig) -> dict:
   """{'phi': f32[d, E*p] LeCun normal (the paper's init), 'scale': f32[] = 1}."""
-  n = cfg.num_experts * cfg.slots_per_expert
+  n = cfg.num_experts * cfg.topology.slots_per_expert
   phi = jax.nn.initializers.lecun_normal()(key, (d_model, n), jnp.float32)
   return {"phi": phi, "scale": jnp.ones((), jnp.float32)}
 
@@ -51,19 +51,19 @@ def soft_weights(params: dict, x: jax.Array, cfg: MoEConfig):
     (dispatch f32[T, N], combine f32[T, N], logits f32[T, N]); dispatch
     columns and combine rows sum to 1. Computed in router_dtype.
   """
-  n = cfg.num_experts * cfg.slots_per_expert
+  n = cfg.num_experts * cfg.topology.slots_per_expert
   if x.ndim != 2:
     raise ValueError(f"x has shape {x.shape}; soft_weights takes token-major x[T, d]. "
                      "Fix: reshape [B, S, d] to [B*S, d] (or vmap over B for per-sequence slots).")
   phi, scale = params["phi"], params["scale"]
   if phi.shape != (x.shape[1], n):
     raise ValueError(f"params['phi'] has shape {phi.shape}, expected ({x.shape[1]}, {n}) = "
-                     f"(d_model, moe.num_experts={cfg.num_experts} * "
-                     f"moe.slots_per_expert={cfg.slots_per_expert}). "
+                     f"(d_model, moe.topology.num_experts={cfg.num_experts} * "
+                     f"moe.topology.slots_per_expert={cfg.topology.slots_per_expert}). "
                      "Fix: build params with init_soft_params for this config.")
-  if cfg.router.freeze:
+  if cfg.routing.freeze:
     phi, scale = jax.lax.stop_gradient(phi), jax.lax.stop_gradient(scale)
-  dt = router_dtype(cfg.router)
+  dt = router_dtype(cfg.routing)
   logits = jnp.einsum("td,dn->tn", _l2norm(x.astype(dt), -1), _l2norm(phi.astype(dt), 0),
                       preferred_element_type=dt) * scale.astype(dt)
   dispatch = jax.nn.softmax(logits, axis=0)

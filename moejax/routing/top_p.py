@@ -28,15 +28,14 @@ import jax.numpy as jnp
 from moejax.config import MoEConfig
 from moejax.routing.gating import gate_weights
 from moejax.routing.logits import router_logits
-from moejax.routing.result import make_result
+from moejax.routing.types import RoutingResult, make_result
 from moejax.routing.scores import probs_from_scores, scores
 from moejax.routing.topk import selection_key
-from moejax.routing.types import RoutingResult
 
 
 def select_top_p(logits: jax.Array, bias: Optional[jax.Array], cfg: MoEConfig) -> RoutingResult:
   """Top-p decision from logits f[T, E]; K = top_k slots, valid = included."""
-  rc = cfg.router
+  rc = cfg.routing
   s = scores(logits, rc.score_fn)
   p = probs_from_scores(s, rc.score_fn)
   _, ids = jax.lax.top_k(selection_key(s, bias, cfg), rc.top_k)  # [T, K]
@@ -52,4 +51,4 @@ def select_top_p(logits: jax.Array, bias: Optional[jax.Array], cfg: MoEConfig) -
 def route_top_p(params, x, bias, cfg: MoEConfig, *, token_ids=None, rng=None,
                 train=False) -> RoutingResult:
   del token_ids
-  return select_top_p(router_logits(params["w"], x, cfg.router, rng, train), bias, cfg)
+  return select_top_p(router_logits(params["w"], x, cfg.routing, rng, train), bias, cfg)

@@ -30,9 +30,8 @@ from moejax.config import MoEConfig
 from moejax.routing.gating import gate_weights
 from moejax.routing.groups import limit_to_groups
 from moejax.routing.logits import router_logits
-from moejax.routing.result import make_result
+from moejax.routing.types import RoutingResult, make_result
 from moejax.routing.scores import probs_from_scores, scores
-from moejax.routing.types import RoutingResult
 
 
 def selection_key(s: jax.Array, bias: Optional[jax.Array], cfg: MoEConfig) -> jax.Array:
@@ -41,7 +40,7 @@ def selection_key(s: jax.Array, bias: Optional[jax.Array], cfg: MoEConfig) -> ja
   The bias is router *state*: stop_gradient makes sure no gradient reaches it
   even if a caller passes it through a differentiated function.
   """
-  rc = cfg.router
+  rc = cfg.routing
   key = s
   if rc.use_bias:
     key = s + jax.lax.stop_gradient(bias).astype(s.dtype)
@@ -50,7 +49,7 @@ def selection_key(s: jax.Array, bias: Optional[jax.Array], cfg: MoEConfig) -> ja
 
 def select_topk(logits: jax.Array, bias: Optional[jax.Array], cfg: MoEConfig) -> RoutingResult:
   """Top-k routing decision from logits f[T, E] (and bias f32[E] if used)."""
-  rc = cfg.router
+  rc = cfg.routing
   s = scores(logits, rc.score_fn)
   _, ids = jax.lax.top_k(selection_key(s, bias, cfg), rc.top_k)
   valid = jnp.ones(ids.shape, bool)
@@ -61,4 +60,4 @@ def select_topk(logits: jax.Array, bias: Optional[jax.Array], cfg: MoEConfig) ->
 def route_topk(params, x, bias, cfg: MoEConfig, *, token_ids=None, rng=None,
                train=False) -> RoutingResult:
   del token_ids
-  return select_topk(router_logits(params["w"], x, cfg.router, rng, train), bias, cfg)
+  return select_topk(router_logits(params["w"], x, cfg.routing, rng, train), bias, cfg)

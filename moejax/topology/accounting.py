@@ -36,7 +36,7 @@ Conventions (what every number in :class:`Budget` means):
   (2 n D per head: the sub-keys are shared by the H heads but each head
   scores them). Elementwise work (norms, activations, softmax, the
   zero-computation mixing) is not counted. Training is about 3x forward.
-- **Encoder-decoder** (T5 / Switch, ``encoder_layers > 0``): one token is
+- **Encoder-decoder** (T5 / Switch, ``accounting.encoder_layers > 0``): one token is
   counted through both stacks, the convention behind "FLOP-matched to
   T5-Base"; cross-attention attends over S encoder positions.
 - **Mixture-of-depths** blocks process a fraction c of the tokens: their
@@ -52,7 +52,7 @@ import dataclasses
 import math
 from typing import Mapping, Optional
 
-from moejax.config import ModelConfig, MoEConfig
+from moejax.config import ArchitectureConfig, ModelConfig, MoEConfig
 
 COMPONENTS = ("embedding", "lm_head", "attention", "dense_ffn", "routed_experts",
               "shared_experts", "router", "zero_compute", "peer", "soft_moe",
@@ -135,7 +135,7 @@ def ffn_params(d_model: int, width: int, activation: str) -> int:
   return (3 if activation == "swiglu" else 2) * d_model * width
 
 
-def attention_params(cfg: ModelConfig) -> int:
+def attention_params(cfg: ModelConfig, arch: ArchitectureConfig = ArchitectureConfig()) -> int:
   """Weights of one self-attention block (norms excluded).
 
   MHA / GQA / MQA: q [d, H h], k and v [d, H_kv h], o [H h, d], plus biases
@@ -145,13 +145,13 @@ def attention_params(cfg: ModelConfig) -> int:
   the shared rope key), kv_b [r_kv, H (h_nope + h_v)] expands them, o [H h_v,
   d].
   """
-  d, nh = cfg.d_model, cfg.n_heads
-  if cfg.attention == "mla":
-    qk = cfg.qk_nope_head_dim + cfg.qk_rope_head_dim
-    q = (d * cfg.q_lora_rank + cfg.q_lora_rank * nh * qk) if cfg.q_lora_rank else d * nh * qk
-    kv = d * (cfg.kv_lora_rank + cfg.qk_rope_head_dim) + cfg.kv_lora_rank * nh * (
-        cfg.qk_nope_head_dim + cfg.v_head_dim)
-    return q + kv + nh * cfg.v_head_dim * d
+  d, nh, a = cfg.d_model, cfg.n_heads, arch
+  if a.attention == "mla":
+    qk = a.qk_nope_head_dim + a.qk_rope_head_dim
+    q = (d * a.q_lora_rank + a.q_lora_rank * nh * qk) if a.q_lora_rank else d * nh * qk
+    kv = d * (a.kv_lora_rank + a.qk_rope_head_dim) + a.kv_lora_rank * nh * (
+        a.qk_nope_head_dim + a.v_head_dim)
+    return q + kv + nh * a.v_head_dim * d
   h, kvh = cfg.attn_head_dim, cfg.kv_heads
   params = d * nh * h + 2 * d * kvh * h + nh * h * d
   if cfg.attention_bias:
@@ -159,38 +159,39 @@ def attention_params(cfg: ModelConfig) -> int:
   return params
 
 
-def attention_mix_flops(cfg: ModelConfig, seq_len: int) -> float:
+def attention_mix_flops(cfg: ModelConfig, seq_len: int,
+                        arch: ArchitectureConfig = ArchitectureConfig()) -> float:
   """QK^T and AV FLOPs of one token in one attention block over S positions."""
-  if cfg.attention == "mla":
-    d_qk, d_v = cfg.qk_nope_head_dim + cfg.qk_rope_head_dim, cfg.v_head_dim
+  if arch.attention == "mla":
+    d_qk, d_v = arch.qk_nope_head_dim + arch.qk_rope_head_dim, arch.v_head_dim
   else:
     d_qk = d_v = cfg.attn_head_dim
   return 2.0 * seq_len * cfg.n_heads * (d_qk + d_v)
 
 
-def _attention_norm_params(cfg: ModelConfig) -> int:
+def _attention_norm_params(arch: ArchitectureConfig) -> int:
   """Norms inside attention (MLA's latent RMSNorms)."""
-  if cfg.attention == "mla":
-    return cfg.kv_lora_rank + (cfg.q_lora_rank if cfg.q_lora_rank else 0)
+  if arch.attention == "mla":
+    return arch.kv_lora_rank + (arch.q_lora_rank if arch.q_lora_rank else 0)
   return 0
 
 
 def _routed_slots(moe: MoEConfig) -> tuple[float, float]:
   """(expected FFN-expert slots per token, maximal slots)."""
-  r = moe.router
+  r = moe.routing
   if r.kind == "expert_choice":
     # Each expert takes c T / E tokens, so a token is in c experts on average
     # and in all E at most.
-    return r.expert_choice_capacity, float(moe.num_experts)
-  return r.top_k * moe.num_experts / moe.num_routed, float(r.top_k)
+    return r.expert_choice_capacity, float(moe.topology.num_experts)
+  return r.top_k * moe.topology.num_experts / moe.num_routed, float(r.top_k)
 
 
 def moe_components(moe: MoEConfig, d_model: int, seq_len: int) -> dict[str, Component]:
   """Components of one MoE FFN slot (any ``moe.kind``)."""
   d = d_model
   if moe.kind == "peer":
-    h, n, dk, k = moe.peer_heads, moe.peer_num_keys, moe.peer_key_dim, moe.peer_top_k
-    per_expert = (3 if moe.activation == "swiglu" else 2) * d
+    h, n, dk, k = moe.topology.peer_heads, moe.topology.peer_num_keys, moe.topology.peer_key_dim, moe.topology.peer_top_k
+    per_expert = (3 if moe.topology.activation == "swiglu" else 2) * d
     query = h * d * dk + 2 * h * dk  # W_q and the query LayerNorm
     keys = n * dk  # two halves of n sub-keys, D/2 wide
     total = n * n * per_expert + query + keys
@@ -198,16 +199,16 @@ def moe_components(moe: MoEConfig, d_model: int, seq_len: int) -> dict[str, Comp
     flops = 2.0 * (h * k * per_expert + h * d * dk) + 2.0 * h * n * dk
     return {"peer": Component(total, active, active, flops)}
 
-  sizes = [ffn_params(d, w, moe.activation) for w in moe.widths]
+  sizes = [ffn_params(d, w, moe.topology.activation) for w in moe.widths]
   mean_e, max_e = sum(sizes) / len(sizes), max(sizes)
   out: dict[str, Component] = {}
   if moe.kind == "soft":
     # Each group of S tokens (one sequence) fills E p slots; every expert
     # processes its p slots, so a token's share is p sum_e size_e / S.
-    p = moe.slots_per_expert
+    p = moe.topology.slots_per_expert
     share = p * sum(sizes) / seq_len
     out["routed_experts"] = Component(sum(sizes), share, share, 2.0 * share)
-    slots = moe.num_experts * p
+    slots = moe.topology.num_experts * p
     phi = d * slots
     # logits (the phi matmul), then dispatch and combine: 2 d E p FLOPs each.
     out["soft_moe"] = Component(phi + 1, phi, phi, 2.0 * phi + 4.0 * d * slots)
@@ -215,20 +216,20 @@ def moe_components(moe: MoEConfig, d_model: int, seq_len: int) -> dict[str, Comp
 
   slots, slots_max = _routed_slots(moe)
   active = slots * mean_e
-  max_active = slots_max * max_e if moe.router.kind != "expert_choice" else float(sum(sizes))
+  max_active = slots_max * max_e if moe.routing.kind != "expert_choice" else float(sum(sizes))
   out["routed_experts"] = Component(sum(sizes), active, max_active, 2.0 * active)
-  r = moe.router
+  r = moe.routing
   if r.kind != "hash":
     router = d * moe.num_routed + (d * r.n_families if r.kind == "hierarchical" else 0)
     out["router"] = _dense(router)
-  if moe.num_shared_experts:
-    fs = moe.shared_expert_width or moe.expert_width
-    shared = moe.num_shared_experts * ffn_params(d, fs, moe.activation)
-    shared += d if moe.shared_expert_gate else 0
+  if moe.topology.num_shared_experts:
+    fs = moe.topology.shared_expert_width or moe.topology.expert_width
+    shared = moe.topology.num_shared_experts * ffn_params(d, fs, moe.topology.activation)
+    shared += d if moe.topology.shared_expert_gate else 0
     out["shared_experts"] = _dense(shared)
-  if moe.constant_experts:
+  if moe.topology.constant_experts:
     # Constant expert j: W_c[j] [d, 2] and v_j [d]; only W_c is a matmul.
-    j = moe.constant_experts
+    j = moe.topology.constant_experts
     frac = (r.top_k if r.kind != "expert_choice" else 0) * j / moe.num_routed
     out["zero_compute"] = Component(j * 3 * d, frac * 3 * d, 0.0, frac * 2.0 * 2 * d)
   return out
@@ -237,19 +238,22 @@ def moe_components(moe: MoEConfig, d_model: int, seq_len: int) -> dict[str, Comp
 # ---------------------------------------------------------------------------
 # The whole model.
 
-def _stack_layers(cfg: ModelConfig) -> list[tuple[str, int]]:
+def _stack_layers(cfg: ModelConfig, arch: ArchitectureConfig) -> list[tuple[str, int]]:
   """(stack, index) of every layer: encoder layers first, then decoder."""
-  return ([("encoder", i) for i in range(cfg.encoder_layers)]
+  return ([("encoder", i) for i in range(arch.encoder_layers)]
           + [("decoder", i) for i in range(cfg.n_layers)])
 
 
-def budget(cfg: ModelConfig, seq_len: int = 4096) -> Budget:
+def budget(cfg: ModelConfig, seq_len: int = 4096,
+           arch: ArchitectureConfig = ArchitectureConfig()) -> Budget:
   """Parameter and FLOP budget of ``cfg`` (conventions: module docstring).
 
   Args:
-    cfg: any ModelConfig (dense, sparse, soft or PEER MoE, MHA/GQA or MLA,
-      decoder-only or encoder-decoder).
+    cfg: any ModelConfig (dense, sparse, soft or PEER MoE, MHA/GQA).
     seq_len: S for the attention mixing FLOPs and the Soft MoE group size.
+    arch: accounting-only parts of a published architecture the model does
+      not build (MLA, an encoder stack; :class:`moejax.config.ArchitectureConfig`,
+      from a preset's ``accounting`` section).
   """
   if seq_len <= 0:
     raise ValueError(f"seq_len={seq_len}: must be > 0")
@@ -265,16 +269,16 @@ def budget(cfg: ModelConfig, seq_len: int = 4096) -> Budget:
   # embedding table (already in total), so only its use is counted.
   add("lm_head", Component(0 if cfg.tie_embeddings else table, table, table, 2.0 * table))
 
-  attn = attention_params(cfg)
-  mix = attention_mix_flops(cfg, seq_len)
-  cross = cfg.encoder_layers > 0
+  attn = attention_params(cfg, arch)
+  mix = attention_mix_flops(cfg, seq_len, arch)
+  cross = arch.encoder_layers > 0
   moe_seen: dict[str, int] = {"encoder": 0, "decoder": 0}
-  for stack, i in _stack_layers(cfg):
+  for stack, i in _stack_layers(cfg, arch):
     layer: dict[str, Component] = {}
     n_attn = 2 if (stack == "decoder" and cross) else 1
     layer["attention"] = Component(n_attn * attn, n_attn * attn, n_attn * attn,
                                    n_attn * (2.0 * attn + mix))
-    norms = (n_attn + 1) * d + n_attn * _attention_norm_params(cfg)
+    norms = (n_attn + 1) * d + n_attn * _attention_norm_params(arch)
     layer["norms"] = Component(norms, norms, norms, 0.0)
     if cfg.is_moe_layer(i):
       for name, comp in moe_components(cfg.moe, d, seq_len).items():

@@ -81,8 +81,8 @@ def init_experts(key: jax.Array, d_model: int, cfg: MoEConfig,
     swiglu: {'w_gate': [E, d, f], 'w_up': [E, d, f], 'w_down': [E, f, d]};
     gelu: {'w_up', 'w_down'} with the same shapes.
   """
-  if cfg.activation not in _ACTIVATIONS:
-    raise ConfigError("moe.activation", cfg.activation, "unknown activation",
+  if cfg.topology.activation not in _ACTIVATIONS:
+    raise ConfigError("moe.topology.activation", cfg.topology.activation, "unknown activation",
                       f"use one of {', '.join(_ACTIVATIONS)}")
   e, f = cfg.num_experts, max(cfg.widths)
   mask = width_mask(cfg)  # [E, f]
@@ -94,7 +94,7 @@ def init_experts(key: jax.Array, d_model: int, cfg: MoEConfig,
   w_down = w_down * jnp.sqrt(f / widths)[:, None, None]
   pad_cols = lambda w: jnp.where(mask[:, None, :] > 0, w, 0.0)  # [E, d, f]
   params = {"w_up": pad_cols(w_up), "w_down": jnp.where(mask[:, :, None] > 0, w_down, 0.0)}
-  if cfg.activation == "swiglu":
+  if cfg.topology.activation == "swiglu":
     w_gate = _fan_in_init(k_gate, (e, d_model, f), jnp.float32, batch_axis=(0,))
     params = {"w_gate": pad_cols(w_gate), **params}
   return jax.tree.map(lambda a: a.astype(dtype), params)
@@ -151,7 +151,7 @@ def experts_dense(params: Params, x_ecd: jax.Array, activation: str,
 
 def shared_width(cfg: MoEConfig) -> int:
   """Hidden width f_s of one shared expert (defaults to the routed width)."""
-  return cfg.shared_expert_width or cfg.expert_width
+  return cfg.topology.shared_expert_width or cfg.topology.expert_width
 
 
 def init_shared(key: jax.Array, d_model: int, cfg: MoEConfig,
@@ -170,11 +170,11 @@ def init_shared(key: jax.Array, d_model: int, cfg: MoEConfig,
     Fan-in initialisation uses f_s for W_down, the fan-in of one shared
     expert, so the init equals that of K_s separately initialised experts.
   """
-  if cfg.num_shared_experts <= 0:
-    raise ConfigError("moe.num_shared_experts", cfg.num_shared_experts,
+  if cfg.topology.num_shared_experts <= 0:
+    raise ConfigError("moe.topology.num_shared_experts", cfg.topology.num_shared_experts,
                       "init_shared called for a layer without shared experts",
-                      "set moe.num_shared_experts > 0 or skip the shared path")
-  ks, fs = cfg.num_shared_experts, shared_width(cfg)
+                      "set moe.topology.num_shared_experts > 0 or skip the shared path")
+  ks, fs = cfg.topology.num_shared_experts, shared_width(cfg)
   width = ks * fs
   k_gate, k_up, k_down, k_sg = jax.random.split(key, 4)
   params = {
@@ -183,9 +183,9 @@ def init_shared(key: jax.Array, d_model: int, cfg: MoEConfig,
       "w_down": _fan_in_init(k_down, (ks, fs, d_model), jnp.float32,
                              batch_axis=(0,)).reshape(width, d_model),
   }
-  if cfg.activation == "swiglu":
+  if cfg.topology.activation == "swiglu":
     params["w_gate"] = _fan_in_init(k_gate, (d_model, width), jnp.float32)
-  if cfg.shared_expert_gate:
+  if cfg.topology.shared_expert_gate:
     params["w_shared_gate"] = _fan_in_init(k_sg, (d_model, 1), jnp.float32)
   return jax.tree.map(lambda a: a.astype(dtype), params)
 

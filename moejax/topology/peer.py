@@ -58,7 +58,7 @@ def _check(cfg: MoEConfig) -> None:
 
 def num_peer_experts(cfg: MoEConfig) -> int:
   """N = peer_num_keys ** 2."""
-  return cfg.peer_num_keys ** 2
+  return cfg.topology.peer_num_keys ** 2
 
 
 def init_peer(key: jax.Array, d_model: int, cfg: MoEConfig, dtype=jnp.float32) -> Params:
@@ -74,7 +74,7 @@ def init_peer(key: jax.Array, d_model: int, cfg: MoEConfig, dtype=jnp.float32) -
   them; v fan-in H k, the number of hidden neurons a token activates.
   """
   _check(cfg)
-  h, n, dk, k = cfg.peer_heads, cfg.peer_num_keys, cfg.peer_key_dim, cfg.peer_top_k
+  h, n, dk, k = cfg.topology.peer_heads, cfg.topology.peer_num_keys, cfg.topology.peer_key_dim, cfg.topology.peer_top_k
   big_n = n * n
   k_q, k_keys, k_u, k_v, k_g = jax.random.split(key, 5)
   params = {
@@ -85,7 +85,7 @@ def init_peer(key: jax.Array, d_model: int, cfg: MoEConfig, dtype=jnp.float32) -
       "u": _trunc_normal(k_u, (big_n, d_model), d_model ** -0.5),
       "v": _trunc_normal(k_v, (big_n, d_model), (h * k) ** -0.5),
   }
-  if cfg.activation == "swiglu":
+  if cfg.topology.activation == "swiglu":
     params["u_gate"] = _trunc_normal(k_g, (big_n, d_model), d_model ** -0.5)
   return jax.tree.map(lambda a: a.astype(dtype), params)
 
@@ -145,7 +145,7 @@ def peer_apply(params: Params, x: jax.Array, cfg: MoEConfig) -> tuple[jax.Array,
     raise ValueError(f"peer_apply: x has shape {x.shape}; expected [T, d]")
   q = peer_queries(params, x)
   s1, s2 = sub_key_scores(params, q)
-  scores, ids = product_key_topk(s1, s2, cfg.peer_top_k)
+  scores, ids = product_key_topk(s1, s2, cfg.topology.peer_top_k)
   gates = jax.nn.softmax(scores, axis=-1)  # [T, H, k]
   u = params["u"].astype(x.dtype)[ids]  # [T, H, k, d]
   pre = jnp.einsum("td,thkd->thk", x, u)

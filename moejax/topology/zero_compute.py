@@ -42,7 +42,7 @@ def init_zero_compute(key: jax.Array, d_model: int, cfg: MoEConfig,
     a1 x + a2 v replaces a normalised token, whose entries are O(1), so a2 v
     starts on the same scale as a1 x instead of being negligible.
   """
-  j = cfg.constant_experts
+  j = cfg.topology.constant_experts
   if j == 0:
     return {}
   k_w, k_v = jax.random.split(key)
@@ -69,11 +69,11 @@ def apply_zero_compute(params: Params, x: jax.Array, cfg: MoEConfig) -> jax.Arra
   """
   t, d = x.shape
   parts = []
-  if cfg.zero_experts:
-    parts.append(jnp.zeros((t, cfg.zero_experts, d), x.dtype))
-  if cfg.copy_experts:
-    parts.append(jnp.broadcast_to(x[:, None, :], (t, cfg.copy_experts, d)))
-  if cfg.constant_experts:
+  if cfg.topology.zero_experts:
+    parts.append(jnp.zeros((t, cfg.topology.zero_experts, d), x.dtype))
+  if cfg.topology.copy_experts:
+    parts.append(jnp.broadcast_to(x[:, None, :], (t, cfg.topology.copy_experts, d)))
+  if cfg.topology.constant_experts:
     w_c, v = params["w_c"].astype(x.dtype), params["v"].astype(x.dtype)
     a = jax.nn.softmax(jnp.einsum("td,jdc->tjc", x, w_c), axis=-1)  # [T, J, 2]
     parts.append(a[..., 0:1] * x[:, None, :] + a[..., 1:2] * v[None, :, :])

@@ -15,9 +15,11 @@ import json
 import typing
 from typing import Any, Mapping, Optional
 
-from moejax.config import ConfigError, ModelConfig, unwrap_optional, from_dict, to_dict
+from moejax.config import (ConfigError, ModelConfig, ParallelConfig, check_count, check_experts,
+                           check_fraction, check_number, check_positive, from_dict,
+                           resolve_route_limit, to_dict, unwrap_optional)
 from moejax.data import VOCAB_SIZE, DataConfig
-from moejax.execution.mesh import ParallelConfig, check_experts, limited_moe_config
+from moejax.model import check_buildable, dense_twin
 
 
 @dataclasses.dataclass(frozen=True)
@@ -46,6 +48,13 @@ class TrainConfig:
     progress: print a progress line with ETA at each log step.
     nan_at_step: test hook: make the loss of step s (1-based, as logged)
       NaN (-1: off), to exercise the non-finite-loss guard.
+    microbatches: gradient accumulation: each step's batch is split into this
+      many equal micro-batches whose gradients (and router loads) are summed
+      before one optimizer update and one bias-controller update. The update
+      equals the one-batch update up to float rounding for losses that are
+      per-token or per-sequence (cross-entropy, z-loss, sequence-scope
+      balance loss); a ``batch``- or ``global``-scope balance loss is
+      computed per micro-batch, as in every framework.
   """
 
   steps: int = 1000
@@ -65,49 +74,44 @@ class TrainConfig:
   keep_checkpoints: int = 2
   progress: bool = True
   nan_at_step: int = -1
+  microbatches: int = 1
 
   def __post_init__(self):
     p = "train"
-    for name in ("steps", "log_every", "keep_checkpoints"):
-      _check_int(f"{p}.{name}", getattr(self, name), minimum=1)
+    for name in ("steps", "log_every", "keep_checkpoints", "microbatches"):
+      check_count(f"{p}.{name}", getattr(self, name), minimum=1)
     for name in ("warmup_steps", "seed", "eval_every", "checkpoint_every"):
-      _check_int(f"{p}.{name}", getattr(self, name), minimum=0)
-    _check_int(f"{p}.nan_at_step", self.nan_at_step, minimum=-1)
+      check_count(f"{p}.{name}", getattr(self, name), minimum=0)
+    check_count(f"{p}.nan_at_step", self.nan_at_step, minimum=-1)
     if self.eval_batches is not None:
-      _check_int(f"{p}.eval_batches", self.eval_batches, minimum=1)
-    if not (isinstance(self.learning_rate, (int, float)) and self.learning_rate > 0):
-      raise ConfigError(f"{p}.learning_rate", self.learning_rate, "must be > 0",
-                        "use e.g. 3e-3 for a small model")
+      check_count(f"{p}.eval_batches", self.eval_batches, minimum=1)
+    check_positive(f"{p}.learning_rate", self.learning_rate)
     if self.warmup_steps >= self.steps:
       raise ConfigError(f"{p}.warmup_steps", self.warmup_steps,
                         f"is not below train.steps={self.steps}",
                         "use a warmup of a few percent of the run")
-    if not 0.0 <= self.min_lr_ratio <= 1.0:
-      raise ConfigError(f"{p}.min_lr_ratio", self.min_lr_ratio, "must lie in [0, 1]",
-                        "use e.g. 0.1 (decay to a tenth of the peak)")
+    check_fraction(f"{p}.min_lr_ratio", self.min_lr_ratio, allow_zero=True,
+                   fix="use e.g. 0.1 (decay to a tenth of the peak)")
     for name in ("weight_decay", "grad_clip", "eps"):
-      v = getattr(self, name)
-      if not isinstance(v, (int, float)) or v < 0:
-        raise ConfigError(f"{p}.{name}", v, "must be a number >= 0", f"set {p}.{name} >= 0")
+      check_positive(f"{p}.{name}", getattr(self, name), allow_zero=True)
     for name in ("b1", "b2"):
-      v = getattr(self, name)
-      if not 0.0 <= v < 1.0:
-        raise ConfigError(f"{p}.{name}", v, "must lie in [0, 1)", "use e.g. b1=0.9, b2=0.95")
-
-
-def _check_int(path: str, value: Any, minimum: int) -> None:
-  if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
-    raise ConfigError(path, value, f"must be an int >= {minimum}", f"set {path} >= {minimum}")
+      check_number(f"{p}.{name}", getattr(self, name), minimum=0, maximum=1, max_open=True,
+                   fix="use e.g. b1=0.9, b2=0.95")
 
 
 @dataclasses.dataclass(frozen=True)
 class ExperimentConfig:
   """One training run: the model, its data, its optimisation and its device layout.
 
-  ``parallel`` (:class:`moejax.execution.mesh.ParallelConfig`): the default
+  ``parallel`` (:class:`moejax.config.ParallelConfig`): the default
   (``expert=1``) is data parallelism over every device. ``expert > 1`` runs
   every MoE layer expert-parallel (``ep_moe_layer``) on a ('data', 'fsdp',
   'expert') mesh; the device count is checked when the run starts.
+
+  Built configs are resolved: ``model.dense_twin`` has replaced the MoE by
+  its dense twin, and node/device-limited routing (``parallel.route_limit``)
+  is written into ``model.moe.routing`` (so the saved config.json says
+  exactly what runs, and resolving it again changes nothing).
   """
 
   model: ModelConfig = dataclasses.field(default_factory=ModelConfig)
@@ -116,8 +120,17 @@ class ExperimentConfig:
   parallel: ParallelConfig = dataclasses.field(default_factory=ParallelConfig)
 
   def __post_init__(self):
-    from moejax.model import check_buildable  # the model's own "valid but not built" rules
+    model = self.model
+    if model.dense_twin != "none" and model.moe is not None:
+      model = dense_twin(model, model.dense_twin)
+    if model.moe is not None and self.parallel.route_limit != "none":
+      model = dataclasses.replace(model, moe=resolve_route_limit(model.moe, self.parallel))
+    object.__setattr__(self, "model", model)
     check_buildable(self.model)
+    if self.data.batch_size % self.train.microbatches:
+      raise ConfigError("train.microbatches", self.train.microbatches,
+                        f"does not divide data.batch_size={self.data.batch_size}",
+                        "pick a divisor of the batch size")
     if self.model.vocab_size != VOCAB_SIZE:
       raise ConfigError("model.vocab_size", self.model.vocab_size,
                         f"the data is byte-level with {VOCAB_SIZE} token ids",
@@ -128,6 +141,10 @@ class ExperimentConfig:
 def _check_parallel(pcfg: ParallelConfig, model: ModelConfig) -> None:
   """The device-count-free part of the layout checks (the rest needs the devices)."""
   if pcfg.expert == 1:
+    if pcfg.route_limit != "none":
+      raise ConfigError("parallel.route_limit", pcfg.route_limit,
+                        "routing limits group the experts by device / node of the expert axis",
+                        "set parallel.expert > 1, or route_limit='none'")
     if pcfg.fsdp > 1:
       raise ConfigError("parallel.fsdp", pcfg.fsdp,
                         "shards only the routed experts of the expert-parallel layer",
@@ -137,18 +154,10 @@ def _check_parallel(pcfg: ParallelConfig, model: ModelConfig) -> None:
     raise ConfigError("parallel.expert", pcfg.expert, "the model has no MoE layer",
                       "set parallel.expert=1 (data parallelism)")
   check_experts(pcfg, model.moe)
-  if model.moe_schedule == "scmoe":
-    raise ConfigError("model.moe_schedule", model.moe_schedule,
-                      "the ScMoE block calls the single-device layer; expert "
-                      "parallelism is wired for the serial schedule only",
-                      "use model.moe_schedule='serial' or parallel.expert=1")
   if model.d_model % pcfg.fsdp:
     raise ConfigError("parallel.fsdp", pcfg.fsdp,
                       f"does not divide model.d_model={model.d_model}",
                       f"pick fsdp among the divisors of {model.d_model}")
-  if pcfg.route_limit == "devices" or (pcfg.route_limit == "nodes"
-                                       and pcfg.devices_per_node is not None):
-    limited_moe_config(model.moe, pcfg)  # node counts from processes are known only at run time
 
 
 def experiment_from_dict(tree: Mapping[str, Any] | Any) -> ExperimentConfig:

@@ -7,9 +7,10 @@ pytrees (``nnx.split(model, nnx.Param, RouterStateVar, ...)``):
 
 - ``params``: every ``nnx.Param``; the only thing the optimizer sees;
 - ``router_state``: the MoE layers' ``RouterStateVar`` leaves (selection
-  bias, controller step). A train-mode forward writes the controller's update
-  into them; the step reads it back out of the merged model, so the bias
-  flows from the model's own controller, never through the optimizer;
+  bias, controller step). The forward only reads them; after the optimizer
+  update the step applies every layer's bias controller to the router loads
+  of the whole batch (:meth:`moejax.model.Transformer.apply_controllers`),
+  so the bias never flows through the optimizer or the gradient;
 - ``other``: any remaining variables (none in the current model).
 
 :class:`TrainState` holds them with the optimizer state, the step and the
@@ -28,7 +29,7 @@ from flax import nnx, struct
 
 from moejax.model import ExpertParallel, RouterStateVar, Transformer
 from moejax.train.config import ExperimentConfig
-from moejax.train.losses import masked_cross_entropy
+from moejax.nn.losses import masked_cross_entropy
 from moejax.train.optim import learning_rate_schedule
 
 Batch = dict[str, jax.Array]
@@ -108,58 +109,114 @@ def abstract_state(cfg: ExperimentConfig, tx: optax.GradientTransformation,
   return holder["graphdef"], shapes
 
 
-def _layer_mean(aux: dict, key: str):
-  """Mean over MoE layers of ``aux['moe'][layer]['metrics'][key]``; None if no layer has it."""
-  vals = [layer["metrics"][key] for layer in aux["moe"].values()
+def _layer_mean(aux: dict, key: str, group: str = "moe"):
+  """Mean over layers of ``aux[group][layer]['metrics'][key]``; None if no layer has it."""
+  vals = [layer["metrics"][key] for layer in aux[group].values()
           if key in layer.get("metrics", {})]
   return None if not vals else jnp.mean(jnp.stack(vals).astype(jnp.float32))
 
 
-def routing_summary(aux: dict) -> dict[str, jax.Array]:
-  """Scalar routing metrics averaged over MoE layers (empty for a dense model).
+# (metrics key, logged name) per layer kind; each is logged where some layer has it.
+_MOE_METRICS = (("max_vio", "max_vio_batch"), ("drop_rate", "drop_rate"),
+                ("active_mean", "active_experts_mean"), ("active_var", "active_experts_var"),
+                ("load_entropy", "load_entropy"),
+                # Soft MoE
+                ("dispatch_entropy", "soft_dispatch_entropy"),
+                ("combine_entropy", "soft_combine_entropy"),
+                # PEER
+                ("experts_touched", "peer_experts_touched"),
+                ("key_max_vio", "peer_key_max_vio"), ("key_entropy", "peer_key_entropy"))
+_MOD_METRICS = (("tokens", "mod_tokens"), ("capacity_use", "mod_capacity_use"),
+                ("causal_share", "mod_causal_share"),
+                ("causal_agreement", "mod_causal_agreement"))
 
-  max_vio is MaxVio_batch: each layer's (max load - mean) / mean on this batch.
+
+def routing_summary(aux: dict) -> dict[str, jax.Array]:
+  """Scalar routing metrics averaged over MoE (and mixture-of-depths) layers.
+
+  max_vio_batch: each layer's (max load - mean) / mean on this batch (for
+  Soft MoE the combine mass per expert, for PEER the retrievals per expert).
+  Empty for a dense model without MoD blocks.
   """
   out = {}
-  for key, name in (("max_vio", "max_vio_batch"), ("drop_rate", "drop_rate"),
-                    ("active_mean", "active_experts_mean"),
-                    ("active_var", "active_experts_var"),
-                    ("load_entropy", "load_entropy")):
-    v = _layer_mean(aux, key)
-    if v is not None:
-      out[name] = v
+  for group, table in (("moe", _MOE_METRICS), ("mod", _MOD_METRICS)):
+    for key, name in table:
+      v = _layer_mean(aux, key, group)
+      if v is not None:
+        out[name] = v
   return out
+
+
+def router_loads(aux: dict) -> dict[str, jax.Array]:
+  """``{'layer_<i>': f32[E_r]}`` router loads of the routed MoE layers (controller input)."""
+  return {name: layer["router_load"] for name, layer in aux["moe"].items()
+          if "router_load" in layer}
 
 
 def make_train_step(graphdef, cfg: ExperimentConfig,
                     tx: optax.GradientTransformation) -> Callable:
-  """A jitted ``step(state, batch) -> (state, metrics)``; metrics are f32[] scalars."""
+  """A jitted ``step(state, batch) -> (state, metrics)``; metrics are f32[] scalars.
+
+  One step: the gradient of the batch's objective (over ``train.microbatches``
+  micro-batches, summed), one optimizer update of the params, then one
+  bias-controller update of every MoE layer's router state from the router
+  loads of the whole batch, outside the differentiated function (so remat
+  or accumulation cannot move the bias twice).
+
+  The objective is the token-weighted cross-entropy of the whole batch (sum
+  of per-token losses / scored tokens) plus the mean over micro-batches of
+  the balance losses; with one micro-batch it is exactly mean CE + aux.
+  """
   schedule_lr = learning_rate_schedule(cfg.train)
   nan_at = cfg.train.nan_at_step
+  m = cfg.train.microbatches
+
+  def objective(params, router_state, other, batch, key, n_tokens):
+    model = nnx.merge(graphdef, params, router_state, other)
+    logits, aux = model(batch["inputs"], train=True, rng=key)
+    _, ce_sum, _ = masked_cross_entropy(logits, batch["targets"], batch["mask"])
+    ce = ce_sum / n_tokens
+    loss = ce + aux["loss"] / m
+    return loss, (ce, aux["loss"], router_loads(aux), routing_summary(aux))
+
+  grad_fn = jax.value_and_grad(objective, has_aux=True)
 
   def train_step(state: TrainState, batch: Batch):
     key = jax.random.fold_in(jax.random.wrap_key_data(state.rng), state.step)
+    n_tokens = jnp.maximum(jnp.sum(batch["mask"].astype(jnp.float32)), 1.0)
+    args = (state.router_state, state.other)
+    if m == 1:
+      (loss, (ce, aux_loss, loads, summary)), grads = grad_fn(state.params, *args, batch,
+                                                              key, n_tokens)
+    else:
+      micro = jax.tree.map(lambda a: a.reshape((m, a.shape[0] // m) + a.shape[1:]), batch)
 
-    def loss_fn(params):
-      model = nnx.merge(graphdef, params, state.router_state, state.other)
-      logits, aux = model(batch["inputs"], train=True, rng=key)
-      ce, _, _ = masked_cross_entropy(logits, batch["targets"], batch["mask"])
-      loss = ce + aux["loss"]
-      if nan_at >= 0:  # test hook: a NaN that reaches the gradients, like a real one
-        loss = loss * jnp.where(state.step + 1 == nan_at, jnp.nan, 1.0)
-      _, _, new_router, new_other = nnx.split(model, nnx.Param, RouterStateVar, ...)
-      return loss, (ce, aux, nnx.to_pure_dict(new_router), nnx.to_pure_dict(new_other))
+      def body(carry, inputs):
+        i, mb = inputs
+        out, g = grad_fn(state.params, *args, mb, jax.random.fold_in(key, i), n_tokens)
+        return jax.tree.map(jnp.add, carry, (out, g)), None
 
-    (loss, (ce, aux, router_state, other)), grads = jax.value_and_grad(
-        loss_fn, has_aux=True)(state.params)
+      zero = jax.eval_shape(grad_fn, state.params, *args, jax.tree.map(lambda a: a[0], micro),
+                            key, n_tokens)
+      zero = jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), zero)
+      ((loss, (ce, aux_loss, loads, summary)), grads), _ = jax.lax.scan(
+          body, zero, (jnp.arange(m), micro))
+      aux_loss = aux_loss / m                     # the mean over micro-batches
+      summary = jax.tree.map(lambda v: v / m, summary)
+    if nan_at >= 0:  # test hook: a NaN that reaches the update, like a real one
+      poison = jnp.where(state.step + 1 == nan_at, jnp.nan, 1.0)
+      loss = loss * poison
+      grads = jax.tree.map(lambda g: g * poison, grads)
     updates, opt_state = tx.update(grads, state.opt_state, state.params)
     params = optax.apply_updates(state.params, updates)
-    metrics = {"loss": loss, "ce": ce, "aux_loss": aux["loss"],
+    model = nnx.merge(graphdef, state.params, state.router_state, state.other)
+    model.apply_controllers(loads)
+    _, _, router_state, _ = split_model(model)
+    metrics = {"loss": loss, "ce": ce, "aux_loss": aux_loss,
                "grad_norm": optax.tree.norm(grads),
-               "learning_rate": schedule_lr(state.step),
-               **routing_summary(aux)}
+               "learning_rate": schedule_lr(state.step), **summary}
     new = state.replace(step=state.step + 1, params=params, router_state=router_state,
-                        other=other, opt_state=opt_state)
+                        opt_state=opt_state)
     return new, jax.tree.map(lambda x: jnp.asarray(x, jnp.float32), metrics)
 
   return jax.jit(train_step)

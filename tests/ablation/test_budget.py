@@ -20,7 +20,7 @@ def _never_train(*args, **kwargs):
 def test_refuses_arms_with_different_active_params(tmp_path):
   tree = helpers.tiny_suite()
   # top-1 instead of top-2: half the routed expert parameters per token.
-  tree["arms"]["aux"]["model"]["moe"]["router"]["top_k"] = 1
+  tree["arms"]["aux"]["model"]["moe"]["routing"]["top_k"] = 1
   suite = suite_lib.suite_from_dict(tree)
   workdir = str(tmp_path / "suite")
   out = io.StringIO()
@@ -32,7 +32,7 @@ def test_refuses_arms_with_different_active_params(tmp_path):
 
 def test_tolerance_admits_a_small_difference():
   tree = helpers.tiny_suite()
-  tree["arms"]["aux"]["model"]["moe"]["expert_width"] = 33  # 32 -> 33: ~2% of active
+  tree["arms"]["aux"]["model"]["moe"]["topology"] = {"expert_width": 33}  # 32 -> 33: ~2% of active
   b = runner.budgets(suite_lib.suite_from_dict(tree))
   s = budget_lib.spread([b["aux"].active, b["bias"].active])
   assert 0 < s < 0.05

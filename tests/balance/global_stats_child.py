@@ -25,7 +25,7 @@ from moejax.routing.types import RoutingResult  # noqa: E402
 
 T, E, Z, K, B, S, D = 32, 8, 2, 2, 8, 4, 4  # 8 FFN + 2 zero-computation experts
 CFG = C.MoEConfig(
-    num_experts=E, zero_experts=Z, router=C.RouterConfig(top_k=K),
+    topology=C.TopologyConfig(num_experts=E, zero_experts=Z), routing=C.RoutingConfig(top_k=K),
     balance=C.BalanceConfig(aux_loss_coef=0.01, aux_loss_scope="global",
                             device_loss_coef=0.05, comm_loss_coef=0.02,
                             loss_num_devices=D, z_loss_coef=1e-3))

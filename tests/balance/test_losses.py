@@ -12,6 +12,7 @@ import pytest
 from moejax import config as C
 from moejax.balance import losses as L
 from tests.balance.helpers import make_result, uniform_probs
+from tests.configs import moe_config
 
 # T=4 tokens, E=3 experts, K=2 slots. P = mean probs = [0.425, 0.375, 0.2].
 IDS = [[0, 1], [0, 2], [1, 0], [0, 1]]
@@ -212,8 +213,8 @@ def test_device_and_comm_losses_are_one_when_balanced(d, seed):
 # -- the config bundle ---------------------------------------------------------
 
 def cfg(num_experts=3, zero_experts=0, top_k=2, **balance):
-  return C.MoEConfig(num_experts=num_experts, zero_experts=zero_experts,
-                     router=C.RouterConfig(top_k=top_k),
+  return moe_config(num_experts=num_experts, zero_experts=zero_experts,
+                     routing=C.RoutingConfig(top_k=top_k),
                      balance=C.BalanceConfig(**balance))
 
 
@@ -242,13 +243,13 @@ def test_balance_losses_scope_and_convention():
 
 
 def test_balance_losses_device_and_comm_use_ffn_experts_and_groups():
-  c = C.MoEConfig(num_experts=4, router=C.RouterConfig(top_k=2),
+  c = moe_config(num_experts=4, routing=C.RoutingConfig(top_k=2),
                   balance=C.BalanceConfig(device_loss_coef=0.05, comm_loss_coef=0.02,
                                           loss_num_devices=2))
   out = L.balance_losses(make_result(DEV_IDS, DEV_PROBS), c, batch_shape=(1, 2))
   np.testing.assert_allclose(out["device_loss"], 0.05 * 1.15, rtol=1e-6)
   np.testing.assert_allclose(out["comm_loss"], 0.02 * 0.825, rtol=1e-6)  # M=min(K,D)=2
-  grouped = C.MoEConfig(num_experts=4, router=C.RouterConfig(top_k=2, n_groups=2,
+  grouped = moe_config(num_experts=4, routing=C.RoutingConfig(top_k=2, n_groups=2,
                                                               topk_groups=1),
                         balance=c.balance)
   assert L.comm_max_devices(grouped, 2) == 1  # device-limited routing's M

@@ -8,17 +8,18 @@ import optax
 import pytest
 from flax import nnx
 
-from moejax.config import ModelConfig, MoEConfig, RouterConfig
+from moejax.config import ModelConfig, MoEConfig, RoutingConfig
 from moejax.evaluate.leakage import LeakageProbe, causal_leakage
 from moejax.model import Transformer
+from tests.configs import moe_config
 
 B, S = 4, 6
 
 
 def _model(kind: str) -> Transformer:
-  router = RouterConfig(kind=kind, top_k=2, expert_choice_capacity=1.0)
+  router = RoutingConfig(kind=kind, top_k=2, expert_choice_capacity=1.0)
   cfg = ModelConfig(vocab_size=16, d_model=16, n_layers=1, n_heads=2, dense_ff_width=32,
-                    moe=MoEConfig(num_experts=4, expert_width=16, router=router))
+                    moe=moe_config(num_experts=4, expert_width=16, routing=router))
   return Transformer(cfg, rngs=nnx.Rngs(0))
 
 

@@ -9,22 +9,23 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from tests.configs import moe_config
 from moejax import config as C
 from moejax import layer as L
 
 D = 8
 
 CASES = {
-    "mixtral": dict(router=dict(top_k=2, gating="topk_softmax")),
-    "switch_capacity": dict(router=dict(top_k=1, gating="scores"), capacity_factor=0.75),
+    "mixtral": dict(routing=dict(top_k=2, gating="topk_softmax")),
+    "switch_capacity": dict(routing=dict(top_k=1, gating="scores"), capacity_factor=0.75),
     "deepseek_v3": dict(num_experts=8, num_shared_experts=1,
-                        router=dict(top_k=2, score_fn="sigmoid", use_bias=True, n_groups=4,
+                        routing=dict(top_k=2, score_fn="sigmoid", use_bias=True, n_groups=4,
                                     topk_groups=2, routed_scaling_factor=2.5)),
-    "expert_choice": dict(router=dict(kind="expert_choice", expert_choice_capacity=2.0)),
-    "hash": dict(router=dict(kind="hash", top_k=1)),
+    "expert_choice": dict(routing=dict(kind="expert_choice", expert_choice_capacity=2.0)),
+    "hash": dict(routing=dict(kind="hash", top_k=1)),
     "top_p_zero_compute": dict(zero_experts=1, copy_experts=1, constant_experts=1,
-                               router=dict(kind="top_p", top_k=3, top_p=0.5)),
-    "hierarchical": dict(num_experts=8, router=dict(kind="hierarchical", n_families=2,
+                               routing=dict(kind="top_p", top_k=3, top_p=0.5)),
+    "hierarchical": dict(num_experts=8, routing=dict(kind="hierarchical", n_families=2,
                                                     top_k_families=1, top_k=2)),
     "gelu_heterogeneous": dict(activation="gelu", expert_widths=(2, 6, 4, 6)),
 }
@@ -33,14 +34,14 @@ CASES = {
 def make(backend, **kw):
   base = dict(num_experts=4, expert_width=6, backend=backend)
   base.update(kw)
-  return C.from_dict(C.MoEConfig, base)
+  return moe_config(**base)
 
 
 def _layer_and_grads(cfg):
   @jax.jit
   def run(params, x, ids):
     def loss(p, x):
-      y, _, aux = L.moe_layer(p, x, None, cfg, token_ids=ids)
+      y, aux = L.moe_layer(p, x, None, cfg, token_ids=ids)
       return jnp.sum(jnp.sin(y)) + aux["losses"]["total"], y
     (_, y), grads = jax.value_and_grad(loss, (0, 1), has_aux=True)(params, x)
     return y, grads
@@ -74,13 +75,13 @@ def test_ragged_dot_layer_equals_reference_layer():
 
 @pytest.mark.parametrize("backend", ["pallas_tpu", "pallas_gpu"])
 def test_pallas_layer_in_interpret_mode_equals_reference_layer(backend):
-  # The layer reaches the Pallas kernels through moe.backend_interpret on CPU.
+  # The layer reaches the Pallas kernels through moe.execution.interpret on CPU.
   case = CASES["mixtral"]
   params = L.init_moe_params(jax.random.PRNGKey(0), D, make("reference", **case))
   x = jax.random.normal(jax.random.PRNGKey(1), (1, 6, D))
   ids = jnp.zeros((1, 6), jnp.int32)
   y0, g0 = _layer_and_grads(make("reference", **case))(params, x, ids)
-  y1, g1 = _layer_and_grads(make(backend, backend_interpret=True, **case))(params, x, ids)
+  y1, g1 = _layer_and_grads(make(backend, interpret=True, **case))(params, x, ids)
   np.testing.assert_allclose(y1, y0, rtol=1e-5, atol=1e-5)
   for a, b in zip(jax.tree.leaves(g1), jax.tree.leaves(g0)):
     np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5)

@@ -29,7 +29,7 @@ BLOCKS = {
 
 
 def _apply(params, x, state, cfg):
-  y, _, aux = moe_layer(params, x, state, cfg)
+  y, aux = moe_layer(params, x, state, cfg)
   return y, aux["routing"].expert_ids, aux["routing"].weights
 
 

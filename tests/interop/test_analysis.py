@@ -8,15 +8,16 @@ import math
 import numpy as np
 import pytest
 
-from moejax.config import MoEConfig, RouterConfig
+from moejax.config import MoEConfig, RoutingConfig
 from moejax.interop import analysis
 from moejax.layer import init_router_state
+from tests.configs import moe_config
 
 
 def _hand_layer():
   """d = E = 4, top-2 Mixtral gating, router w = 4 I: token x picks its 2 largest coords."""
-  cfg = MoEConfig(num_experts=4, expert_width=2,
-                  router=RouterConfig(top_k=2, gating="topk_softmax"))
+  cfg = moe_config(num_experts=4, expert_width=2,
+                  routing=RoutingConfig(top_k=2, gating="topk_softmax"))
   rng = np.random.default_rng(0)
   experts = {n: rng.standard_normal(s).astype(np.float32)
              for n, s in (("w_gate", (4, 4, 2)), ("w_up", (4, 4, 2)), ("w_down", (4, 2, 4)))}

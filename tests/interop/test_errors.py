@@ -6,10 +6,11 @@ import dataclasses
 import numpy as np
 import pytest
 
-from moejax.config import ConfigError, MoEConfig, RouterConfig
+from moejax.config import ConfigError, MoEConfig, RoutingConfig
 from moejax.interop import (FAMILIES, InteropError, MissingTensorError, TensorShapeError,
                             UnsupportedArchitectureError, export_moe_block,
                             import_moe_block, moe_config_from_hf)
+from tests.configs import moe_config
 
 D = 8
 QWEN2 = {"model_type": "qwen2_moe", "hidden_size": D, "moe_intermediate_size": 4,
@@ -43,7 +44,7 @@ def test_unsupported_model_type_names_it_and_the_supported_list():
     assert name in msg and name in FAMILIES
   with pytest.raises(UnsupportedArchitectureError, match="did you mean 'qwen2_moe'"):
     moe_config_from_hf({"model_type": "qwen2moe"})
-  cfg = MoEConfig(num_experts=4, expert_width=4)
+  cfg = moe_config(num_experts=4, expert_width=4)
   with pytest.raises(UnsupportedArchitectureError, match="'gpt2'"):
     export_moe_block({}, None, cfg, "gpt2")
 
@@ -109,7 +110,7 @@ def test_config_errors():
     moe_config_from_hf(QWEN2, {"capacity_factor": 1.0})
   # A base whose training-only fields contradict the checkpoint still fails
   # config validation, naming the field.
-  base = MoEConfig(router=RouterConfig(use_bias=True), balance=dataclasses.replace(
+  base = moe_config(routing=RoutingConfig(use_bias=True), balance=dataclasses.replace(
       MoEConfig().balance, bias_update="sign"))
   with pytest.raises(ConfigError, match="bias_update"):
     moe_config_from_hf(QWEN2, base)
@@ -123,36 +124,36 @@ def test_bad_sources():
 
 
 def _layer(cfg, d=D):
-  e, f = cfg.num_experts, cfg.expert_width
+  e, f = cfg.num_experts, cfg.topology.expert_width
   z = lambda *s: np.zeros(s, np.float32)  # noqa: E731
   p = {"router": {"w": z(d, e)},
        "experts": {"w_gate": z(e, d, f), "w_up": z(e, d, f), "w_down": z(e, f, d)}}
-  if cfg.num_shared_experts:
-    w = cfg.num_shared_experts * (cfg.shared_expert_width or f)
+  if cfg.topology.num_shared_experts:
+    w = cfg.topology.num_shared_experts * (cfg.topology.shared_expert_width or f)
     p["shared"] = {"w_gate": z(d, w), "w_up": z(d, w), "w_down": z(w, d)}
   return p
 
 
 @pytest.mark.parametrize("model_type,cfg,field", [
-    ("mixtral", MoEConfig(num_experts=4, expert_width=4, num_shared_experts=1),
-     "moe.num_shared_experts=1"),
-    ("qwen3_moe", MoEConfig(num_experts=4, expert_width=4, router=RouterConfig(
-        score_fn="sigmoid", gating="normalized")), "moe.router.score_fn='sigmoid'"),
-    ("qwen2_moe", MoEConfig(num_experts=4, expert_width=4, num_shared_experts=1),
-     "moe.shared_expert_gate=False"),
-    ("deepseek_v3", MoEConfig(num_experts=4, expert_width=4), "moe.router.score_fn='softmax'"),
-    ("deepseek_v3", MoEConfig(num_experts=4, expert_width=4, router=RouterConfig(
-        score_fn="sigmoid", use_bias=False)), "moe.router.use_bias=False"),
-    ("deepseek_v3", MoEConfig(num_experts=4, expert_width=4, num_shared_experts=1,
-                              shared_expert_width=6, router=RouterConfig(
+    ("mixtral", moe_config(num_experts=4, expert_width=4, num_shared_experts=1),
+     "moe.topology.num_shared_experts=1"),
+    ("qwen3_moe", moe_config(num_experts=4, expert_width=4, routing=RoutingConfig(
+        score_fn="sigmoid", gating="normalized")), "moe.routing.score_fn='sigmoid'"),
+    ("qwen2_moe", moe_config(num_experts=4, expert_width=4, num_shared_experts=1),
+     "moe.topology.shared_expert_gate=False"),
+    ("deepseek_v3", moe_config(num_experts=4, expert_width=4), "moe.routing.score_fn='softmax'"),
+    ("deepseek_v3", moe_config(num_experts=4, expert_width=4, routing=RoutingConfig(
+        score_fn="sigmoid", use_bias=False)), "moe.routing.use_bias=False"),
+    ("deepseek_v3", moe_config(num_experts=4, expert_width=4, num_shared_experts=1,
+                              shared_expert_width=6, routing=RoutingConfig(
                                   score_fn="sigmoid", use_bias=True)), "not a multiple"),
-    ("deepseek_v3", MoEConfig(num_experts=4, expert_width=4, router=RouterConfig(
+    ("deepseek_v3", moe_config(num_experts=4, expert_width=4, routing=RoutingConfig(
         score_fn="sigmoid", use_bias=True, n_groups=2, topk_groups=1, group_score="max")),
-     "moe.router.group_score='max'"),
-    ("mixtral", MoEConfig(num_experts=4, expert_width=4, expert_widths=(4, 4, 2, 2)),
-     "moe.expert_widths=(4, 4, 2, 2)"),
-    ("mixtral", MoEConfig(num_experts=4, expert_width=4, router=RouterConfig(
-        routed_scaling_factor=2.0)), "moe.router.routed_scaling_factor=2.0"),
+     "moe.routing.group_score='max'"),
+    ("mixtral", moe_config(num_experts=4, expert_width=4, expert_widths=(4, 4, 2, 2)),
+     "moe.topology.expert_widths=(4, 4, 2, 2)"),
+    ("mixtral", moe_config(num_experts=4, expert_width=4, routing=RoutingConfig(
+        routed_scaling_factor=2.0)), "moe.routing.routed_scaling_factor=2.0"),
 ])
 def test_export_rejects_what_the_family_cannot_express(model_type, cfg, field):
   with pytest.raises(InteropError, match=field.replace("(", r"\(").replace(")", r"\)")):
@@ -160,7 +161,7 @@ def test_export_rejects_what_the_family_cannot_express(model_type, cfg, field):
 
 
 def test_export_checks_params_and_layout():
-  cfg = MoEConfig(num_experts=4, expert_width=4, router=RouterConfig(gating="topk_softmax"))
+  cfg = moe_config(num_experts=4, expert_width=4, routing=RoutingConfig(gating="topk_softmax"))
   params = _layer(cfg)
   params["experts"]["w_up"] = np.zeros((4, D, 5), np.float32)
   with pytest.raises(InteropError, match=r"params\['experts'\]\['w_up'\] has shape"):

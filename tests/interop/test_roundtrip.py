@@ -22,12 +22,13 @@ import hypothesis.strategies as st  # noqa: E402
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
 
-from moejax.config import MoEConfig, RouterConfig  # noqa: E402
+from moejax.config import MoEConfig, RoutingConfig  # noqa: E402
 from moejax.interop import (export_moe_block, hf_models, import_moe_block,  # noqa: E402
                             import_moe_layers, moe_config_from_hf, moe_layers,
                             open_source, save_safetensors, to_torch)
 from moejax.routing.types import RouterState  # noqa: E402
 from tests.interop import helpers  # noqa: E402
+from tests.configs import moe_config
 
 FAMILIES = ("mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v3")
 
@@ -88,20 +89,20 @@ def test_saved_checkpoint_round_trip_and_model_parity(model_type, tmp_path):
 
 
 def _random_layer(rng, cfg: MoEConfig, d: int):
-  e, f = cfg.num_experts, cfg.expert_width
+  e, f = cfg.num_experts, cfg.topology.expert_width
   params = {"router": {"w": rng.standard_normal((d, e))},
             "experts": {"w_gate": rng.standard_normal((e, d, f)),
                         "w_up": rng.standard_normal((e, d, f)),
                         "w_down": rng.standard_normal((e, f, d))}}
-  if cfg.num_shared_experts:
-    width = cfg.num_shared_experts * (cfg.shared_expert_width or f)
+  if cfg.topology.num_shared_experts:
+    width = cfg.topology.num_shared_experts * (cfg.topology.shared_expert_width or f)
     params["shared"] = {"w_gate": rng.standard_normal((d, width)),
                         "w_up": rng.standard_normal((d, width)),
                         "w_down": rng.standard_normal((width, d))}
-    if cfg.shared_expert_gate:
+    if cfg.topology.shared_expert_gate:
       params["shared"]["w_shared_gate"] = rng.standard_normal((d, 1))
   params = jax.tree.map(lambda a: np.asarray(a, np.float32), params)
-  bias = (rng.standard_normal(e) if cfg.router.use_bias else np.zeros(e)).astype(np.float32)
+  bias = (rng.standard_normal(e) if cfg.routing.use_bias else np.zeros(e)).astype(np.float32)
   return params, RouterState(bias=bias, step=np.zeros((), np.int32))
 
 
@@ -135,7 +136,7 @@ def _layers(draw):
     ks = draw(st.integers(0, 2))
     moe = dict(num_shared_experts=ks,
                shared_expert_width=draw(st.sampled_from((None, f))) if ks else None)
-  cfg = MoEConfig(num_experts=e, expert_width=f, router=RouterConfig(**router), **moe, **extra)
+  cfg = moe_config(num_experts=e, expert_width=f, routing=RoutingConfig(**router), **moe, **extra)
   return model_type, cfg, draw(st.sampled_from((8, 12))), draw(st.integers(0, 2**16))
 
 
@@ -186,15 +187,17 @@ def test_exported_block_runs_in_transformers(model_type, tmp_path):
 
 def test_equivalent_configs_kept_with_base_and_canonical_without():
   """qwen2_moe: 2 shared experts of width 6 are one HF shared expert of width 12."""
-  cfg = MoEConfig(num_experts=4, expert_width=8, num_shared_experts=2, shared_expert_width=6,
+  cfg = moe_config(num_experts=4, expert_width=8, num_shared_experts=2, shared_expert_width=6,
                   shared_expert_gate=True,
-                  router=RouterConfig(top_k=2, gating="topk_softmax"))
+                  routing=RoutingConfig(top_k=2, gating="topk_softmax"))
   params, state = _random_layer(np.random.default_rng(0), cfg, 8)
   sd, fields = export_moe_block(params, state, cfg, "qwen2_moe")
   assert fields["shared_expert_intermediate_size"] == 12 and fields["norm_topk_prob"]
   assert import_moe_block(sd, fields, prefix="", base_cfg=cfg).cfg == cfg
   plain = import_moe_block(sd, fields, prefix="").cfg
-  assert (plain.num_shared_experts, plain.shared_expert_width) == (1, 12)
-  assert plain.router.gating == "normalized"
-  assert dataclasses.replace(plain, num_shared_experts=2, shared_expert_width=6,
-                             router=cfg.router) == cfg
+  assert (plain.topology.num_shared_experts, plain.topology.shared_expert_width) == (1, 12)
+  assert plain.routing.gating == "normalized"
+  assert dataclasses.replace(
+      plain, topology=dataclasses.replace(plain.topology, num_shared_experts=2,
+                                          shared_expert_width=6),
+      routing=cfg.routing) == cfg

@@ -16,12 +16,14 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
+from moejax import config as C  # noqa: E402
 from moejax import layer as L  # noqa: E402
 from moejax.balance import metrics as M  # noqa: E402
 from moejax.execution import comm as comm_lib  # noqa: E402
 from moejax.execution import mesh as mesh_lib  # noqa: E402
 from moejax.execution import parallel as EP  # noqa: E402
 from moejax.execution import placement as placement_lib  # noqa: E402
+from tests.configs import moe_config  # noqa: E402
 from tests.parallel import ep_common as H  # noqa: E402
 
 N = 8
@@ -32,11 +34,11 @@ def check_case(name, pcfg):
   mesh = mesh_lib.make_mesh(pcfg, cfg=cfg)
   params, x, ids = H.inputs(cfg)
   state = L.init_router_state(cfg)
-  if cfg.router.use_bias:  # a nonzero bias, so selection differs from the scores' order
+  if cfg.routing.use_bias:  # a nonzero bias, so selection differs from the scores' order
     state = state.replace(bias=jnp.linspace(-0.2, 0.2, cfg.num_routed))
   train = cfg.balance.bias_update != "none"
   y, st, aux, g = H.ep_fn(cfg, mesh, pcfg, train=train)(params, x, ids, state)
-  assert int(aux["comm"]["transport_dropped"]) == 0, name
+  assert int(aux["execution"]["comm"]["transport_dropped"]) == 0, name
   if name in H.PER_GROUP:
     y0, aux0, g0 = H.per_shard_fn(cfg, N)(params, x, ids, state)
     H.close(y, y0, f"{name} y")
@@ -48,7 +50,7 @@ def check_case(name, pcfg):
     H.close(aux["load"], jnp.sum(aux0["load"], axis=0), f"{name} load")
     H.close(aux["metrics"]["max_vio"], M.max_vio(jnp.sum(aux0["load"], axis=0)),
             f"{name} max_vio")
-    if cfg.capacity_factor is not None:
+    if cfg.balance.capacity_factor is not None:
       assert nd0 > 0, f"{name}: capacity should drop here; the check is vacuous"
     return
   y0, st0, aux0, g0 = H.full_fn(cfg, train=train)(params, x, ids, state)
@@ -67,7 +69,7 @@ def check_case(name, pcfg):
 
 
 def group_routers():
-  pcfg = mesh_lib.ParallelConfig(data=2, expert=4)
+  pcfg = C.ParallelConfig(data=2, expert=4)
   for name in sorted(H.CASES):
     check_case(name, pcfg)
     print("  ok", name, flush=True)
@@ -79,23 +81,25 @@ def group_dispatch():
   state = L.init_router_state(cfg)
   y0, _, aux0, g0 = H.full_fn(cfg)(params, x, ids, state)
   # Ragged (dropless, exact segments) through the emulated collective, expert axis of 8.
-  for pcfg in (mesh_lib.ParallelConfig(data=1, expert=8, dispatch="ragged"),
-               mesh_lib.ParallelConfig(data=2, expert=4, dispatch="ragged",
-                                       ragged_impl="emulated", gmm_backend="ragged_dot")):
-    mesh = mesh_lib.make_mesh(pcfg, cfg=cfg)
-    y, _, aux, g = H.ep_fn(cfg, mesh, pcfg)(params, x, ids, state)
+  # The local experts follow moe.execution.backend ('reference' -> ragged_dot there).
+  for pcfg, vcfg in ((C.ParallelConfig(data=1, expert=8, dispatch="ragged"), cfg),
+                     (C.ParallelConfig(data=2, expert=4, dispatch="ragged",
+                                       ragged_impl="emulated"), H.make_cfg("mixtral",
+                                                                           backend="blocked"))):
+    mesh = mesh_lib.make_mesh(pcfg, cfg=vcfg)
+    y, _, aux, g = H.ep_fn(vcfg, mesh, pcfg)(params, x, ids, state)
     H.close(y, y0, f"ragged {pcfg} y")
     H.close_tree(g, g0, "ragged grad")
     H.close(aux["load"], aux0["load"], "ragged load")
-    print("  ok ragged", pcfg.expert, pcfg.gmm_backend, flush=True)
+    print("  ok ragged", pcfg.expert, vcfg.execution.backend, flush=True)
   try:
-    pcfg = mesh_lib.ParallelConfig(expert=8, dispatch="ragged", ragged_impl="native")
-    EP.ep_moe_layer(params, x, state, cfg, mesh_lib.make_mesh(pcfg), pcfg)
+    pcfg = C.ParallelConfig(expert=8, dispatch="ragged", ragged_impl="native")
+    L.ep_moe_layer(params, x, state, cfg, mesh_lib.make_mesh(pcfg), pcfg)
     raise AssertionError("native ragged_all_to_all on CPU should be refused")
   except EP.RaggedUnsupportedError as err:
     assert "emulated" in str(err)
   # FSDP: expert weights' d axis sharded over 'fsdp' and gathered in the layer.
-  pcfg = mesh_lib.ParallelConfig(data=1, fsdp=2, expert=4)
+  pcfg = C.ParallelConfig(data=1, fsdp=2, expert=4)
   mesh = mesh_lib.make_mesh(pcfg, cfg=cfg)
   y, _, _, g = H.ep_fn(cfg, mesh, pcfg)(mesh_lib.shard_params(params, mesh), x, ids, state)
   H.close(y, y0, "fsdp y")
@@ -105,7 +109,7 @@ def group_dispatch():
   params, x, ids = H.inputs(cfg)
   outs = []
   for dispatch in ("capacity", "ragged"):
-    pcfg = mesh_lib.ParallelConfig(data=2, expert=4, dispatch=dispatch)
+    pcfg = C.ParallelConfig(data=2, expert=4, dispatch=dispatch)
     outs.append(H.ep_fn(cfg, mesh_lib.make_mesh(pcfg), pcfg)(params, x, ids, state))
   H.close(outs[0][0], outs[1][0], "ragged vs capacity y with drops")
   assert int(outs[0][2]["num_dropped"]) == int(outs[1][2]["num_dropped"]) > 0
@@ -119,30 +123,30 @@ def _nodes_per_token(ids, valid, experts_per_node):
 
 def group_topology():
   # Node-limited routing: E=16 on 8 devices, 2 devices per node (4 nodes), top-4.
-  base = dict(num_experts=16, expert_width=8, backend="reference",
-              router=dict(top_k=4, score_fn="sigmoid", use_bias=True))
-  cfg = H.C.from_dict(H.C.MoEConfig, base)
+  cfg = moe_config(num_experts=16, expert_width=8, backend="reference",
+                   routing=dict(top_k=4, score_fn="sigmoid", use_bias=True))
   params, x, ids = H.inputs(cfg)
   state = L.init_router_state(cfg)
   comm, routing = {}, {}
   for limit, m in (("none", 1), ("nodes", 2), ("devices", 3)):
-    pcfg = mesh_lib.ParallelConfig(data=1, expert=8, devices_per_node=2, route_limit=limit,
-                                   route_limit_count=m)
+    pcfg = C.ParallelConfig(data=1, expert=8, devices_per_node=2, route_limit=limit,
+                            route_limit_count=m)
     mesh = mesh_lib.make_mesh(pcfg, cfg=cfg)
-    y, _, aux, g = H.ep_fn(cfg, mesh, pcfg)(params, x, ids, state)
-    # The single-device layer with the mesh-derived config routes identically.
-    lcfg = mesh_lib.limited_moe_config(cfg, pcfg)
+    # The limit is resolved into the routing config (as ExperimentConfig does);
+    # the single-device layer with that config routes identically.
+    lcfg = C.resolve_route_limit(cfg, pcfg)
+    y, _, aux, g = H.ep_fn(lcfg, mesh, pcfg)(params, x, ids, state)
     y0, _, aux0, g0 = H.full_fn(lcfg)(params, x, ids, state)
     H.close(y, y0, f"{limit} y")
     H.close_tree(g, g0, f"{limit} grad")
-    comm[limit], routing[limit] = aux["comm"], aux["routing"]
+    comm[limit], routing[limit] = aux["execution"]["comm"], aux["routing"]
     # Bytes against the host-side analytic count from the routing actually made.
     r = aux["routing"]
     dest = (np.asarray(r.expert_ids) // 2).reshape(1, 8, -1, 4)
     want = comm_lib.analytic_bytes(dest, np.asarray(r.valid).reshape(dest.shape),
                                    np.arange(8) // 2, H.DM * 4)
     for key, value in want.items():
-      H.close(aux["comm"][key], value, f"{limit} comm {key}")
+      H.close(aux["execution"]["comm"][key], value, f"{limit} comm {key}")
   nodes = _nodes_per_token(routing["nodes"].expert_ids, routing["nodes"].valid, 4)
   assert nodes.max() <= 2, nodes.max()
   devs = _nodes_per_token(routing["devices"].expert_ids, routing["devices"].valid, 2)
@@ -160,7 +164,7 @@ def group_topology():
   hot = jnp.zeros_like(params["router"]["w"]).at[:, :2].set(0.6)
   params["router"]["w"] = params["router"]["w"] + hot * jnp.sign(jnp.sum(x, (0, 1)))[:, None]
   state = L.init_router_state(cfg)
-  pcfg = mesh_lib.ParallelConfig(data=2, expert=4)
+  pcfg = C.ParallelConfig(data=2, expert=4)
   mesh = mesh_lib.make_mesh(pcfg, cfg=cfg)
   y, _, aux, g = H.ep_fn(cfg, mesh, pcfg)(params, x, ids, state)
   load = np.asarray(aux["load"])
@@ -170,13 +174,58 @@ def group_topology():
   H.close(y1, y, "placement y")
   H.close_tree(g1, g, "placement grad")
   H.close(aux1["load"], aux["load"], "placement load")
-  before, after = float(aux["device_load"].max()), float(aux1["device_load"].max())
-  assert after < before, (before, after, aux["device_load"], aux1["device_load"])
-  assert float(aux1["device_load"].sum()) == float(aux["device_load"].sum())
+  load0, load1 = aux["execution"]["device_load"], aux1["execution"]["device_load"]
+  before, after = float(load0.max()), float(load1.max())
+  assert after < before, (before, after, load0, load1)
+  assert float(load1.sum()) == float(load0.sum())
   print(f"  ok placement: max device load {before:.0f} -> {after:.0f}", flush=True)
 
 
-GROUPS = {"routers": group_routers, "dispatch": group_dispatch, "topology": group_topology}
+def check_scmoe_model():
+  """A ScMoE transformer run expert-parallel equals the same model on one device.
+
+  The routed experts read the previous block's representation and travel
+  through the all-to-all; the shared experts stay on the current one.
+  """
+  from flax import nnx  # pylint: disable=g-import-not-at-top
+  from moejax.model import ExpertParallel, Transformer  # pylint: disable=g-import-not-at-top
+  moe = moe_config(num_experts=8, expert_width=8, num_shared_experts=1,
+                   routing=dict(top_k=2, score_fn="sigmoid", use_bias=True),
+                   balance=dict(bias_update="sign", aux_loss_coef=1e-2, aux_loss_scope="global"))
+  cfg = C.ModelConfig(vocab_size=32, d_model=H.DM, n_layers=4, n_heads=2, dense_ff_width=16,
+                      moe_layout="every_other", moe_schedule="scmoe", moe=moe)
+  pcfg = C.ParallelConfig(data=2, expert=4)
+  mesh = mesh_lib.make_mesh(pcfg, cfg=moe)
+  one = Transformer(cfg, rngs=nnx.Rngs(0))
+  ep = Transformer(cfg, rngs=nnx.Rngs(0), expert_parallel=ExpertParallel(mesh, pcfg))
+  tokens = jax.random.randint(jax.random.key(7), (8, 6), 0, 32)
+
+  def run(model):
+    graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+
+    def loss(p):
+      logits, aux = nnx.merge(graphdef, p, rest)(tokens, train=True)
+      return jnp.sum(jnp.sin(logits)) + aux["loss"], (logits, aux)
+    (_, (logits, aux)), g = jax.jit(jax.value_and_grad(loss, has_aux=True))(params)
+    return logits, aux, g
+
+  logits0, aux0, g0 = run(one)
+  logits1, aux1, g1 = run(ep)
+  H.close(logits1, logits0, "scmoe logits")
+  H.close_tree(g1, g0, "scmoe grad")
+  for name in aux0["moe"]:
+    H.close(aux1["moe"][name]["router_load"], aux0["moe"][name]["router_load"],
+            f"scmoe {name} router load")
+  assert "comm" in aux1["moe"]["layer_1"]["execution"], "the ScMoE block did not run EP"
+  print("  ok scmoe + expert parallelism", flush=True)
+
+
+def group_scmoe():
+  check_scmoe_model()
+
+
+GROUPS = {"routers": group_routers, "dispatch": group_dispatch, "topology": group_topology,
+          "scmoe": group_scmoe}
 
 
 def main(argv):

@@ -18,28 +18,29 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from tests.configs import moe_config
 from moejax import config as C
 from moejax import layer as L
-from moejax.execution import parallel as EP
+from moejax.balance import controller
 
 B, S, DM = 16, 4, 8  # 16 sequences = 2 per device on 8 devices
 
 CASES = {
-    "mixtral": dict(router=dict(top_k=2, gating="topk_softmax"),
+    "mixtral": dict(routing=dict(top_k=2, gating="topk_softmax"),
                     balance=dict(aux_loss_coef=0.01, aux_loss_scope="global", z_loss_coef=1e-3)),
-    "switch_capacity": dict(router=dict(top_k=1, gating="scores"), capacity_factor=0.75,
+    "switch_capacity": dict(routing=dict(top_k=1, gating="scores"), capacity_factor=0.75,
                             balance=dict(aux_loss_coef=0.01)),
-    "score_capacity": dict(router=dict(top_k=2), capacity_factor=0.5, drop_priority="score"),
+    "score_capacity": dict(routing=dict(top_k=2), capacity_factor=0.5, drop_priority="score"),
     "deepseek_v3": dict(num_shared_experts=1,
-                        router=dict(top_k=2, score_fn="sigmoid", use_bias=True, n_groups=4,
+                        routing=dict(top_k=2, score_fn="sigmoid", use_bias=True, n_groups=4,
                                     topk_groups=2, routed_scaling_factor=2.5),
                         balance=dict(bias_update="sign", aux_loss_coef=1e-3,
                                      aux_loss_scope="sequence")),
-    "expert_choice": dict(router=dict(kind="expert_choice", expert_choice_capacity=2.0)),
-    "hash": dict(router=dict(kind="hash", top_k=1)),
+    "expert_choice": dict(routing=dict(kind="expert_choice", expert_choice_capacity=2.0)),
+    "hash": dict(routing=dict(kind="hash", top_k=1)),
     "top_p_zero_compute": dict(zero_experts=1, copy_experts=1, constant_experts=1,
-                               router=dict(kind="top_p", top_k=3, top_p=0.5)),
-    "hierarchical": dict(router=dict(kind="hierarchical", n_families=2, top_k_families=1,
+                               routing=dict(kind="top_p", top_k=3, top_p=0.5)),
+    "hierarchical": dict(routing=dict(kind="hierarchical", n_families=2, top_k_families=1,
                                      top_k=2)),
     "gelu_heterogeneous": dict(activation="gelu", expert_widths=(2, 6, 4, 6, 8, 3, 5, 7)),
 }
@@ -51,7 +52,7 @@ def make_cfg(name: str, backend: str = "reference", **extra) -> C.MoEConfig:
   base = dict(num_experts=8, expert_width=8, backend=backend)
   base.update(CASES[name])
   base.update(extra)
-  return C.from_dict(C.MoEConfig, base)
+  return moe_config(**base)
 
 
 def inputs(cfg: C.MoEConfig, seed: int = 0, batch: int = B):
@@ -66,25 +67,30 @@ def _objective(y, aux):
   return jnp.sum(jnp.sin(y)) + aux["losses"]["total"]
 
 
+def _controller(cfg, state, aux, train):
+  """The train step's controller update (once, outside the gradient) on the layer's loads."""
+  return controller.update_bias(state, aux["router_load"], cfg.balance) if train else state
+
+
 def ep_fn(cfg, mesh, pcfg, *, train=False, placement=None):
   """jit: (params, x, ids, state) -> (y, new_state, aux, grads wrt (params, x))."""
   def run(params, x, ids, state):
     def loss(p, x):
-      y, st, aux = EP.ep_moe_layer(p, x, state, cfg, mesh, pcfg, token_ids=ids,
-                                   train=train, placement=placement)
-      return _objective(y, aux), (y, st, aux)
-    (_, (y, st, aux)), g = jax.value_and_grad(loss, (0, 1), has_aux=True)(params, x)
-    return y, st, aux, g
+      y, aux = L.ep_moe_layer(p, x, state, cfg, mesh, pcfg, token_ids=ids,
+                              train=train, placement=placement)
+      return _objective(y, aux), (y, aux)
+    (_, (y, aux)), g = jax.value_and_grad(loss, (0, 1), has_aux=True)(params, x)
+    return y, _controller(cfg, state, aux, train), aux, g
   return jax.jit(run)
 
 
 def full_fn(cfg, *, train=False):
   def run(params, x, ids, state):
     def loss(p, x):
-      y, st, aux = L.moe_layer(p, x, state, cfg, token_ids=ids, train=train)
-      return _objective(y, aux), (y, st, aux)
-    (_, (y, st, aux)), g = jax.value_and_grad(loss, (0, 1), has_aux=True)(params, x)
-    return y, st, aux, g
+      y, aux = L.moe_layer(p, x, state, cfg, token_ids=ids, train=train)
+      return _objective(y, aux), (y, aux)
+    (_, (y, aux)), g = jax.value_and_grad(loss, (0, 1), has_aux=True)(params, x)
+    return y, _controller(cfg, state, aux, train), aux, g
   return jax.jit(run)
 
 
@@ -94,7 +100,7 @@ def per_shard_fn(cfg, shards: int):
     def loss(p, x):
       xs = x.reshape((shards, -1) + x.shape[1:])
       idss = ids.reshape((shards, -1) + ids.shape[1:])
-      y, _, aux = jax.vmap(lambda a, i: L.moe_layer(p, a, state, cfg, token_ids=i))(xs, idss)
+      y, aux = jax.vmap(lambda a, i: L.moe_layer(p, a, state, cfg, token_ids=i))(xs, idss)
       y = y.reshape(x.shape)
       total = jnp.sum(jnp.sin(y)) + jnp.mean(aux["losses"]["total"])
       return total, (y, aux)

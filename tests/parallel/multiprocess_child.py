@@ -31,13 +31,14 @@ def main(pid: int, nproc: int, port: int):
 
 
 def run(pid):
+  from moejax import config as C
   from moejax import layer as L
   from moejax.execution import mesh as mesh_lib
   from tests.parallel import ep_common as H
 
   assert jax.process_count() == 2 and len(jax.devices()) == 8, jax.devices()
   cfg = H.make_cfg("deepseek_v3")
-  pcfg = mesh_lib.ParallelConfig(data=1, expert=8)
+  pcfg = C.ParallelConfig(data=1, expert=8)
   mesh = mesh_lib.make_mesh(pcfg, cfg=cfg)
   node_of = mesh_lib.nodes_of_expert_axis(mesh, None)
   np.testing.assert_array_equal(node_of, [0, 0, 0, 0, 1, 1, 1, 1])
@@ -70,7 +71,7 @@ def run(pid):
   jax.tree.map(lambda a, b: check(a, b, "router state"), st, st0)
   check(aux["load"], aux0["load"], "load")
   check(aux["metrics"]["max_vio"], aux0["metrics"]["max_vio"], "max_vio")
-  cross = float(np.asarray(aux["comm"]["copies_cross_node"].addressable_shards[0].data))
+  cross = float(np.asarray(aux["execution"]["comm"]["copies_cross_node"].addressable_shards[0].data))
   assert cross > 0, "no bytes crossed processes: the check is vacuous"
   print(f"OK {pid} cross-process bytes {cross:.0f}", flush=True)
 

@@ -17,6 +17,9 @@ subprocess with JAX_NUM_CPU_DEVICES=8:
   bytes, equality with the single-device layer under the derived config,
   byte counts against the host-side analytic count) and placement with
   replicas (equal outputs and gradients, lower max device load).
+* ``scmoe``: a ScMoE transformer (routed experts on the previous block's
+  representation, shared experts on the current one) run expert-parallel
+  equals the same model on one device (logits, gradients, router loads).
 """
 
 import os
@@ -40,7 +43,7 @@ def run_child(script, *args, devices=8, timeout=600):
   return proc.stdout
 
 
-@pytest.mark.parametrize("group", ["routers", "dispatch", "topology"])
+@pytest.mark.parametrize("group", ["routers", "dispatch", "topology", "scmoe"])
 def test_expert_parallel_equals_single_device(group):
   out = run_child(CHILD, group)
   assert f"OK {group}" in out, out

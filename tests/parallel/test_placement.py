@@ -5,6 +5,7 @@ import pytest
 from hypothesis import given, settings, strategies as st
 
 from moejax.execution import placement as P
+from tests.configs import moe_config
 
 
 def test_identity_placement_is_the_contiguous_layout():
@@ -78,19 +79,19 @@ def test_layer_refuses_placements_that_break_a_routing_limit():
   from moejax import config as C
   from moejax.execution import mesh as M
   from moejax.execution.parallel import check_placement
-  cfg = C.MoEConfig(num_experts=8, router=C.RouterConfig(top_k=2))
+  cfg = moe_config(num_experts=8, routing=C.RoutingConfig(top_k=2))
   node_of = np.arange(4) // 2
   load = np.array([50, 1, 1, 1, 1, 1, 1, 30], float)
   kept = P.compute_placement(load, 4, slots_per_device=3, devices_per_node=2, keep_nodes=True)
   moved = P.compute_placement(load, 4, slots_per_device=3)
-  nodes = M.ParallelConfig(expert=4, devices_per_node=2, route_limit="nodes",
+  nodes = C.ParallelConfig(expert=4, devices_per_node=2, route_limit="nodes",
                            route_limit_count=1)
   check_placement(kept, cfg, nodes, node_of)
-  check_placement(moved, cfg, M.ParallelConfig(expert=4), node_of)
+  check_placement(moved, cfg, C.ParallelConfig(expert=4), node_of)
   with pytest.raises(ValueError, match="off their node.*keep_nodes=True"):
     check_placement(moved, cfg, nodes, node_of)
   with pytest.raises(ValueError, match="off their device"):
-    check_placement(kept, cfg, M.ParallelConfig(expert=4, route_limit="devices",
+    check_placement(kept, cfg, C.ParallelConfig(expert=4, route_limit="devices",
                                                 route_limit_count=2), node_of)
   with pytest.raises(ValueError, match="placement covers 8 experts on 4 devices"):
-    check_placement(kept, cfg, M.ParallelConfig(expert=2), node_of)
+    check_placement(kept, cfg, C.ParallelConfig(expert=2), node_of)

@@ -15,17 +15,18 @@ import pytest
 from flax import nnx
 
 from moejax import layer as L
-from moejax.config import BalanceConfig, ConfigError, ModelConfig, MoEConfig, RouterConfig
+from moejax.config import BalanceConfig, ConfigError, ModelConfig, MoEConfig, RoutingConfig
 from moejax.model import Transformer, param_count
 from moejax.nn.moe_block import values
 from moejax.topology import experts as experts_lib
+from tests.configs import moe_config, replace_moe
 
 V = 32
 
 
 def cfg(schedule="scmoe", **kw):
-  moe = MoEConfig(num_experts=4, expert_width=8, num_shared_experts=1,
-                  router=RouterConfig(top_k=2, score_fn="sigmoid", use_bias=True),
+  moe = moe_config(num_experts=4, expert_width=8, num_shared_experts=1,
+                  routing=RoutingConfig(top_k=2, score_fn="sigmoid", use_bias=True),
                   balance=BalanceConfig(bias_update="sign"))
   base = dict(vocab_size=V, d_model=16, n_layers=2, n_heads=2, dense_ff_width=32,
               moe_layout="every_other", moe_schedule=schedule, moe=moe)
@@ -91,8 +92,8 @@ def test_block_equals_hand_composition(models):
   np.testing.assert_allclose(h, block.ffn_norm(x1), rtol=1e-6)
   params = values(block.ffn.params)
   moe = block.ffn.cfg
-  routed_cfg = dataclasses.replace(moe, num_shared_experts=0)
-  routed, _, _ = L.moe_layer({k: v for k, v in params.items() if k != "shared"}, tap,
+  routed_cfg = replace_moe(moe, num_shared_experts=0)
+  routed, _ = L.moe_layer({k: v for k, v in params.items() if k != "shared"}, tap,
                              values(block.ffn.router_state), routed_cfg)
   shared = experts_lib.apply_shared(params["shared"], h.reshape(-1, 16)).reshape(h.shape)
   np.testing.assert_allclose(got, x1 + shared + routed, rtol=1e-5, atol=1e-6)
@@ -100,11 +101,15 @@ def test_block_equals_hand_composition(models):
     block(x, pos, ids)
 
 
-def test_train_step_updates_router_state_from_the_shortcut(models):
+def test_controller_updates_router_state_from_the_shortcut(models):
   model = models["scmoe"]
   tokens = jax.random.randint(jax.random.key(4), (2, 6), 0, V)
   bias0 = np.array(model.blocks[1].ffn.router_state.bias[...])
   logits, aux = model(tokens, train=True)
   assert logits.shape == (2, 6, V) and np.isfinite(np.asarray(logits)).all()
   assert set(aux["moe"]) == {"layer_1"}
+  # The forward never writes the state; the controller step does, on the loads
+  # of the routed input (the shortcut).
+  np.testing.assert_array_equal(np.asarray(model.blocks[1].ffn.router_state.bias[...]), bias0)
+  model.apply_controllers({k: v["router_load"] for k, v in aux["moe"].items()})
   assert not np.array_equal(np.asarray(model.blocks[1].ffn.router_state.bias[...]), bias0)

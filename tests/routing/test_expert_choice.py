@@ -5,7 +5,7 @@ import hypothesis.strategies as st
 import numpy as np
 import pytest
 
-from moejax.routing.expert_choice import expert_capacity, select_expert_choice
+from moejax.routing.expert_choice import tokens_per_expert, select_expert_choice
 from tests.routing.util import PROPS, log_rows, make_cfg, random_logits
 
 
@@ -18,7 +18,7 @@ from tests.routing.util import PROPS, log_rows, make_cfg, random_logits
     (4, 2, 8.0, 4),     # 16, clipped to at most T
 ])
 def test_capacity_rounding(t, e, c, want):
-  assert expert_capacity(t, e, c) == want
+  assert tokens_per_expert(t, e, c) == want
 
 
 def test_hand_case_token_with_two_experts_and_token_with_none():
@@ -59,7 +59,7 @@ def test_each_expert_gets_exactly_its_capacity(t, e, c, score_fn, seed):
                  score_fn=score_fn)
   logits = random_logits(seed, t, e)
   r = select_expert_choice(logits, cfg)
-  cap = expert_capacity(t, e, c)
+  cap = tokens_per_expert(t, e, c)
   assert r.expert_ids.shape == r.weights.shape == r.valid.shape == (t, e)
   valid = np.asarray(r.valid)
   np.testing.assert_array_equal(valid.sum(0), cap)

@@ -16,6 +16,7 @@ from moejax.routing.top_p import select_top_p
 from moejax.routing.topk import select_topk
 from moejax.routing.types import RouterState
 from tests.routing.util import PROPS, identity_route_inputs, log_rows, make_cfg, random_logits
+from tests.configs import moe_config
 
 
 def test_every_config_kind_has_a_router():
@@ -219,7 +220,7 @@ def test_clear_errors():
   with pytest.raises(ValueError, match=r"\(8,\)"):
     route(params, jnp.zeros((3, 16)), RouterState.zeros(4), biased)
   with pytest.raises(ValueError, match="soft_weights"):
-    route(params, jnp.zeros((3, 16)), None, C.MoEConfig(kind="soft"))
+    route(params, jnp.zeros((3, 16)), None, moe_config(kind="soft"))
   with pytest.raises(ValueError, match="w_family"):
     route(params, jnp.zeros((3, 16)), None,
           make_cfg(num_experts=8, kind="hierarchical", n_families=2))

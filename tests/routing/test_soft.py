@@ -9,14 +9,15 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from moejax.config import MoEConfig, RouterConfig
+from moejax.config import MoEConfig, RoutingConfig
 from moejax.routing.soft import init_soft_params, soft_weights
 from tests.routing.util import PROPS
+from tests.configs import moe_config
 
 
 def _cfg(e=2, p=1, **router):
-  return MoEConfig(kind="soft", num_experts=e, slots_per_expert=p,
-                   router=RouterConfig(**router))
+  return moe_config(kind="soft", num_experts=e, slots_per_expert=p,
+                   routing=RoutingConfig(**router))
 
 
 def test_hand_case():

@@ -7,15 +7,16 @@ import hypothesis
 import jax.numpy as jnp
 import numpy as np
 
-from moejax.config import MoEConfig, RouterConfig
+from moejax.config import MoEConfig, RoutingConfig
+from tests.configs import moe_config
 
 # JAX property tests: few examples, no per-example deadline (first calls compile).
 PROPS = hypothesis.settings(max_examples=25, deadline=None)
 
 
 def make_cfg(num_experts=4, zero_experts=0, copy_experts=0, **router) -> MoEConfig:
-  return MoEConfig(num_experts=num_experts, zero_experts=zero_experts,
-                   copy_experts=copy_experts, router=RouterConfig(**router))
+  return moe_config(num_experts=num_experts, zero_experts=zero_experts,
+                   copy_experts=copy_experts, routing=RoutingConfig(**router))
 
 
 def log_rows(rows) -> jnp.ndarray:

@@ -6,18 +6,19 @@ import math
 import jax
 import pytest
 
-from moejax.config import ModelConfig, MoEConfig, RouterConfig
+from moejax.config import ArchitectureConfig, ModelConfig, MoEConfig, RoutingConfig
 from moejax.topology import accounting
 from moejax.topology.accounting import Component
+from tests.configs import moe_config
 
-R1 = RouterConfig(top_k=1)
+R1 = RoutingConfig(top_k=1)
 
 
 def _tiny(**kw):
   """vocab 10, d 4, 2 layers, 2 heads of width 2, 1 KV head; layer 1 is MoE."""
   base = dict(vocab_size=10, d_model=4, n_layers=2, n_heads=2, n_kv_heads=1,
               dense_ff_width=6, moe_layout="every_other",
-              moe=MoEConfig(num_experts=2, expert_width=3, router=R1))
+              moe=moe_config(num_experts=2, expert_width=3, routing=R1))
   return ModelConfig(**{**base, **kw})
 
 
@@ -49,8 +50,8 @@ def test_tied_embeddings_counted_once():
 
 def test_gelu_and_gqa_counts():
   b = accounting.budget(_tiny(dense_activation="gelu", n_kv_heads=2,
-                              moe=MoEConfig(num_experts=2, expert_width=3, activation="gelu",
-                                            router=R1)), seq_len=5)
+                              moe=moe_config(num_experts=2, expert_width=3, activation="gelu",
+                                            routing=R1)), seq_len=5)
   assert b.breakdown["dense_ffn"].total == 2 * 4 * 6
   assert b.breakdown["routed_experts"].total == 2 * 2 * 4 * 3
   assert b.breakdown["attention"].total == 2 * 4 * 4 * 4  # MHA: four [4, 4]
@@ -61,23 +62,24 @@ def test_attention_bias():
 
 
 def test_mla_by_hand():
-  cfg = ModelConfig(vocab_size=10, d_model=8, n_layers=1, n_heads=2, attention="mla",
-                    q_lora_rank=4, kv_lora_rank=3, qk_nope_head_dim=2, qk_rope_head_dim=1,
-                    v_head_dim=2, dense_ff_width=5, dense_activation="gelu", moe=None)
+  cfg = ModelConfig(vocab_size=10, d_model=8, n_layers=1, n_heads=2, dense_ff_width=5,
+                    dense_activation="gelu", moe=None)
+  arch = ArchitectureConfig(attention="mla", q_lora_rank=4, kv_lora_rank=3,
+                            qk_nope_head_dim=2, qk_rope_head_dim=1, v_head_dim=2)
   # q_a 8*4 + q_b 4*(2*3) + kv_a 8*(3+1) + kv_b 3*(2*(2+2)) + o (2*2)*8.
-  assert accounting.attention_params(cfg) == 32 + 24 + 32 + 24 + 32
-  b = accounting.budget(cfg, seq_len=4)
+  assert accounting.attention_params(cfg, arch) == 32 + 24 + 32 + 24 + 32
+  b = accounting.budget(cfg, seq_len=4, arch=arch)
   assert b.breakdown["norms"].total == 2 * 8 + (3 + 4) + 8  # + MLA latent norms
   assert b.breakdown["attention"].flops == 2 * 144 + 2 * 4 * 2 * (3 + 2)
   assert b.total == 80 + 80 + 144 + 80 + 31
-  no_q_lora = dataclasses.replace(cfg, q_lora_rank=0)
-  assert accounting.attention_params(no_q_lora) == 8 * 2 * 3 + 32 + 24 + 32
+  no_q_lora = dataclasses.replace(arch, q_lora_rank=0)
+  assert accounting.attention_params(cfg, no_q_lora) == 8 * 2 * 3 + 32 + 24 + 32
 
 
 def test_encoder_decoder_by_hand():
-  cfg = ModelConfig(vocab_size=10, d_model=4, n_layers=1, encoder_layers=1, n_heads=2,
+  cfg = ModelConfig(vocab_size=10, d_model=4, n_layers=1, n_heads=2,
                     dense_ff_width=6, dense_activation="gelu", tie_embeddings=True, moe=None)
-  b = accounting.budget(cfg, seq_len=3)
+  b = accounting.budget(cfg, seq_len=3, arch=ArchitectureConfig(encoder_layers=1))
   # Encoder: attn 64, ffn 48, 2 norms; decoder: self + cross attn 128, ffn 48,
   # 3 norms; one final norm per stack; one shared table.
   assert b.breakdown["attention"].total == 3 * 64
@@ -88,16 +90,16 @@ def test_encoder_decoder_by_hand():
 
 
 def test_every_other_layout_in_encoder_and_decoder():
-  cfg = ModelConfig(vocab_size=10, d_model=4, n_layers=2, encoder_layers=2, n_heads=2,
+  cfg = ModelConfig(vocab_size=10, d_model=4, n_layers=2, n_heads=2,
                     dense_ff_width=6, moe_layout="every_other",
-                    moe=MoEConfig(num_experts=4, expert_width=3, router=R1))
-  b = accounting.budget(cfg, seq_len=3)
+                    moe=moe_config(num_experts=4, expert_width=3, routing=R1))
+  b = accounting.budget(cfg, seq_len=3, arch=ArchitectureConfig(encoder_layers=2))
   assert b.breakdown["routed_experts"].total == 2 * 4 * 36  # layer 1 of each stack
   assert b.breakdown["dense_ffn"].total == 2 * 72
 
 
 def test_heterogeneous_widths_count_real_widths():
-  moe = MoEConfig(num_experts=3, expert_widths=(2, 4, 3), router=R1)
+  moe = moe_config(num_experts=3, expert_widths=(2, 4, 3), routing=R1)
   c = accounting.moe_components(moe, 4, seq_len=8)["routed_experts"]
   assert c.total == 3 * 4 * (2 + 4 + 3)  # 108, not the padded 3 * 3*4*4 = 144
   assert c.active == 108 / 3  # one slot at the mean expert size
@@ -105,8 +107,8 @@ def test_heterogeneous_widths_count_real_widths():
 
 
 def test_zero_compute_expected_active():
-  moe = MoEConfig(num_experts=2, expert_width=3, zero_experts=1, constant_experts=1,
-                  router=RouterConfig(top_k=2))
+  moe = moe_config(num_experts=2, expert_width=3, zero_experts=1, constant_experts=1,
+                  routing=RoutingConfig(top_k=2))
   c = accounting.moe_components(moe, 4, seq_len=8)
   # K E / (E + Z) = 2 * 2 / 4 = 1 FFN slot per token on average.
   assert c["routed_experts"] == Component(72, 36, 72, 72)
@@ -116,25 +118,25 @@ def test_zero_compute_expected_active():
 
 
 def test_expert_choice_hash_topp_shared():
-  ec = MoEConfig(num_experts=4, expert_width=3,
-                 router=RouterConfig(kind="expert_choice", expert_choice_capacity=2.0))
+  ec = moe_config(num_experts=4, expert_width=3,
+                 routing=RoutingConfig(kind="expert_choice", expert_choice_capacity=2.0))
   c = accounting.moe_components(ec, 4, 8)["routed_experts"]
   assert (c.active, c.active_max) == (2 * 36, 4 * 36)
-  hashed = MoEConfig(num_experts=4, expert_width=3, router=RouterConfig(kind="hash", top_k=1))
+  hashed = moe_config(num_experts=4, expert_width=3, routing=RoutingConfig(kind="hash", top_k=1))
   assert "router" not in accounting.moe_components(hashed, 4, 8)
-  top_p = MoEConfig(num_experts=4, expert_width=3, router=RouterConfig(kind="top_p", top_k=3))
+  top_p = moe_config(num_experts=4, expert_width=3, routing=RoutingConfig(kind="top_p", top_k=3))
   assert accounting.moe_components(top_p, 4, 8)["routed_experts"].active == 3 * 36
-  shared = MoEConfig(num_experts=4, expert_width=3, num_shared_experts=2,
-                     shared_expert_gate=True, router=R1)
+  shared = moe_config(num_experts=4, expert_width=3, num_shared_experts=2,
+                     shared_expert_gate=True, routing=R1)
   assert accounting.moe_components(shared, 4, 8)["shared_experts"] == \
       Component(76, 76, 76, 152)  # 2 * 3*4*3 + gate [4, 1]
-  hier = MoEConfig(num_experts=4, expert_width=3,
-                   router=RouterConfig(kind="hierarchical", n_families=2, top_k=1))
+  hier = moe_config(num_experts=4, expert_width=3,
+                   routing=RoutingConfig(kind="hierarchical", n_families=2, top_k=1))
   assert accounting.moe_components(hier, 4, 8)["router"].total == 4 * 4 + 4 * 2
 
 
 def test_soft_moe_by_hand():
-  moe = MoEConfig(kind="soft", num_experts=2, expert_width=3, slots_per_expert=2)
+  moe = moe_config(kind="soft", num_experts=2, expert_width=3, slots_per_expert=2)
   c = accounting.moe_components(moe, 4, seq_len=8)
   # Each sequence of 8 tokens fills 2 x 2 slots; a token's share is 2*72/8.
   assert c["routed_experts"] == Component(72, 18, 18, 36)
@@ -143,7 +145,7 @@ def test_soft_moe_by_hand():
 
 
 def test_peer_by_hand():
-  moe = MoEConfig(kind="peer", peer_num_keys=4, peer_heads=2, peer_top_k=2, peer_key_dim=4,
+  moe = moe_config(kind="peer", peer_num_keys=4, peer_heads=2, peer_top_k=2, peer_key_dim=4,
                   activation="gelu")
   c = accounting.moe_components(moe, 3, seq_len=8)["peer"]
   # 16 experts x (u, v) of 3; W_q 2*3*4 + LayerNorm 2*2*4; sub-keys 2 x 4 x 2.
@@ -158,12 +160,12 @@ def _leaf_count(tree):
 
 
 @pytest.mark.parametrize("moe", [
-    MoEConfig(num_experts=3, expert_width=4, num_shared_experts=2, shared_expert_gate=True,
-              zero_experts=1, copy_experts=1, constant_experts=2, router=R1),
-    MoEConfig(num_experts=4, expert_width=4, activation="gelu",
-              router=RouterConfig(kind="hierarchical", n_families=2, top_k=1)),
-    MoEConfig(kind="soft", num_experts=2, expert_width=4, slots_per_expert=3),
-    MoEConfig(kind="peer", peer_num_keys=3, peer_heads=2, peer_top_k=2, peer_key_dim=4,
+    moe_config(num_experts=3, expert_width=4, num_shared_experts=2, shared_expert_gate=True,
+              zero_experts=1, copy_experts=1, constant_experts=2, routing=R1),
+    moe_config(num_experts=4, expert_width=4, activation="gelu",
+              routing=RoutingConfig(kind="hierarchical", n_families=2, top_k=1)),
+    moe_config(kind="soft", num_experts=2, expert_width=4, slots_per_expert=3),
+    moe_config(kind="peer", peer_num_keys=3, peer_heads=2, peer_top_k=2, peer_key_dim=4,
               activation="swiglu"),
 ], ids=["sparse-shared-zero", "hierarchical-gelu", "soft", "peer"])
 def test_totals_equal_initialised_parameters(moe):
@@ -194,7 +196,7 @@ def test_mixture_of_depths_and_expert_sharing():
 
 
 def test_dense_model_and_budget_frozen():
-  b = accounting.budget(_tiny(moe=None), seq_len=5)
+  b = accounting.budget(_tiny(moe=None, moe_layout="all"), seq_len=5)
   assert b.breakdown["dense_ffn"].total == 2 * 72 and "router" not in b.breakdown
   with pytest.raises(dataclasses.FrozenInstanceError):
     b.total = 0
@@ -225,12 +227,12 @@ def test_human():
 @pytest.mark.parametrize("cfg", [
     ModelConfig(vocab_size=11, d_model=8, n_layers=4, n_heads=2, n_kv_heads=1,
                 dense_ff_width=6, moe_layout="every_other", mod_every=2,
-                moe=MoEConfig(num_experts=4, expert_width=3, num_shared_experts=1,
+                moe=moe_config(num_experts=4, expert_width=3, num_shared_experts=1,
                               shared_expert_gate=True, constant_experts=1,
-                              router=RouterConfig(top_k=2))),
+                              routing=RoutingConfig(top_k=2))),
     ModelConfig(vocab_size=11, d_model=8, n_layers=4, n_heads=2, dense_ff_width=6,
                 tie_embeddings=True, attention_bias=True, expert_sharing_group=2,
-                moe=MoEConfig(num_experts=4, expert_width=3, activation="gelu", router=R1)),
+                moe=moe_config(num_experts=4, expert_width=3, activation="gelu", routing=R1)),
 ], ids=["untied-mod-shared-zero", "tied-bias-expert-sharing"])
 def test_total_equals_transformer_param_count(cfg):
   from flax import nnx

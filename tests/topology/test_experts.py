@@ -9,8 +9,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from moejax.config import ConfigError, MoEConfig, RouterConfig
+from moejax.config import ConfigError, MoEConfig, RoutingConfig
 from moejax.topology import experts
+from tests.configs import moe_config
 
 SETTINGS = hypothesis.settings(max_examples=25, deadline=None)
 
@@ -28,7 +29,7 @@ def _gelu_tanh(z):
     ("gelu", {"w_up", "w_down"}, 2 * 2 * 4 * 3),
 ])
 def test_layout_and_count(activation, names, count):
-  cfg = MoEConfig(num_experts=2, expert_width=3, activation=activation)
+  cfg = moe_config(num_experts=2, expert_width=3, activation=activation)
   p = experts.init_experts(jax.random.key(0), 4, cfg)
   assert set(p) == names
   assert p["w_up"].shape == (2, 4, 3) and p["w_down"].shape == (2, 3, 4)
@@ -38,7 +39,7 @@ def test_layout_and_count(activation, names, count):
 
 
 def test_init_dtype():
-  cfg = MoEConfig(num_experts=2, expert_width=3)
+  cfg = moe_config(num_experts=2, expert_width=3)
   p = experts.init_experts(jax.random.key(0), 4, cfg, dtype=jnp.bfloat16)
   assert all(a.dtype == jnp.bfloat16 for a in p.values())
 
@@ -91,7 +92,7 @@ def test_experts_dense_equals_per_expert_ffn(e, activation, seed):
     p["w_gate"] = rng.standard_normal((e, d, f))
   p = {k: v.astype(np.float32) for k, v in p.items()}
   x = rng.standard_normal((e, c, d)).astype(np.float32)
-  cfg = MoEConfig(num_experts=e, expert_widths=tuple(range(1, e + 1)), router=RouterConfig(top_k=1))
+  cfg = moe_config(num_experts=e, expert_widths=tuple(range(1, e + 1)), routing=RoutingConfig(top_k=1))
   dense, per_expert = _dense_vs_per_expert(p, x, experts.width_mask(cfg), activation)
   np.testing.assert_allclose(dense, per_expert, rtol=1e-5, atol=1e-5)
 
@@ -100,15 +101,15 @@ def test_experts_dense_equals_per_expert_ffn(e, activation, seed):
 # Heterogeneous widths.
 
 def test_width_mask_hand_made():
-  cfg = MoEConfig(num_experts=3, expert_widths=(2, 4, 3))
+  cfg = moe_config(num_experts=3, expert_widths=(2, 4, 3))
   np.testing.assert_array_equal(
       experts.width_mask(cfg),
       [[1, 1, 0, 0], [1, 1, 1, 1], [1, 1, 1, 0]])
-  assert experts.width_mask(MoEConfig(num_experts=2, expert_width=3)).tolist() == [[1] * 3] * 2
+  assert experts.width_mask(moe_config(num_experts=2, expert_width=3)).tolist() == [[1] * 3] * 2
 
 
 def test_heterogeneous_init_zero_padded():
-  cfg = MoEConfig(num_experts=3, expert_widths=(2, 4, 3))
+  cfg = moe_config(num_experts=3, expert_widths=(2, 4, 3))
   p = experts.init_experts(jax.random.key(1), 5, cfg)
   mask = np.asarray(experts.width_mask(cfg))
   for name in ("w_gate", "w_up"):
@@ -126,7 +127,7 @@ def _truncated_expert(p, i, width):
 @pytest.mark.parametrize("activation", ["swiglu", "gelu"])
 def test_mask_makes_expert_exactly_its_width_even_with_garbage_padding(activation):
   widths = (2, 4, 3)
-  cfg = MoEConfig(num_experts=3, expert_widths=widths, activation=activation)
+  cfg = moe_config(num_experts=3, expert_widths=widths, activation=activation)
   p = experts.init_experts(jax.random.key(2), 5, cfg)
   # Fill the padding with nonzero values: the mask must still cut it off.
   noise = jax.random.normal(jax.random.key(3), (3, 5, 4))
@@ -146,7 +147,7 @@ def test_mask_makes_expert_exactly_its_width_even_with_garbage_padding(activatio
 @pytest.mark.parametrize("use_mask", [False, True])
 def test_padded_entries_get_zero_gradient(activation, use_mask):
   """Zero padding stays zero under gradient descent, with or without the mask."""
-  cfg = MoEConfig(num_experts=2, expert_widths=(1, 3), activation=activation)
+  cfg = moe_config(num_experts=2, expert_widths=(1, 3), activation=activation)
   p = experts.init_experts(jax.random.key(5), 4, cfg)
   x = jax.random.normal(jax.random.key(6), (2, 5, 4))
   mask = experts.width_mask(cfg) if use_mask else None
@@ -164,7 +165,7 @@ def test_padded_entries_get_zero_gradient(activation, use_mask):
 def test_init_scale_fan_in():
   """Truncated-normal variance scaling: std 1/sqrt(d) in, 1/sqrt(w_e) out."""
   d = 256
-  cfg = MoEConfig(num_experts=2, expert_widths=(64, 256))
+  cfg = moe_config(num_experts=2, expert_widths=(64, 256))
   p = experts.init_experts(jax.random.key(7), d, cfg)
   np.testing.assert_allclose(np.std(p["w_up"][1]), d ** -0.5, rtol=0.05)
   np.testing.assert_allclose(np.std(p["w_gate"][0][:, :64]), d ** -0.5, rtol=0.05)
@@ -179,7 +180,7 @@ def test_init_scale_fan_in():
 @pytest.mark.parametrize("activation", ["swiglu", "gelu"])
 def test_shared_equals_sum_of_separate_experts(activation):
   ks, fs, d = 3, 2, 5
-  cfg = MoEConfig(num_shared_experts=ks, shared_expert_width=fs, activation=activation)
+  cfg = moe_config(num_shared_experts=ks, shared_expert_width=fs, activation=activation)
   p = experts.init_shared(jax.random.key(8), d, cfg)
   assert p["w_up"].shape == (d, ks * fs) and p["w_down"].shape == (ks * fs, d)
   x = jax.random.normal(jax.random.key(9), (7, d))
@@ -192,13 +193,13 @@ def test_shared_equals_sum_of_separate_experts(activation):
 
 
 def test_shared_width_defaults_to_expert_width():
-  cfg = MoEConfig(num_shared_experts=2, expert_width=3)
+  cfg = moe_config(num_shared_experts=2, expert_width=3)
   p = experts.init_shared(jax.random.key(0), 4, cfg)
   assert p["w_up"].shape == (4, 6) and experts.shared_width(cfg) == 3
 
 
 def test_shared_sigmoid_gate():
-  cfg = MoEConfig(num_shared_experts=1, shared_expert_width=2, shared_expert_gate=True,
+  cfg = moe_config(num_shared_experts=1, shared_expert_width=2, shared_expert_gate=True,
                   activation="gelu")
   p = experts.init_shared(jax.random.key(10), 3, cfg)
   assert p["w_shared_gate"].shape == (3, 1)

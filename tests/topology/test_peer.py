@@ -12,12 +12,13 @@ import pytest
 
 from moejax.config import ConfigError, MoEConfig
 from moejax.topology import peer
+from tests.configs import moe_config, replace_moe
 
 SETTINGS = hypothesis.settings(max_examples=25, deadline=None)
 
 
 def _cfg(n=6, heads=2, k=3, dk=8, activation="gelu"):
-  return MoEConfig(kind="peer", peer_num_keys=n, peer_heads=heads, peer_top_k=k,
+  return moe_config(kind="peer", peer_num_keys=n, peer_heads=heads, peer_top_k=k,
                    peer_key_dim=dk, activation=activation)
 
 
@@ -70,10 +71,10 @@ def _brute_peer(params, x, cfg):
   """PEER computed over all N experts: dense scores, exact top-k, all outputs."""
   q = peer.peer_queries(params, x)
   s1, s2 = peer.sub_key_scores(params, q)
-  scores, ids = _brute_topk(s1, s2, cfg.peer_top_k)  # [T, H, k]
+  scores, ids = _brute_topk(s1, s2, cfg.topology.peer_top_k)  # [T, H, k]
   gates = jax.nn.softmax(scores, axis=-1)
   pre = x @ params["u"].T  # [T, N]: every expert's hidden neuron
-  if cfg.activation == "swiglu":
+  if cfg.topology.activation == "swiglu":
     hidden = jax.nn.silu(x @ params["u_gate"].T) * pre
   else:
     hidden = jax.nn.gelu(pre)
@@ -122,9 +123,9 @@ def test_layout_aux_and_gates(gelu_layer):
 def test_heads_sum(gelu_layer):
   """With H heads the output is the sum of H one-head layers sharing keys and experts."""
   cfg, params, x = gelu_layer
-  one = dataclasses.replace(cfg, peer_heads=1)
+  one = replace_moe(cfg, peer_heads=1)
   parts = []
-  for h in range(cfg.peer_heads):
+  for h in range(cfg.topology.peer_heads):
     ph = dict(params, w_q=params["w_q"][h:h + 1],
               q_norm=jax.tree.map(lambda a: a[h:h + 1], params["q_norm"]))
     parts.append(peer.peer_apply(ph, x, one)[0])

@@ -6,10 +6,11 @@ import numpy as np
 
 from moejax.config import MoEConfig
 from moejax.topology import zero_compute
+from tests.configs import moe_config
 
 
 def _cfg(zero=0, copy=0, const=0):
-  return MoEConfig(num_experts=4, zero_experts=zero, copy_experts=copy, constant_experts=const)
+  return moe_config(num_experts=4, zero_experts=zero, copy_experts=copy, constant_experts=const)
 
 
 def test_params_layout():

@@ -30,18 +30,30 @@ def test_dense_config_is_the_default_with_the_same_active_ffn_params():
   assert active_ffn_params(dense.model) == active_ffn_params(default.model)
   assert dense.data == default.data and dense.train == default.train
   assert [c.split(":")[0] for c in diff(default.model.__dict__, dense.model.__dict__)] == [
-      "dense_ff_width", "moe"]
+      "dense_ff_width", "dense_twin", "moe"]
+  # ... and it is what --config.model.dense_twin=active gives on the default config.
+  twin = experiment_from_dict(dict(helpers.config_file("default").to_dict(),
+                                   model=dict(helpers.config_file("default").model.to_dict(),
+                                              dense_twin="active")))
+  assert twin == dense
+  from moejax.topology import accounting
+  a, b = accounting.budget(twin.model, 128), accounting.budget(dense.model, 128)
+  assert (a.total, a.active, a.flops_per_token) == (b.total, b.active, b.flops_per_token)
 
 
 @pytest.mark.parametrize("tree, field, hint", [
     ({"train": {"stepz": 3}}, "train.stepz", "did you mean 'steps'"),
-    ({"model": {"moe": {"router": {"top_kk": 2}}}}, "model.moe.router.top_kk", "top_k"),
+    ({"model": {"moe": {"routing": {"top_kk": 2}}}}, "model.moe.routing.top_kk", "top_k"),
+    ({"model": {"moe": {"router": {"top_k": 2}}}}, "model.moe.router", "model.moe.routing"),
     ({"train": {"warmup_steps": 10, "steps": 10}}, "train.warmup_steps", "warmup"),
     ({"train": {"learning_rate": 0.0}}, "train.learning_rate", "> 0"),
     ({"train": {"b2": 1.0}}, "train.b2", "[0, 1)"),
     ({"train": {"eval_batches": 0}}, "train.eval_batches", ">= 1"),
     ({"model": {"vocab_size": 512}}, "model.vocab_size", "vocab_size=256"),
-    ({"model": {"attention": "mla"}}, "model.attention", "mha"),
+    ({"model": {"attention": "mla"}}, "model.attention", "multi-head attention"),
+    ({"train": {"learning_rate": float("inf")}}, "train.learning_rate", "finite"),
+    ({"train": {"weight_decay": float("nan")}}, "train.weight_decay", "finite"),
+    ({"train": {"microbatches": 3}}, "train.microbatches", "does not divide"),
     ({"data": {"seq_len": 0}}, "data.seq_len", "positive"),
 ])
 def test_bad_values_name_field_value_and_fix(tree, field, hint):
@@ -67,14 +79,14 @@ def _parse(*overrides):
 
 def test_command_line_overrides_reach_every_field_and_typos_fail():
   cfg = experiment_from_dict(_parse("--config.train.steps=7", "--config.data.data_dir=/x",
-                                    "--config.model.moe.router.top_k=1",
+                                    "--config.model.moe.routing.top_k=1",
                                     "--config.train.eval_batches=3"))
   assert cfg.train.steps == 7 and cfg.data.data_dir == "/x"
-  assert cfg.model.moe.router.top_k == 1 and cfg.train.eval_batches == 3
+  assert cfg.model.moe.routing.top_k == 1 and cfg.train.eval_batches == 3
   with pytest.raises(Exception, match="stepz"):
     _parse("--config.train.stepz=7")
   with pytest.raises(Exception, match="num_expertz"):
-    _parse("--config.model.moe.num_expertz=7")
+    _parse("--config.model.moe.topology.num_expertz=7")
 
 
 def test_binary_refuses_a_bad_config_before_creating_the_workdir(tmp_path):

@@ -129,7 +129,7 @@ def test_checkpoint_shapes_are_checked_against_the_model(tiny_copy, data_dir):
   # A config.json that agrees with the new model but checkpoints that do not:
   # the second line of defence reads the checkpoint's array metadata.
   cfg, workdir = tiny_copy
-  other = helpers.experiment("tiny", data_dir, model__moe__expert_width=16)
+  other = helpers.experiment("tiny", data_dir, model__moe__topology__expert_width=16)
   ckpt_lib.write_config(workdir, other)
   before = helpers.snapshot(workdir)
   with pytest.raises(ckpt_lib.WorkdirError, match=r"(?s)does not fit this model.*params/.*w_down"):

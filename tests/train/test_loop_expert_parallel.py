@@ -114,7 +114,7 @@ def test_expert_parallel_matches_one_device(tmp_path, data_dir, compilation_cach
 
 
 @pytest.mark.parametrize("overrides, field, fix", [
-    (dict(parallel__expert=3), "parallel.expert", "does not divide moe.num_experts=4"),
+    (dict(parallel__expert=3), "parallel.expert", "does not divide moe.topology.num_experts=4"),
     (dict(parallel__fsdp=2), "parallel.fsdp", "set parallel.expert > 1"),
     (dict(parallel__expert=2, model__moe=None), "parallel.expert", "no MoE layer"),
 ])

@@ -1,4 +1,4 @@
-"""The language-modelling loss: masked cross-entropy over byte targets.
+"""The language-modelling loss: masked cross-entropy over token targets (shared by train and evaluate).
 
 Legend: B batch, S sequence length, V vocabulary.
 """

@@ -1,0 +1,326 @@
+"""One MoE layer's config, shaped like the four planes.
+
+::
+
+    moe:
+      kind          sparse | soft | peer
+      topology:     which experts exist (counts, widths, shared, zero-compute, PEER)
+      routing:      which experts a token uses, with what weight
+      balance:      losses, the bias controller, capacity and dropping
+      execution:    how the expert computation runs (backend)
+
+Each section checks its own fields; the rules that tie sections together
+(``routing.top_k`` against ``topology.num_experts``, ...) are the named
+functions of :mod:`moejax.config.rules`. Fine-grained segmentation and
+shared-expert isolation (``topology.granularity`` / ``isolate_shared``) are
+resolved when the config is built (:mod:`moejax.config.segmentation`): the
+built config holds the resulting expert counts, widths and top-k, and
+``topology.derived_from`` records what was applied.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Optional
+
+from moejax.config import registry as reg
+from moejax.config import rules, segmentation
+from moejax.config.core import (ConfigError, check_choice, check_count, check_fraction,
+                                check_number, check_positive)
+
+
+@dataclasses.dataclass(frozen=True)
+class RoutingConfig:
+  """The decision plane: which experts a token uses, with what weight.
+
+  kind: ``topk`` (token choice, covers Switch top-1, Mixtral, Qwen,
+    DeepSeek-V2/V3/V4 and group-limited routing), ``expert_choice``,
+    ``hash``, ``top_p`` (dynamic k) or ``hierarchical`` (families, then
+    experts inside the chosen families).
+  score_fn: softmax | sigmoid | sqrtsoftplus, applied to the router logits.
+  gating: how gate weights come from the selected experts' unbiased scores:
+    ``topk_softmax`` softmax over the top-k logits (Mixtral);
+    ``scores`` the scores as they are (Switch, Qwen norm_topk_prob=False);
+    ``normalized`` scores divided by their sum over the selection (Qwen
+    norm_topk_prob=True, DeepSeek-V3).
+  routed_scaling_factor: multiplies the gates (DeepSeek-V3 uses 2.5).
+  use_bias: select on score + bias (aux-loss-free balancing); the bias lives
+    in the router state, never in the params.
+  n_groups / topk_groups / group_score: group-limited routing (DeepSeek-V2/V3);
+    ``auto`` means the sum of the top-2 scores with a bias, max without.
+    Node- and device-limited routing (``parallel.route_limit``) is resolved
+    into these fields when the experiment config is built.
+  expert_choice_capacity: c in k = T * c / E tokens per expert.
+  top_p: cumulative-probability threshold for ``top_p``; top_k is its max k.
+  n_families / top_k_families: hierarchical routing; experts are split into
+    contiguous families of E / n_families and top_k experts are picked inside
+    the top_k_families chosen families.
+  hash_seed: seed of the balanced token-id -> expert table of ``hash``.
+  router_dtype: dtype of the router matmul and softmax (Switch's selective
+    precision: keep float32 under bf16 activations).
+  input_jitter: multiplicative uniform noise in [1-eps, 1+eps] on the router
+    input, training only (Switch).
+  logit_noise: std of additive Gaussian noise on the logits, training only.
+  freeze: the router does not train: no gradient reaches its weights, the
+    optimizer leaves them untouched (no weight decay) and the bias
+    controller stops.
+  """
+
+  kind: str = "topk"
+  score_fn: str = "softmax"
+  top_k: int = 2
+  gating: str = "normalized"
+  routed_scaling_factor: float = 1.0
+  use_bias: bool = False
+  n_groups: int = 1
+  topk_groups: int = 1
+  group_score: str = "auto"
+  expert_choice_capacity: float = 2.0
+  top_p: float = 0.5
+  n_families: int = 1
+  top_k_families: int = 1
+  hash_seed: int = 0
+  router_dtype: str = "float32"
+  input_jitter: float = 0.0
+  logit_noise: float = 0.0
+  freeze: bool = False
+
+  def __post_init__(self):
+    p = "moe.routing"
+    check_choice(f"{p}.kind", self.kind, reg.ROUTER_KINDS)
+    check_choice(f"{p}.score_fn", self.score_fn, reg.SCORE_FNS)
+    check_choice(f"{p}.gating", self.gating, reg.GATINGS)
+    check_choice(f"{p}.group_score", self.group_score, reg.GROUP_SCORES)
+    check_choice(f"{p}.router_dtype", self.router_dtype, reg.ROUTER_DTYPES)
+    for name in ("top_k", "n_groups", "topk_groups", "n_families", "top_k_families"):
+      check_count(f"{p}.{name}", getattr(self, name))
+    check_count(f"{p}.hash_seed", self.hash_seed, minimum=0)
+    check_positive(f"{p}.routed_scaling_factor", self.routed_scaling_factor)
+    check_positive(f"{p}.expert_choice_capacity", self.expert_choice_capacity)
+    check_number(f"{p}.input_jitter", self.input_jitter, minimum=0, maximum=1, max_open=True,
+                 fix="use eps in [0, 1): the input is scaled by [1-eps, 1+eps] (Switch: 1e-2)")
+    check_positive(f"{p}.logit_noise", self.logit_noise, allow_zero=True)
+    check_fraction(f"{p}.top_p", self.top_p,
+                   fix="pick a cumulative-probability threshold in (0, 1] such as 0.4")
+    if self.gating == "topk_softmax" and self.score_fn != "softmax":
+      raise ConfigError(f"{p}.gating", self.gating,
+                        f"softmax over the top-k logits needs score_fn='softmax', "
+                        f"got {self.score_fn!r}",
+                        "use gating='normalized' for sigmoid-family scores")
+    if self.topk_groups > self.n_groups:
+      raise ConfigError(f"{p}.topk_groups", self.topk_groups,
+                        f"exceeds {p}.n_groups={self.n_groups}",
+                        f"set {p}.topk_groups <= {p}.n_groups")
+    if self.top_k_families > self.n_families:
+      raise ConfigError(f"{p}.top_k_families", self.top_k_families,
+                        f"exceeds {p}.n_families={self.n_families}",
+                        f"set {p}.top_k_families <= {p}.n_families")
+    if self.n_groups > 1 and self.kind != "topk":
+      raise ConfigError(f"{p}.n_groups", self.n_groups,
+                        f"group-limited routing is a token-choice rule, not {self.kind!r}",
+                        f"set {p}.kind='topk' or {p}.n_groups=1")
+    if self.n_families > 1 and self.kind != "hierarchical":
+      raise ConfigError(f"{p}.n_families", self.n_families,
+                        f"families are only used by kind='hierarchical', not {self.kind!r}",
+                        f"set {p}.kind='hierarchical' or {p}.n_families=1")
+    if self.kind == "hierarchical" and self.n_families < 2:
+      raise ConfigError(f"{p}.n_families", self.n_families,
+                        "hierarchical routing needs at least 2 families",
+                        f"set {p}.n_families >= 2")
+
+
+@dataclasses.dataclass(frozen=True)
+class BalanceConfig:
+  """The control plane: losses, the bias controller, capacity and dropping.
+
+  aux_loss_coef / aux_loss_scope / aux_loss_convention: the load-balancing
+    loss alpha * E * sum_i f_i P_i, computed on the router's decision
+    *before* capacity drops (Switch eq. 4-5 counts every token's choice).
+    Scope ``batch`` uses this micro-batch's statistics, ``sequence`` computes
+    it per sequence and averages (DeepSeek-V3's sequence-wise loss),
+    ``global`` reduces f_i over the mesh axes before the product (Qwen's
+    LBL+sync). Convention ``switch`` counts each token's top-1 choice;
+    ``topk`` counts every one of the K choices and scales by E / (K T)
+    (DeepSeek).
+  z_loss_coef: router z-loss (ST-MoE), 1e-3 there.
+  device_loss_coef / comm_loss_coef / loss_num_devices: DeepSeek-V2's
+    device-level and communication balance losses over ``loss_num_devices``
+    contiguous expert groups.
+  entropy_loss_coef: entropy of the router probabilities (top-p routing's
+    sharpening loss).
+  bias_update / bias_rate / bias_freeze_step: the aux-loss-free controller,
+    applied once per optimizer step by the train step on the loads of the
+    whole global batch (the router's decisions before capacity drops);
+    ``sign`` b_i += u sign(mean c - c_i), ``proportional`` b_i += u (mean c -
+    c_i) / mean c. It stops updating at ``bias_freeze_step`` (-1: never).
+  capacity_factor: None for dropless; otherwise each FFN expert keeps at most
+    ceil(cf * T * K / E) token copies and drops the rest by ``drop_priority``
+    (``position``: slot-major, earlier tokens first; ``score``: highest gate
+    first).
+  """
+
+  aux_loss_coef: float = 0.0
+  aux_loss_scope: str = "batch"
+  aux_loss_convention: str = "topk"
+  z_loss_coef: float = 0.0
+  device_loss_coef: float = 0.0
+  comm_loss_coef: float = 0.0
+  loss_num_devices: int = 1
+  entropy_loss_coef: float = 0.0
+  bias_update: str = "none"
+  bias_rate: float = 1e-3
+  bias_freeze_step: int = -1
+  capacity_factor: Optional[float] = None
+  drop_priority: str = "position"
+
+  def __post_init__(self):
+    p = "moe.balance"
+    check_choice(f"{p}.aux_loss_scope", self.aux_loss_scope, reg.AUX_SCOPES)
+    check_choice(f"{p}.aux_loss_convention", self.aux_loss_convention, reg.AUX_CONVENTIONS)
+    check_choice(f"{p}.bias_update", self.bias_update, reg.BIAS_UPDATES)
+    check_choice(f"{p}.drop_priority", self.drop_priority, reg.DROP_PRIORITIES)
+    for name in ("aux_loss_coef", "z_loss_coef", "device_loss_coef",
+                 "comm_loss_coef", "entropy_loss_coef", "bias_rate"):
+      check_positive(f"{p}.{name}", getattr(self, name), allow_zero=True)
+    check_count(f"{p}.loss_num_devices", self.loss_num_devices)
+    check_count(f"{p}.bias_freeze_step", self.bias_freeze_step, minimum=-1)
+    if self.capacity_factor is not None:
+      check_positive(f"{p}.capacity_factor", self.capacity_factor)
+
+
+@dataclasses.dataclass(frozen=True)
+class TopologyConfig:
+  """The object plane: which experts exist.
+
+  num_experts E / expert_width f: routed FFN experts and their hidden width.
+  expert_widths: optional per-expert widths (heterogeneous experts); when
+    given, it has E entries and expert_width is ignored for routed experts.
+  activation: ``swiglu`` or ``gelu`` expert FFNs.
+  num_shared_experts / shared_expert_width / shared_expert_gate: always-on
+    experts (DeepSeekMoE), optionally scaled by a learned sigmoid gate
+    (Qwen-MoE); width defaults to expert_width.
+  zero_experts / copy_experts / constant_experts: zero-computation experts
+    (MoE++): routed like FFN experts, outputting 0, x, or a*x + b*v.
+  slots_per_expert: Soft MoE slots p per expert.
+  peer_*: PEER, N = peer_num_keys**2 singleton experts, peer_heads heads,
+    peer_top_k experts per head, peer_key_dim query width.
+  granularity m / isolate_shared K_s: DeepSeekMoE's fine-grained
+    segmentation (m E experts of width f / m, top m K) and shared-expert
+    isolation (K_s of them always on, m K - K_s routed), at equal total and
+    active parameters. Resolved when the config is built: the built config
+    has the resulting counts and widths, these two fields back at 1 / 0, and
+    ``derived_from`` saying what was applied.
+  derived_from: written by that resolution (leave empty).
+  """
+
+  num_experts: int = 8
+  expert_width: int = 256
+  expert_widths: Optional[tuple] = None
+  activation: str = "swiglu"
+  num_shared_experts: int = 0
+  shared_expert_width: Optional[int] = None
+  shared_expert_gate: bool = False
+  zero_experts: int = 0
+  copy_experts: int = 0
+  constant_experts: int = 0
+  slots_per_expert: int = 1
+  peer_num_keys: int = 32
+  peer_heads: int = 4
+  peer_top_k: int = 8
+  peer_key_dim: int = 128
+  granularity: int = 1
+  isolate_shared: int = 0
+  derived_from: str = ""
+
+  def __post_init__(self):
+    p = "moe.topology"
+    if isinstance(self.expert_widths, list):
+      object.__setattr__(self, "expert_widths", tuple(self.expert_widths))
+    check_choice(f"{p}.activation", self.activation, reg.ACTIVATIONS)
+    for name in ("num_experts", "expert_width", "slots_per_expert", "peer_num_keys",
+                 "peer_heads", "peer_top_k", "peer_key_dim", "granularity"):
+      check_count(f"{p}.{name}", getattr(self, name))
+    for name in ("num_shared_experts", "zero_experts", "copy_experts", "constant_experts",
+                 "isolate_shared"):
+      check_count(f"{p}.{name}", getattr(self, name), minimum=0)
+    if self.shared_expert_width is not None:
+      check_count(f"{p}.shared_expert_width", self.shared_expert_width)
+    if self.expert_widths is not None:
+      if len(self.expert_widths) != self.num_experts:
+        raise ConfigError(f"{p}.expert_widths", self.expert_widths,
+                          f"has {len(self.expert_widths)} entries but "
+                          f"{p}.num_experts={self.num_experts}",
+                          "give one width per routed expert")
+      for w in self.expert_widths:
+        check_count(f"{p}.expert_widths", w)
+
+  @property
+  def num_zero_compute(self) -> int:
+    return self.zero_experts + self.copy_experts + self.constant_experts
+
+
+@dataclasses.dataclass(frozen=True)
+class ExecutionConfig:
+  """The execution plane: how the routed experts are computed.
+
+  backend: ``reference`` (every expert on every token, the oracle) or a
+    grouped-matmul backend of :mod:`moejax.execution.gmm` (``blocked``, the
+    fast portable path; ``ragged_dot``; ``pallas_tpu``; ``pallas_gpu``).
+    Under expert parallelism the local experts use the same backend
+    (``reference`` maps to ``ragged_dot`` there). Not part of a model's
+    identity: a run may resume with another backend.
+  interpret: run a Pallas backend in interpret mode (CPU tests).
+  """
+
+  backend: str = "reference"
+  interpret: bool = False
+
+  def __post_init__(self):
+    check_choice("moe.execution.backend", self.backend, reg.EXPERT_BACKENDS)
+
+
+@dataclasses.dataclass(frozen=True)
+class MoEConfig:
+  """One MoE layer: ``kind`` plus the topology, routing, balance and execution sections.
+
+  kind: ``sparse`` (routed experts), ``soft`` (Soft MoE slots) or ``peer``
+    (product-key retrieval over singleton experts).
+  """
+
+  kind: str = "sparse"
+  topology: TopologyConfig = dataclasses.field(default_factory=TopologyConfig)
+  routing: RoutingConfig = dataclasses.field(default_factory=RoutingConfig)
+  balance: BalanceConfig = dataclasses.field(default_factory=BalanceConfig)
+  execution: ExecutionConfig = dataclasses.field(default_factory=ExecutionConfig)
+
+  # Derived sizes every plane reads (from the resolved topology).
+  @property
+  def num_experts(self) -> int:
+    """E: routed FFN experts."""
+    return self.topology.num_experts
+
+  @property
+  def num_zero_compute(self) -> int:
+    """Z: zero-computation experts (zero + copy + constant)."""
+    return self.topology.num_zero_compute
+
+  @property
+  def num_routed(self) -> int:
+    """E_r = E + Z: router outputs (FFN plus zero-computation experts)."""
+    return self.num_experts + self.num_zero_compute
+
+  @property
+  def widths(self) -> tuple:
+    """Hidden width of each routed FFN expert, length E."""
+    t = self.topology
+    return tuple(t.expert_widths) if t.expert_widths is not None else (
+        (t.expert_width,) * t.num_experts)
+
+  def __post_init__(self):
+    check_choice("moe.kind", self.kind, reg.LAYER_KINDS)
+    resolved = segmentation.resolve(self)
+    if resolved is not self:
+      for f in dataclasses.fields(self):
+        object.__setattr__(self, f.name, getattr(resolved, f.name))
+      return  # ``resolved`` was validated when it was built
+    rules.check_moe(self)

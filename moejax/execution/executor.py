@@ -1,0 +1,107 @@
+"""Executors: how one layer's routed experts are computed, behind one call.
+
+Legend: T tokens (on this device), d model width, K slots per token, E FFN
+experts (ids >= E are zero-computation experts, never sent here), f expert
+hidden width, C capacity per expert (None: dropless).
+
+The MoE layer (:mod:`moejax.layer`, the only composer) routes, applies
+capacity, and hands an executor the routed experts' work::
+
+    y, extras = executor(experts, x, result, width_mask=mask, capacity=C)
+
+    y[t] = sum_{k : valid, id < E} weights[t, k] * FFN_{id[t, k]}(x[t])
+
+``experts`` is the topology's expert pytree (``w_gate``/``w_up``/``w_down``
+[E, d, f] / [E, f, d]); ``result`` the routing after capacity (dropped
+slots already invalid); ``width_mask`` f32[E, f] zeroes padded hidden units
+of heterogeneous experts (None: equal widths); ``capacity`` is C when the
+layer drops (an executor may size buffers by it). ``extras`` is a dict of
+execution statistics the layer returns under ``aux['execution']`` (empty
+for the local executors; device loads and communication bytes for the
+expert-parallel one, :mod:`moejax.execution.parallel`).
+
+An executor never routes, never drops and never computes losses: like
+vmoe's dispatcher objects, the layer does not need to know its inside, and
+a new execution strategy is a new executor, not a new layer.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Optional, Protocol
+
+import jax
+import jax.numpy as jnp
+
+from moejax.config import MoEConfig
+from moejax.execution import experts as exec_experts
+from moejax.routing.types import RoutingResult
+from moejax.topology import experts as experts_lib
+
+Params = dict[str, Any]
+
+
+class Executor(Protocol):
+  """``(experts, x[T, d], result, *, width_mask, capacity) -> (y[T, d], extras)``."""
+
+  def __call__(self, experts: Params, x: jax.Array, result: RoutingResult, *,
+               width_mask: Optional[jax.Array], capacity: Optional[int]
+               ) -> tuple[jax.Array, dict]:
+    ...
+
+
+@dataclasses.dataclass(frozen=True)
+class ReferenceExecutor:
+  """Every expert on every token, combined with the dense [T, E] gate matrix.
+
+  Obviously correct and slow: the oracle every fast executor is tested
+  against. A scan over experts keeps memory at O(T f) instead of
+  materialising the [E, T, f] hidden activations of all experts at once.
+  """
+
+  num_experts: int
+  activation: str
+
+  def __call__(self, experts, x, result, *, width_mask=None, capacity=None):
+    del capacity
+    f = experts["w_down"].shape[1]
+    masks = (jnp.ones((self.num_experts, f), x.dtype) if width_mask is None
+             else width_mask.astype(x.dtype))
+    combine = result.combine_weights()[:, : self.num_experts].T  # [E, T]
+
+    def body(y, inputs):
+      params_e, weight_e, mask_e = inputs  # weight_e: [T]
+      out = experts_lib.expert_ffn(params_e, x, self.activation, mask_e)
+      return y + weight_e[:, None].astype(out.dtype) * out, None
+
+    y, _ = jax.lax.scan(body, jnp.zeros_like(x), (experts, combine, masks))
+    return y, {}
+
+
+@dataclasses.dataclass(frozen=True)
+class LocalExecutor:
+  """Dropless on one device: permute -> grouped matmul -> unpermute.
+
+  ``backend`` names a :mod:`moejax.execution.gmm` backend (``blocked`` runs
+  the fused tile loop); ``interpret`` runs Pallas backends interpreted.
+  """
+
+  num_experts: int
+  activation: str
+  backend: str = "blocked"
+  interpret: bool = False
+
+  def __call__(self, experts, x, result, *, width_mask=None, capacity=None):
+    del capacity  # dropped slots are already invalid; the grouped matmul skips them
+    y = exec_experts.routed_experts(
+        experts, x, result, num_experts=self.num_experts, activation=self.activation,
+        backend=self.backend, width_mask=width_mask, interpret=self.interpret)
+    return y, {}
+
+
+def local_executor(cfg: MoEConfig) -> Executor:
+  """The single-device executor ``cfg.execution`` names."""
+  t, ex = cfg.topology, cfg.execution
+  if ex.backend == "reference":
+    return ReferenceExecutor(cfg.num_experts, t.activation)
+  return LocalExecutor(cfg.num_experts, t.activation, ex.backend, ex.interpret)

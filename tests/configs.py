@@ -1,0 +1,51 @@
+"""Layer configs for tests: flat topology fields plus the plane sections.
+
+``moe_config(num_experts=4, expert_width=6, routing=dict(top_k=2),
+balance=dict(aux_loss_coef=1e-2))`` builds the same MoEConfig as the
+sectioned tree ``{'topology': {...}, 'routing': {...}, 'balance': {...}}``;
+``capacity_factor`` / ``drop_priority`` go to balance and ``backend`` /
+``interpret`` to execution, so tiny hand-made cases stay one line.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from moejax.config import MoEConfig, TopologyConfig, from_dict
+
+_TOPOLOGY = {f.name for f in dataclasses.fields(TopologyConfig)}
+_SECTION = {"capacity_factor": "balance", "drop_priority": "balance", "backend": "execution",
+            "interpret": "execution"}
+
+
+def moe_config(kind: str = "sparse", *, routing=None, balance=None, execution=None,
+               **flat) -> MoEConfig:
+  tree = {"kind": kind, "topology": {}, "routing": routing or {}, "balance": balance or {},
+          "execution": execution or {}}
+  for section in ("routing", "balance", "execution"):
+    if isinstance(tree[section], dict):
+      tree[section] = dict(tree[section])
+  for key, value in flat.items():
+    if key in _TOPOLOGY:
+      tree["topology"][key] = value
+    elif key in _SECTION:
+      section = tree[_SECTION[key]]
+      if not isinstance(section, dict):  # a built section: replace one field
+        tree[_SECTION[key]] = dataclasses.replace(section, **{key: value})
+      else:
+        section[key] = value
+    else:
+      raise TypeError(f"moe_config: {key!r} is not a topology field or a section shortcut")
+  return from_dict(MoEConfig, tree)
+
+
+def replace_moe(cfg: MoEConfig, **flat) -> MoEConfig:
+  """``cfg`` with flat topology fields (and the section shortcuts) replaced."""
+  sections = {}
+  for key, value in flat.items():
+    section = "topology" if key in _TOPOLOGY else _SECTION.get(key)
+    if section is None:
+      raise TypeError(f"replace_moe: {key!r} is not a topology field or a section shortcut")
+    sections.setdefault(section, {})[key] = value
+  return dataclasses.replace(cfg, **{name: dataclasses.replace(getattr(cfg, name), **fields)
+                                     for name, fields in sections.items()})
