@@ -16,7 +16,7 @@ import typing
 from typing import Any, Mapping, Optional
 
 from moejax.config import ConfigError, ModelConfig, unwrap_optional, from_dict, to_dict
-from moejax.data import VOCAB_SIZE, DataConfig
+from moejax.data import DataConfig, check_vocab_size
 from moejax.execution.mesh import ParallelConfig, check_experts, limited_moe_config
 
 
@@ -118,10 +118,7 @@ class ExperimentConfig:
   def __post_init__(self):
     from moejax.model import check_buildable  # the model's own "valid but not built" rules
     check_buildable(self.model)
-    if self.model.vocab_size != VOCAB_SIZE:
-      raise ConfigError("model.vocab_size", self.model.vocab_size,
-                        f"the data is byte-level with {VOCAB_SIZE} token ids",
-                        f"set model.vocab_size={VOCAB_SIZE}")
+    check_vocab_size(self.model.vocab_size, self.data)  # the tokenizer's V (moejax.data)
     _check_parallel(self.parallel, self.model)
 
 
