@@ -5,12 +5,14 @@ The whole API::
     from moejax import data
     cfg = data.DataConfig(name="python_stdlib", seq_len=256, batch_size=16, seed=0)
     train = data.make_batches(cfg, "train")          # infinite, shuffled per epoch
-    batch = next(train)                              # inputs/targets/labels/segment_ids/mask
+    batch = next(train)        # inputs/targets/labels/segment_ids/mask/target_bytes
     state = train.get_state()                        # small JSON-able dict; checkpoint it
     train = data.make_batches(cfg, "train", state=state)   # resumes exactly
     for batch in data.make_batches(cfg, "validation"):     # one deterministic pass
       ...
     docs = data.get_dataset("python_stdlib", "train", data_dir)  # the Documents themselves
+    bpe = data.DataConfig(tokenizer="bpe", bpe_vocab_size=4096)  # subword tokens instead
+    data.vocab_size(bpe)                             # 4096: the model's vocab_size
 
 Token ids are bytes, vocab 256 (``tokenizer='bytes'``, the default), or
 byte-level BPE ids trained on the dataset's train split and cached under
@@ -18,9 +20,10 @@ byte-level BPE ids trained on the dataset's train split and cached under
 ``moejax/data/bpe.py``); :func:`vocab_size` says which, from the config
 alone. Id 0 separates documents (``SEPARATOR_ID``). Batches carry
 ``target_bytes``, the bytes each target stands for, so losses are reported
-per byte as well as per token. ``docs.domain_names`` says what the labels mean:
-``python_stdlib``: code, comment, docstring, string; ``synthetic_domains``:
-arithmetic, markov, copy, language; TFDS text datasets: text.
+per byte as well as per token. ``docs.domain_names`` says what the labels
+mean (one label per token): ``python_stdlib``: code, comment, docstring,
+string; ``synthetic_domains``: arithmetic, markov, copy, language; TFDS text
+datasets: text.
 """
 
 from __future__ import annotations
