@@ -256,3 +256,11 @@ def test_tiny_bpe_run_trains_end_to_end(tmp_path):
   with open(os.path.join(workdir, ckpt_lib.CONFIG_FILE)) as f:
     saved = json.load(f)["data"]
   assert (saved["tokenizer"], saved["bpe_vocab_size"]) == ("bpe", 512)
+
+
+def test_default_bpe_config_is_the_default_on_bpe_tokens():
+  from tests.train import helpers
+  default, sub = helpers.experiment("default"), helpers.experiment("default_bpe")
+  assert (sub.data.tokenizer, sub.data.bpe_vocab_size, sub.model.vocab_size) == ("bpe", 4096, 4096)
+  from moejax.config import apply_overrides
+  assert apply_overrides(sub, {"data.tokenizer": "bytes", "model.vocab_size": 256}) == default
