@@ -134,7 +134,9 @@ def _span_texts(doc: Document) -> Iterator[tuple[str, int]]:
 
 def train(docs: Documents, vocab_size: int) -> str:
   """The JSON of a byte-level BPE trained on the domain spans of ``docs`` (no caching)."""
-  from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers  # pylint: disable=g-import-not-at-top
+  # Imported here: byte-level runs never load tokenizers.
+  from tokenizers import (Tokenizer, decoders, models,  # pylint: disable=g-import-not-at-top
+                          pre_tokenizers, trainers)
   tok = Tokenizer(models.BPE())
   tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
   tok.decoder = decoders.ByteLevel()

@@ -180,9 +180,9 @@ def test_batches_carry_target_bytes():
         break
   # Subword: the table's byte lengths, 0 on padding.
   table = np.array([1, 1, 1, 2, 5], np.int32)
+  doc = data.Document(np.array([3, 4, 2], np.uint16), np.zeros(3, np.uint8))
   sub = Documents(name="t", split="validation", domain_names=("x",), length=1,
-                  get=lambda i: data.Document(np.array([3, 4, 2], np.uint16), np.zeros(3, np.uint8)),
-                  vocab_size=5, token_bytes=table)
+                  get=lambda i: doc, vocab_size=5, token_bytes=table)
   (batch,) = data.make_batch_iterator(sub, seq_len=2, batch_size=2, train=False)
   # Stream 0 3 4 2: rows [0 3 4] and [4 2 (pad)].
   np.testing.assert_array_equal(batch["targets"], [[3, 4], [2, 0]])
