@@ -27,6 +27,8 @@ setup(
         "importlib_resources",
         # Ablation summaries write PNG plots (experiments.ablate).
         "matplotlib>=3.8",
+        # data.tokenizer='bpe': byte-level BPE trained on the corpus (moejax/data/bpe.py).
+        "tokenizers>=0.21",
     ],
     extras_require={
         "test": ["pytest>=8.0", "pytest-xdist>=3.5", "hypothesis>=6.100",

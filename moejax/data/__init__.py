@@ -1,35 +1,44 @@
-"""moejax.data: byte-level datasets, domain labels, packed resumable batches.
+"""moejax.data: byte-level or subword datasets, domain labels, packed resumable batches.
 
 The whole API::
 
     from moejax import data
     cfg = data.DataConfig(name="python_stdlib", seq_len=256, batch_size=16, seed=0)
     train = data.make_batches(cfg, "train")          # infinite, shuffled per epoch
-    batch = next(train)                              # inputs/targets/labels/segment_ids/mask
+    batch = next(train)        # inputs/targets/labels/segment_ids/mask/target_bytes
     state = train.get_state()                        # small JSON-able dict; checkpoint it
     train = data.make_batches(cfg, "train", state=state)   # resumes exactly
     for batch in data.make_batches(cfg, "validation"):     # one deterministic pass
       ...
     docs = data.get_dataset("python_stdlib", "train", data_dir)  # the Documents themselves
+    bpe = data.DataConfig(tokenizer="bpe", bpe_vocab_size=4096)  # subword tokens instead
+    data.vocab_size(bpe)                             # 4096: the model's vocab_size
 
-Token ids are bytes, vocab 256; byte 0 separates documents
-(``SEPARATOR_ID``). ``docs.domain_names`` says what the labels mean:
-``python_stdlib``: code, comment, docstring, string; ``synthetic_domains``:
-arithmetic, markov, copy, language; TFDS text datasets: text.
+Token ids are bytes, vocab 256 (``tokenizer='bytes'``, the default), or
+byte-level BPE ids trained on the dataset's train split and cached under
+``data_dir`` (``tokenizer='bpe'``, vocab ``bpe_vocab_size``; see
+``moejax/data/bpe.py``); :func:`vocab_size` says which, from the config
+alone. Id 0 separates documents (``SEPARATOR_ID``). Batches carry
+``target_bytes``, the bytes each target stands for, so losses are reported
+per byte as well as per token. ``docs.domain_names`` says what the labels
+mean (one label per token): ``python_stdlib``: code, comment, docstring,
+string; ``synthetic_domains``: arithmetic, markov, copy, language; TFDS text
+datasets: text.
 """
 
 from __future__ import annotations
 
 from typing import Optional
 
-from moejax.data.config import BUILTIN_NAMES, DataConfig
+from moejax.data.config import (BUILTIN_NAMES, TOKENIZERS, DataConfig, check_vocab_size,
+                                vocab_size)
 from moejax.data.datasets import (BUILTIN_DATASETS, DatasetUnavailableError, available_datasets,
                                   builtin_builder, get_dataset, resolve_data_dir)
 from moejax.data.documents import SEPARATOR_ID, VOCAB_SIZE, Document, Documents
 from moejax.data.labels import (CODE, COMMENT, DOCSTRING, PYTHON_DOMAINS, STRING, LabelError,
                                 label_python_source, label_spans)
 from moejax.data.packing import BatchIterator, make_batch_iterator
-from moejax.data.stats import byte_counts, domain_fractions, unigram_cross_entropy
+from moejax.data.stats import byte_counts, domain_fractions, token_counts, unigram_cross_entropy
 from moejax.data.stdlib import PythonStdlib, StdlibConfig
 from moejax.data.synthetic import SYNTHETIC_DOMAINS, SyntheticConfig, SyntheticDomains
 
@@ -37,11 +46,49 @@ from moejax.data.synthetic import SYNTHETIC_DOMAINS, SyntheticConfig, SyntheticD
 def load_documents(cfg: DataConfig, split: str) -> Documents:
   """The documents of ``split`` of the dataset ``cfg`` names.
 
+  With ``cfg.tokenizer='bpe'`` they are BPE tokens (one label per token);
+  the first call trains the tokenizer on ``cfg.train_split`` and caches it,
+  and each split's encoding, under ``data_dir``.
+
   Raises DatasetUnavailableError (absent TFDS dataset, unknown split) before
   any batch is built.
   """
+  docs = _raw_documents(cfg, split)
+  if cfg.tokenizer == "bytes":
+    return docs
+  from moejax.data import bpe  # pylint: disable=g-import-not-at-top
+  data_dir = resolve_data_dir(cfg.data_dir)
+  return bpe.encoded_split(data_dir, docs, load_tokenizer(cfg))
+
+
+def _raw_documents(cfg: DataConfig, split: str) -> Documents:
   return get_dataset(cfg.name, split, cfg.data_dir, config=cfg.builder_config(),
                      download=cfg.download, text_key=cfg.text_key)
+
+
+def load_tokenizer(cfg: DataConfig):
+  """The :class:`moejax.data.bpe.BpeTokenizer` of ``cfg`` (``tokenizer='bpe'`` only).
+
+  Trained on ``cfg.train_split`` on first use, then read from the cache.
+  """
+  if cfg.tokenizer != "bpe":
+    raise ValueError(f"data.tokenizer={cfg.tokenizer!r} has no trained vocabulary; "
+                     f"load_tokenizer needs data.tokenizer='bpe'")
+  from moejax.data import bpe  # pylint: disable=g-import-not-at-top
+  return bpe.load_or_train(resolve_data_dir(cfg.data_dir), _raw_documents(cfg, cfg.train_split),
+                           cfg.bpe_vocab_size)
+
+
+def tokenizer_identity(cfg: DataConfig) -> dict:
+  """What a result records to name its tokenizer (trains the BPE if not cached yet).
+
+  ``{"tokenizer": "bytes"}``, or for BPE the configured and trained vocab
+  sizes and the SHA-256 of the tokenizer file.
+  """
+  if cfg.tokenizer == "bytes":
+    return {"tokenizer": "bytes"}
+  from moejax.data import bpe  # pylint: disable=g-import-not-at-top
+  return bpe.tokenizer_identity(load_tokenizer(cfg))
 
 
 def make_batches(cfg: DataConfig, split: str, *, train: Optional[bool] = None,
@@ -69,7 +116,9 @@ __all__ = [
     "BUILTIN_DATASETS", "BUILTIN_NAMES", "BatchIterator", "CODE", "COMMENT", "DOCSTRING",
     "DataConfig", "DatasetUnavailableError", "Document", "Documents", "LabelError",
     "PYTHON_DOMAINS", "PythonStdlib", "SEPARATOR_ID", "STRING", "SYNTHETIC_DOMAINS",
-    "StdlibConfig", "SyntheticConfig", "SyntheticDomains", "VOCAB_SIZE", "available_datasets",
-    "builtin_builder", "byte_counts", "domain_fractions", "get_dataset", "label_python_source", "label_spans", "load_documents",
-    "make_batch_iterator", "make_batches", "resolve_data_dir", "unigram_cross_entropy",
+    "StdlibConfig", "SyntheticConfig", "SyntheticDomains", "TOKENIZERS", "VOCAB_SIZE",
+    "available_datasets", "builtin_builder", "byte_counts", "check_vocab_size",
+    "domain_fractions", "get_dataset", "label_python_source", "label_spans", "load_documents",
+    "load_tokenizer", "make_batch_iterator", "make_batches", "resolve_data_dir",
+    "token_counts", "tokenizer_identity", "unigram_cross_entropy", "vocab_size",
 ]

@@ -13,9 +13,13 @@ import os
 import re
 from typing import Optional
 
-from moejax.config import ConfigError
+from moejax.config import ConfigError, check_choice
 
 BUILTIN_NAMES = ("python_stdlib", "synthetic_domains")
+TOKENIZERS = ("bytes", "bpe")
+BYTE_VOCAB_SIZE = 256        # == documents.VOCAB_SIZE (not imported: config stays TFDS-free)
+BPE_MIN_VOCAB_SIZE = 257     # the separator and the 256 bytes, before any merge
+BPE_MAX_VOCAB_SIZE = 65536   # ids are stored as uint16
 # 'dataset', 'dataset/config', 'dataset:1.0.0', 'dataset/config:1.0.0' (TFDS).
 _TFDS_NAME = re.compile(r"^[a-zA-Z]\w*(/[\w+\-.]+)?(:\d+\.\d+\.\d+)?$")
 
@@ -42,6 +46,13 @@ class DataConfig:
       files in validation, take the test suites too.
     synthetic_*: ``synthetic_domains`` only (ignored otherwise): corpus seed
       (fixes every byte), document counts, document size range in bytes.
+    tokenizer: ``bytes`` (default: token ids are the UTF-8 bytes, vocab
+      256) or ``bpe``: a byte-level BPE vocabulary trained once on this
+      dataset's ``train_split`` and cached under ``data_dir``
+      (``moejax/data/bpe.py``). The model's ``vocab_size`` must equal
+      :func:`vocab_size` of this config.
+    bpe_vocab_size: ``bpe`` only (ignored otherwise): V, the vocabulary size
+      (separator + 256 bytes + merges); the model's ``vocab_size``.
   """
 
   name: str = "python_stdlib"
@@ -61,6 +72,8 @@ class DataConfig:
   synthetic_val_docs: int = 200
   synthetic_min_doc_bytes: int = 256
   synthetic_max_doc_bytes: int = 2048
+  tokenizer: str = "bytes"
+  bpe_vocab_size: int = 4096
 
   def __post_init__(self, path: str = "data"):
     for f in ("seq_len", "batch_size", "synthetic_train_docs", "synthetic_val_docs",
@@ -85,6 +98,14 @@ class DataConfig:
     if self.train_split == self.eval_split:
       raise ConfigError(f"{path}.eval_split", self.eval_split, "equals train_split",
                         "evaluate on a held-out split, e.g. 'validation' or 'test'")
+    check_choice(f"{path}.tokenizer", self.tokenizer, TOKENIZERS)
+    v = self.bpe_vocab_size
+    if (not isinstance(v, int) or isinstance(v, bool)
+        or not BPE_MIN_VOCAB_SIZE <= v <= BPE_MAX_VOCAB_SIZE):
+      raise ConfigError(f"{path}.bpe_vocab_size", v,
+                        f"must be an int in [{BPE_MIN_VOCAB_SIZE}, {BPE_MAX_VOCAB_SIZE}] (the "
+                        f"separator and 256 bytes, plus merges; ids are uint16)",
+                        "use a few thousand, e.g. 4096")
     self._check_name(path)
 
   def _check_name(self, path: str) -> None:
@@ -129,3 +150,25 @@ class DataConfig:
                                   self.synthetic_val_docs, self.synthetic_min_doc_bytes,
                                   self.synthetic_max_doc_bytes)
     return None
+
+
+def vocab_size(cfg: DataConfig) -> int:
+  """V, the number of token ids the data of ``cfg`` uses: the model's ``vocab_size``.
+
+  Known from the config alone (nothing is trained or read): 256 for
+  ``bytes``; ``bpe_vocab_size`` for ``bpe`` (a tokenizer trained on a corpus
+  too small to fill it leaves the top ids unused).
+  """
+  return cfg.bpe_vocab_size if cfg.tokenizer == "bpe" else BYTE_VOCAB_SIZE
+
+
+def check_vocab_size(model_vocab_size: int, cfg: DataConfig) -> None:
+  """ConfigError on ``model.vocab_size`` unless it equals :func:`vocab_size` of ``cfg``."""
+  want = vocab_size(cfg)
+  if model_vocab_size == want:
+    return
+  given = (f"data.tokenizer='bpe' with bpe_vocab_size={cfg.bpe_vocab_size}"
+           if cfg.tokenizer == "bpe" else f"data.tokenizer={cfg.tokenizer!r}")
+  raise ConfigError("model.vocab_size", model_vocab_size,
+                    f"the data has {want} token ids ({given})",
+                    f"set model.vocab_size={want} for {given}")

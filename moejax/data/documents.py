@@ -9,6 +9,11 @@ keeps ``ModelConfig.vocab_size = 256`` and needs no extra id.
 
 A dataset's domain labels are small ints indexing its ``domain_names``; every
 byte of a document carries one (uint8[L]).
+
+Subword documents (``DataConfig.tokenizer='bpe'``, ``moejax/data/bpe.py``)
+have the same shape with BPE ids (uint16) in place of bytes, one label per
+token, ``vocab_size`` V and ``token_bytes`` (how many bytes each id stands
+for), so that losses can be reported per byte as well as per token.
 """
 
 from __future__ import annotations
@@ -45,6 +50,9 @@ class Documents:
     get: ``i -> Document`` for ``0 <= i < N``, in the split's fixed order.
     metadata: what the dataset recorded about itself (Python version, file
       counts, seed, ...); plain JSON-able values.
+    vocab_size: V, token ids lie in [0, V).
+    token_bytes: int32[V], the bytes each token id stands for (the separator
+      counts 1, as byte 0 does); None means one byte per id (byte level).
   """
 
   name: str
@@ -53,6 +61,14 @@ class Documents:
   length: int
   get: Callable[[int], Document]
   metadata: dict = dataclasses.field(default_factory=dict)
+  vocab_size: int = VOCAB_SIZE
+  token_bytes: Optional[np.ndarray] = None
+
+  def bytes_per_token(self) -> np.ndarray:
+    """int32[V] the bytes each token id stands for (all ones at byte level)."""
+    if self.token_bytes is None:
+      return np.ones(self.vocab_size, np.int32)
+    return np.asarray(self.token_bytes, np.int32)
 
   def __len__(self) -> int:
     return self.length
@@ -67,11 +83,11 @@ class Documents:
 
   @functools.cached_property
   def lengths(self) -> np.ndarray:
-    """int64[N] bytes per document; reads every document once, then cached."""
+    """int64[N] tokens (bytes, at byte level) per document; reads every document once, then cached."""
     return np.fromiter((len(d.tokens) for d in self), np.int64, count=self.length)
 
   def num_tokens(self) -> int:
-    """Total bytes over all documents."""
+    """Total tokens (bytes, at byte level) over all documents."""
     return int(self.lengths.sum())
 
   @classmethod

@@ -55,6 +55,10 @@ class BatchIterator:
       *inputs* of a row belong to (a separator belongs to the document it
       opens); 0 on padding. For document-masked attention if wanted.
     mask: bool[B/P, S] False only where the target is padding.
+    target_bytes: int32[B/P, S] the bytes each target stands for
+      (``Documents.bytes_per_token``: 1 at byte level, the separator 1, a
+      BPE token its UTF-8 length), 0 on padding; a loss summed over targets
+      divided by its sum is nats per byte.
   """
 
   def __init__(self, docs: Documents, seq_len: int, batch_size: int, *, seed: int = 0,
@@ -71,6 +75,7 @@ class BatchIterator:
     local = batch_size // process_count
     self._rows = range(process_index * local, (process_index + 1) * local)
     self._stream_lens = docs.lengths + 1
+    self._token_bytes = docs.bytes_per_token()
     self.num_tokens = int(self._stream_lens.sum())
     if train:
       self.lane_len = self.num_tokens // batch_size
@@ -182,6 +187,7 @@ class BatchIterator:
       out["inputs"][i], out["targets"][i] = tokens[:S], tokens[1:]
       out["labels"][i], out["segment_ids"][i] = labels[1:], segs[:S]
       out["mask"][i, :n_targets] = True
+    out["target_bytes"] = self._token_bytes[out["targets"]] * out["mask"]
     self.step += 1
     return out
 

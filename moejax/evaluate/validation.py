@@ -8,6 +8,10 @@ controller update) that returns per-batch *sums*; :func:`evaluate` adds them
 over the batches on device and reads them back once:
 
 - ``loss``: masked cross-entropy, nats per target token over the pass;
+- ``loss_per_byte``: the same total nats divided by the UTF-8 bytes the
+  scored targets stand for (the batch's ``target_bytes``; absent, one byte
+  per token), so byte-level and subword runs compare; equal to ``loss`` at
+  byte level; ``bits_per_byte`` is it over ln 2, and ``bytes`` the count;
 - ``max_vio_global``: MaxVio of the load summed over the whole pass
   (a :class:`~moejax.balance.metrics.MaxVioAccumulator` per MoE layer), mean
   over layers, and ``layer_<i>/max_vio_global``;
@@ -39,7 +43,7 @@ Batch = dict[str, Any]
 def make_eval_step(graphdef, model_cfg: ModelConfig, num_domains: int) -> Callable:
   """jitted ``eval_step(params, router_state, other, batch) -> sums``.
 
-  sums: ``ce_sum`` f32[], ``count`` f32[], and per MoE layer with a routing
+  sums: ``ce_sum`` f32[], ``count`` f32[], ``bytes`` f32[], and per MoE layer with a routing
   decision ``load/<layer>`` f32[E] and ``joint/<layer>`` f32[E_r, D].
   """
   moe = model_cfg.moe
@@ -49,6 +53,8 @@ def make_eval_step(graphdef, model_cfg: ModelConfig, num_domains: int) -> Callab
     logits, aux = model(batch["inputs"], train=False)
     _, ce_sum, count = masked_cross_entropy(logits, batch["targets"], batch["mask"])
     out = {"ce_sum": ce_sum, "count": count}
+    target_bytes = batch.get("target_bytes", batch["mask"])
+    out["bytes"] = jnp.sum(jnp.where(batch["mask"], target_bytes, 0).astype(jnp.float32))
     for name, layer in aux["moe"].items():
       if "expert_ids" not in layer:
         continue  # soft / PEER layers have no token -> expert decision
@@ -76,6 +82,9 @@ def evaluate(eval_step: Callable, params, router_state, other, batches: Iterable
   totals = jax.device_get(totals)
   out: dict[str, float] = {"loss": float(totals["ce_sum"] / max(totals["count"], 1.0)),
                            "tokens": float(totals["count"])}
+  out["loss_per_byte"] = float(totals["ce_sum"] / max(totals["bytes"], 1.0))
+  out["bits_per_byte"] = out["loss_per_byte"] / float(np.log(2.0))
+  out["bytes"] = float(totals["bytes"])
   vio, mi, mi_norm = [], [], []
   for key in sorted(k for k in totals if k.startswith("joint/")):
     name = key.split("/", 1)[1]

@@ -18,7 +18,7 @@ from typing import Any, Mapping, Optional
 from moejax.config import (ConfigError, ModelConfig, ParallelConfig, check_count, check_experts,
                            check_fraction, check_number, check_positive, from_dict,
                            resolve_route_limit, to_dict, unwrap_optional)
-from moejax.data import VOCAB_SIZE, DataConfig
+from moejax.data import DataConfig, check_vocab_size
 from moejax.model import check_buildable, dense_twin
 
 
@@ -131,10 +131,7 @@ class ExperimentConfig:
       raise ConfigError("train.microbatches", self.train.microbatches,
                         f"does not divide data.batch_size={self.data.batch_size}",
                         "pick a divisor of the batch size")
-    if self.model.vocab_size != VOCAB_SIZE:
-      raise ConfigError("model.vocab_size", self.model.vocab_size,
-                        f"the data is byte-level with {VOCAB_SIZE} token ids",
-                        f"set model.vocab_size={VOCAB_SIZE}")
+    check_vocab_size(self.model.vocab_size, self.data)  # the tokenizer's V (moejax.data)
     _check_parallel(self.parallel, self.model)
 
 
