@@ -7,7 +7,8 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from moejax.config import ModelConfig, MoEConfig, RouterConfig
+from moejax.config import ModelConfig
+from tests.configs import moe_config
 from moejax.evaluate.validation import evaluate, make_eval_step
 from moejax.model import Transformer
 from moejax.train.step import split_model
@@ -18,7 +19,7 @@ V = 8
 @pytest.fixture(scope="module")
 def tiny():
   cfg = ModelConfig(vocab_size=V, d_model=16, n_layers=1, n_heads=2, dense_ff_width=32,
-                    moe=MoEConfig(num_experts=4, expert_width=16, router=RouterConfig(top_k=2)))
+                    moe=moe_config(num_experts=4, expert_width=16, routing=dict(top_k=2)))
   model = Transformer(cfg, rngs=nnx.Rngs(0))
   graphdef, params, router_state, other = split_model(model)
   step = make_eval_step(graphdef, cfg, num_domains=2)
