@@ -232,6 +232,7 @@ def _train_runs(suite, workdir, b, plan, train_fn, analyse_runs, say, out) -> di
   todo = [rel for _, _, rel in runs if plan[rel] != "finished"]
   steps = {rel: arm.experiment.train.steps for arm, _, rel in runs}
   overhead: list[float] = []   # seconds per trained run outside its training steps
+  walls: list[float] = []      # wall seconds per trained run
   for i, (arm, seed, rel) in enumerate(runs):
     exp = _seeded(arm.experiment, seed)
     path = os.path.join(workdir, rel)
@@ -246,7 +247,9 @@ def _train_runs(suite, workdir, b, plan, train_fn, analyse_runs, say, out) -> di
     # analysis time of the runs done so far for this one and each after it.
     eta = (sum(steps[r] for r in after),
            sum(overhead) / len(overhead) * (len(after) + 1) if overhead else 0.0)
-    say(f"{tag}: training ({arm.name}, seed {seed}); {len(after)} more run(s) after it")
+    left = (f", suite ETA {metrics_log.format_duration(np.mean(walls) * (len(after) + 1))}"
+            if walls else "")
+    say(f"{tag}: training ({arm.name}, seed {seed}); {len(after)} more run(s) after it{left}")
     t0 = time.perf_counter()
     summary = train_fn(exp, path, out, eta)
     res = {"suite": suite.name, "arm": arm.name, "seed": seed, "run": rel,
@@ -260,6 +263,7 @@ def _train_runs(suite, workdir, b, plan, train_fn, analyse_runs, say, out) -> di
     res["experiment"] = json.loads(experiment_to_json(exp))
     _write_json(os.path.join(path, RESULT_FILE), res)  # last: marks the run finished
     results[rel] = res
+    walls.append(res["wall_seconds"])
     trained = (summary or {}).get("train_seconds") or 0.0
     overhead.append(max(res["wall_seconds"] - trained, 0.0))
     say(f"{tag}: done in {res['wall_seconds']:.0f}s, val loss {res.get('val_loss')}; "

@@ -237,14 +237,14 @@ def train(cfg: ExperimentConfig, workdir: str, *, out: TextIO = sys.stdout,
       step = _run(cfg, workdir, graphdef, tx, restored, train_it, val_docs, ckpt, writer,
                   progress, say, layout)
     except guard.NonFiniteError as e:
-      ckpt_lib.append_history(workdir, "stopped", reason=str(e).split(":")[0],
+      _history(workdir, "stopped", reason=str(e).split(":")[0],
                               train_seconds=progress.train_seconds)
       raise
     finally:
       ckpt.wait()
       ckpt.close()
       writer.close()
-    ckpt_lib.append_history(workdir, "end", step=step, train_seconds=progress.train_seconds)
+    _history(workdir, "end", step=step, train_seconds=progress.train_seconds)
   return report(workdir, _summary(workdir), say)
 
 
@@ -261,7 +261,7 @@ def _record_start(workdir, cfg, plan, restored, say) -> None:
       say(f"{workdir}: no checkpoint was written before it stopped; starting the run again "
           f"with this config")
     ckpt_lib.write_config(workdir, cfg)
-    ckpt_lib.append_history(workdir, "start", step=0, steps=cfg.train.steps)
+    _history(workdir, "start", step=0, steps=cfg.train.steps)
     return
   for change in plan.changes:
     say(f"resuming with a changed execution / logging setting: {change}")
@@ -275,9 +275,14 @@ def _record_start(workdir, cfg, plan, restored, say) -> None:
   if restored.skipped:
     fields["skipped"] = [f"{s}: {why}" for s, why in restored.skipped]
   if plan.extend_from is not None:
-    ckpt_lib.append_history(workdir, "extend", step=restored.step,
+    _history(workdir, "extend", step=restored.step,
                             steps=[plan.extend_from, cfg.train.steps])
-  ckpt_lib.append_history(workdir, "resume", **fields)
+  _history(workdir, "resume", **fields)
+
+
+def _history(workdir: str, event: str, **fields) -> None:
+  if jax.process_index() == 0:  # one line per event, not one per process
+    ckpt_lib.append_history(workdir, event, **fields)
 
 
 def _summary(workdir: str) -> dict:
@@ -369,6 +374,8 @@ def _run(cfg, workdir, graphdef, tx, restored, train_it, val_docs, ckpt, writer,
     host = [{k: float(v) for k, v in m.items()} for m in jax.device_get(pending)]
     pending = []
     _check_rows(host, step, ckpt, workdir)
+    if ckpt_now:  # before the evaluation, so a non-finite state is never evaluated or saved
+      _check_state(state.checkpoint_tree(), step, ckpt, workdir)
     window.extend(host)
     if log_now:
       now = time.perf_counter()
@@ -400,9 +407,7 @@ def _run(cfg, workdir, graphdef, tx, restored, train_it, val_docs, ckpt, writer,
       excluded += time.perf_counter() - t_eval
     if ckpt_now:
       t_ckpt = time.perf_counter()
-      tree = state.checkpoint_tree()
-      _check_state(tree, step, ckpt, workdir)
-      ckpt.save(step, tree, {**train_it.get_state(), WINDOW_KEY: window})
+      ckpt.save(step, state.checkpoint_tree(), {**train_it.get_state(), WINDOW_KEY: window})
       excluded += time.perf_counter() - t_ckpt
 
   ckpt.wait()

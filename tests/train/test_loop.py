@@ -117,7 +117,7 @@ def test_workdir_of_another_model_is_refused_untouched(tiny_run, data_dir):
   cfg, workdir, _, _ = tiny_run
   before = helpers.snapshot(workdir)
   other = helpers.experiment("tiny", data_dir, model__d_model=64)
-  with pytest.raises(ckpt_lib.WorkdirError, match=r"model\.d_model: 32 -> 64"):
+  with pytest.raises(ckpt_lib.WorkdirError, match=r"model\.d_model: stored 32, requested 64"):
     loop.train(other, workdir, out=io.StringIO())
   other_data = helpers.experiment("tiny", data_dir, data__seq_len=16)
   with pytest.raises(ckpt_lib.WorkdirError, match=r"data\.seq_len"):
@@ -157,5 +157,5 @@ def test_changed_logging_config_resumes_and_is_reported(tiny_copy, data_dir):
   with open(os.path.join(workdir, ckpt_lib.CONFIG_FILE)) as f:
     assert json.load(f)["train"]["log_every"] == 10  # an unfinished run trains on under it
   history = ckpt_lib.read_history(workdir)
-  assert history[-2]["event"] == "resume" and history[-2]["changes"] == [
-      "train.log_every: 5 -> 10"]
+  assert history[-2]["event"] == "resume"
+  assert "train.log_every: 5 -> 10" in history[-2]["changes"]
