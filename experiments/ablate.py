@@ -11,49 +11,95 @@ after a kill resumes: finished arms are skipped, a half-trained arm resumes
 from its checkpoint.
 
 Overrides reach the suite tree: ``--config.base.train.steps=50`` (every arm),
-``--config.seeds='(0,1)'``. ``--budget_only`` prints and checks the budget and
-exits.
+``--config.seeds='(0,1)'``. A changed config that would relabel results
+already in ``DIR`` (e.g. more steps on a finished suite) is refused before
+anything is written; ``--extend`` trains the extra steps instead. A ``DIR``
+in use by another ``experiments.ablate`` is refused (``DIR/run.lock``).
+
+``--budget_only`` prints and checks the budget and exits; ``--dry_run`` also
+checks every run's directory and says what would happen to it (new, resumed,
+finished), writing nothing; ``--print_config`` prints the suite with its
+resolved base experiment (every field) and each arm's changes to it, as JSON.
 """
 
 from __future__ import annotations
 
+import json
 import sys
 
-from absl import app, flags, logging
+from absl import app, flags
 from ml_collections import config_flags
+
+from experiments import cli
 
 _CONFIG = config_flags.DEFINE_config_file(
     "config", None, "Suite file (configs/ablations/*.py).", lock_config=False)
 _WORKDIR = flags.DEFINE_string("workdir", None, "Suite results directory.")
 _BUDGET_ONLY = flags.DEFINE_bool("budget_only", False, "Print and check the budget table, "
                                  "then exit without training.")
+_DRY_RUN = flags.DEFINE_bool("dry_run", False, "Check the budget and every run directory, "
+                             "print what would happen; write nothing.")
+_PRINT_CONFIG = flags.DEFINE_bool("print_config", False, "Print the resolved suite (base "
+                                  "experiment with every default, each arm's changes) as JSON "
+                                  "and exit.")
+_EXTEND = flags.DEFINE_bool("extend", False, "Let runs grow train.steps (e.g. "
+                            "--config.base.train.steps=600 on a finished suite) and train the "
+                            "extra steps; recorded in each run's history.jsonl.")
 flags.mark_flags_as_required(["config"])
+
+
+def resolved_suite(tree, suite) -> dict:
+  """The suite as JSON: its fields, the resolved base experiment, each arm's changes."""
+  # pylint: disable=g-import-not-at-top
+  from moejax.config import to_dict
+  from moejax.train.config import diff, experiment_from_dict
+  base = to_dict(experiment_from_dict(tree["base"]))
+  arms = {}
+  for arm in suite.arms:
+    changes = diff(base, to_dict(arm.experiment))
+    arms[arm.name] = {c.split(":", 1)[0]: c.split(": ", 1)[1].split(" -> ", 1)[1]
+                      for c in changes}
+  return {"name": suite.name, "description": suite.description, "fixed": dict(suite.fixed),
+          "seeds": list(suite.seeds), "analysis": dict(suite.analysis), "base": base,
+          "arms (changes to base: field -> value)": arms}
 
 
 def main(argv):
   if len(argv) > 1:
     raise app.UsageError(f"unexpected arguments: {argv[1:]}")
-  if not flags.FLAGS["verbosity"].present:
-    logging.set_verbosity(logging.ERROR)  # orbax warns on every read-only restore
-  from moejax.ablation import runner, suite as suite_lib  # pylint: disable=g-import-not-at-top
-  from moejax.ablation.budget import BudgetError  # pylint: disable=g-import-not-at-top
-  from moejax.config import ConfigError  # pylint: disable=g-import-not-at-top
-  from moejax.data import DatasetUnavailableError  # pylint: disable=g-import-not-at-top
-  from moejax.train import loop  # pylint: disable=g-import-not-at-top
-  from moejax.train.checkpoint import WorkdirError  # pylint: disable=g-import-not-at-top
+  cli.quiet_logs()
+  tree = cli.config_tree(_CONFIG)
+  # pylint: disable=g-import-not-at-top
+  from moejax.ablation import runner, suite as suite_lib
+  from moejax.ablation.budget import BudgetError
+  from moejax.config import ConfigError
+  from moejax.data import DatasetUnavailableError
+  from moejax.train import guard
+  from moejax.train.checkpoint import WorkdirError
   try:
-    suite = suite_lib.suite_from_dict(_CONFIG.value)
+    suite = suite_lib.suite_from_dict(tree)
+    if _PRINT_CONFIG.value:
+      print(json.dumps(resolved_suite(tree, suite), indent=2, default=list))
+      return
     if _BUDGET_ONLY.value:
       runner.check_suite(suite)
       return
+    if _DRY_RUN.value:
+      runner.check_suite(suite)
+      if _WORKDIR.value:
+        for rel, what in runner.plan_suite(suite, _WORKDIR.value, _EXTEND.value):
+          print(f"  {rel}: {what}")
+      print("dry run: the suite is valid; nothing was written")
+      return
     if not _WORKDIR.value:
-      raise app.UsageError("--workdir is required unless --budget_only")
-    runner.run_suite(suite, _WORKDIR.value)
+      cli.fail("--workdir is required unless --budget_only, --dry_run or --print_config")
+    runner.run_suite(suite, _WORKDIR.value, extend=_EXTEND.value)
   except (ConfigError, BudgetError, DatasetUnavailableError, WorkdirError,
-          loop.NonFiniteLossError) as e:
-    print(f"error: {type(e).__name__}: {e}", file=sys.stderr, flush=True)
-    sys.exit(1)
+          guard.NonFiniteError) as e:
+    cli.fail(f"{type(e).__name__}: {e}")
+  except OSError as e:  # an unwritable path found late (disk full, permissions)
+    cli.fail(f"{type(e).__name__}: {e}")
 
 
 if __name__ == "__main__":
-  app.run(main)
+  cli.run(main)

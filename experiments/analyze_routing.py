@@ -19,12 +19,17 @@ from the HF block's output is reported next to the routing. Writes, under
 --out_dir: summary.json (per layer: MaxVio, load entropy, load,
 co-activation, parity error), trace.csv (one row per layer and token: chosen
 experts and gates), load_layer<i>.png and coactivation_layer<i>.png.
+
+Needs the interop extra (``pip install -e ".[interop]"``: torch, transformers,
+safetensors); without it the binary says so in one ``error:`` line.
 """
 
 from __future__ import annotations
 
+import importlib
 import json
 import pathlib
+import sys
 from typing import Optional, Sequence
 
 import numpy as np
@@ -111,8 +116,28 @@ def run(out_dir: str, *, model_type: Optional[str] = None, checkpoint: Optional[
   return summary
 
 
+INTEROP_INSTALL = 'pip install -e ".[interop]"'
+
+
+def missing_interop(hidden_states: bool) -> list[str]:
+  """The interop packages this invocation needs that cannot be imported."""
+  needed = ("safetensors",) if hidden_states else ("torch", "transformers", "safetensors")
+  missing = []
+  for name in needed:
+    try:
+      importlib.import_module(name)
+    except ImportError:
+      missing.append(name)
+  return missing
+
+
 def main(argv):
   del argv
+  missing = missing_interop(bool(_HIDDEN.value))
+  if missing:
+    print(f"error: analyze_routing needs the interop extra ({', '.join(missing)} not "
+          f"installed). Fix: {INTEROP_INSTALL}", file=sys.stderr, flush=True)
+    sys.exit(1)
   text = _TEXT.value
   if _TEXT_FILE.value:
     text = pathlib.Path(_TEXT_FILE.value).read_text(encoding="utf-8")

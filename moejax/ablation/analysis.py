@@ -40,25 +40,19 @@ from flax import nnx
 from moejax import data as data_lib
 from moejax.evaluate import latency as latency_lib
 from moejax.train import checkpoint as ckpt_lib
-from moejax.train import step as step_lib
+from moejax.train import load as load_lib
 from moejax.train.config import ExperimentConfig
-from moejax.train.optim import make_optimizer
 
 
 def load_model(cfg: ExperimentConfig, workdir: str, step: Optional[int] = None):
-  """(nnx model, step) restored from the run's checkpoint (the latest by default)."""
-  tx = make_optimizer(cfg.train)
-  graphdef, abstract = step_lib.abstract_state(cfg, tx)
-  steps = ckpt_lib.checkpoint_steps(workdir)
-  if not steps:
+  """(nnx model, step) restored from the run's checkpoint (the latest by default).
+
+  The checkpoint restore of :func:`moejax.load` (``moejax.train.load``), with
+  the suite's config for this run.
+  """
+  if not ckpt_lib.checkpoint_steps(workdir):
     raise FileNotFoundError(f"{workdir} has no checkpoint to analyse")
-  step = steps[-1] if step is None else step
-  ckpt = ckpt_lib.Checkpointer(workdir, cfg.train.keep_checkpoints, read_only=True)
-  try:
-    tree, _ = ckpt.restore(step, abstract.checkpoint_tree())
-  finally:
-    ckpt.close()
-  return nnx.merge(graphdef, tree["params"], tree["router_state"], tree["other"]), step
+  return load_lib.model_at(cfg, workdir, step)
 
 
 def val_batches(cfg: ExperimentConfig, num: int):

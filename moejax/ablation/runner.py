@@ -9,14 +9,24 @@ Layout of a suite directory ``DIR``::
         routing.json           per-layer loads over training, domain counts, co-activation
     DIR/summary.md, summary.csv, plots/*.png
 
-A run whose ``result.json`` exists (for the same experiment config) is
-finished and is not retrained; a run killed mid-training resumes from its own
-last checkpoint through :func:`moejax.train.loop.train`. Runs use the same
-data config (same order) and the suite's ``train.seed`` values.
+A run whose ``result.json`` exists (for the same experiment, up to the
+resume-free fields of :mod:`moejax.train.checkpoint`) is finished and is not
+retrained; a run killed mid-training resumes from its own last checkpoint
+through :func:`moejax.train.loop.train`. Runs use the same data config (same
+order) and the suite's ``train.seed`` values.
+
+Before anything is written (suite.json, budget.json), :func:`plan_suite`
+checks every run's directory: a config that would relabel finished results
+(``--config.base.train.steps=500`` on a finished suite, another learning
+rate) is refused there, naming the run and the field; ``extend=True``
+(``--extend``) trains the extra steps instead. The suite directory is
+locked while the suite runs (moejax.train.lock), each run's directory by its
+trainer.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import sys
@@ -29,6 +39,7 @@ from moejax.ablation import analysis as analysis_lib
 from moejax.ablation import budget as budget_lib
 from moejax.ablation.suite import Suite
 from moejax.train import checkpoint as ckpt_lib
+from moejax.train import lock as lock_lib
 from moejax.train import metrics_log
 from moejax.train.config import ExperimentConfig, experiment_to_json
 
@@ -53,17 +64,51 @@ def check_suite(suite: Suite, out: TextIO = sys.stdout) -> dict[str, budget_lib.
 
 
 def _seeded(exp: ExperimentConfig, seed: int) -> ExperimentConfig:
-  import dataclasses  # pylint: disable=g-import-not-at-top
   return dataclasses.replace(exp, train=dataclasses.replace(exp.train, seed=seed))
 
 
 def is_finished(run_path: str, exp: ExperimentConfig) -> bool:
+  """A result.json exists for this experiment (resume-free fields such as log_every aside)."""
   path = os.path.join(run_path, RESULT_FILE)
   if not os.path.exists(path):
     return False
   with open(path, encoding="utf-8") as f:
     res = json.load(f)
-  return res.get("experiment") == json.loads(experiment_to_json(exp))
+  saved = res.get("experiment")
+  return isinstance(saved, dict) and not ckpt_lib.identity_changes(
+      saved, json.loads(experiment_to_json(exp)))
+
+
+def plan_suite(suite: Suite, workdir: str, extend: bool = False) -> list[tuple[str, str]]:
+  """``(run, what happens)`` for every run; reads only.
+
+  Raises WorkdirError (naming the run) when a run's directory holds results
+  this suite would misdescribe, or when a directory is in use.
+  """
+  from moejax.train import loop  # pylint: disable=g-import-not-at-top
+  ckpt_lib.check_writable(workdir, "--workdir")
+  lock_lib.check_unlocked(workdir)
+  for arm in suite.arms:
+    loop.check_runnable(arm.experiment)
+  out = []
+  for arm, seed, rel in suite.runs():
+    exp, path = _seeded(arm.experiment, seed), os.path.join(workdir, rel)
+    if is_finished(path, exp):
+      out.append((rel, "finished"))
+      continue
+    lock_lib.check_unlocked(path)
+    try:
+      plan = ckpt_lib.check_workdir(path, exp, extend=extend)
+    except ckpt_lib.WorkdirError as e:
+      raise ckpt_lib.WorkdirError(f"run {rel} of suite {suite.name}: {e}") from e
+    if plan.step is None:
+      out.append((rel, "new"))
+    elif plan.finished:
+      out.append((rel, f"trained to step {plan.step}; analysis to do"))
+    else:
+      out.append((rel, f"resumes from step {plan.step}"
+                  + (f" (extended from {plan.extend_from} steps)" if plan.extend_from else "")))
+  return out
 
 
 def train_metrics(run_path: str) -> dict:
@@ -150,35 +195,63 @@ def analyse(exp: ExperimentConfig, run_path: str, options: dict, say) -> tuple[d
 
 
 def run_suite(suite: Suite, workdir: str, *, out: TextIO = sys.stdout,
-              train_fn: Optional[Callable] = None, analyse_runs: bool = True) -> dict:
-  """Checks, trains (or resumes) and summarises the suite; returns {run: result}."""
+              train_fn: Optional[Callable] = None, analyse_runs: bool = True,
+              extend: bool = False) -> dict:
+  """Checks, trains (or resumes) and summarises the suite; returns {run: result}.
+
+  ``extend``: runs may grow their ``train.steps`` (see :func:`plan_suite`).
+  """
   from moejax.ablation import summary as summary_lib  # pylint: disable=g-import-not-at-top
   if train_fn is None:
     from moejax.train import loop  # pylint: disable=g-import-not-at-top
-    train_fn = loop.train
+    # The trainer also shows the suite's ETA (the steps of the runs after this one).
+    train_fn = lambda exp, path, out, eta: loop.train(exp, path, out=out, extend=extend,
+                                                       then_steps=eta[0], then_seconds=eta[1])
+  else:
+    custom = train_fn
+    train_fn = lambda exp, path, out, eta: custom(exp, path, out=out)
   say = lambda text: print(text, file=out, flush=True)
   b = check_suite(suite, out)  # raises before anything is written
-  os.makedirs(workdir, exist_ok=True)
-  _write_json(os.path.join(workdir, "suite.json"), {
-      "name": suite.name, "description": suite.description, "fixed": dict(suite.fixed),
-      "seeds": list(suite.seeds), "analysis": dict(suite.analysis),
-      "arms": {a.name: a.overrides for a in suite.arms},
-      "arm_order": [a.name for a in suite.arms]})
-  _write_json(os.path.join(workdir, "budget.json"), {n: v.as_dict() for n, v in b.items()})
+  plan = dict(plan_suite(suite, workdir, extend))  # likewise
+  with lock_lib.WorkdirLock(workdir, say):
+    _write_json(os.path.join(workdir, "suite.json"), {
+        "name": suite.name, "description": suite.description, "fixed": dict(suite.fixed),
+        "seeds": list(suite.seeds), "analysis": dict(suite.analysis),
+        "arms": {a.name: a.overrides for a in suite.arms},
+        "arm_order": [a.name for a in suite.arms]})
+    _write_json(os.path.join(workdir, "budget.json"), {n: v.as_dict() for n, v in b.items()})
+    results = _train_runs(suite, workdir, b, plan, train_fn, analyse_runs, say, out)
+    summary_lib.write_summary(workdir, suite_name=suite.name)
+  _report_suite(workdir, say)
+  return results
+
+
+def _train_runs(suite, workdir, b, plan, train_fn, analyse_runs, say, out) -> dict:
   results = {}
   runs = list(suite.runs())
+  todo = [rel for _, _, rel in runs if plan[rel] != "finished"]
+  steps = {rel: arm.experiment.train.steps for arm, _, rel in runs}
+  overhead: list[float] = []   # seconds per trained run outside its training steps
+  walls: list[float] = []      # wall seconds per trained run
   for i, (arm, seed, rel) in enumerate(runs):
     exp = _seeded(arm.experiment, seed)
     path = os.path.join(workdir, rel)
     tag = f"[{i + 1}/{len(runs)}] {rel}"
-    if is_finished(path, exp):
+    if plan[rel] == "finished":
       say(f"{tag}: finished earlier, not retrained")
       with open(os.path.join(path, RESULT_FILE), encoding="utf-8") as f:
         results[rel] = json.load(f)
       continue
-    say(f"{tag}: training ({arm.name}, seed {seed})")
+    after = todo[todo.index(rel) + 1:]
+    # Suite ETA: the other runs' steps at this run's step time, plus the mean
+    # analysis time of the runs done so far for this one and each after it.
+    eta = (sum(steps[r] for r in after),
+           sum(overhead) / len(overhead) * (len(after) + 1) if overhead else 0.0)
+    left = (f", suite ETA {metrics_log.format_duration(np.mean(walls) * (len(after) + 1))}"
+            if walls else "")
+    say(f"{tag}: training ({arm.name}, seed {seed}); {len(after)} more run(s) after it{left}")
     t0 = time.perf_counter()
-    summary = train_fn(exp, path, out=out)
+    summary = train_fn(exp, path, out, eta)
     res = {"suite": suite.name, "arm": arm.name, "seed": seed, "run": rel,
            "budget": b[arm.name].as_dict(), "train_summary": summary,
            **train_metrics(path)}
@@ -190,10 +263,27 @@ def run_suite(suite: Suite, workdir: str, *, out: TextIO = sys.stdout,
     res["experiment"] = json.loads(experiment_to_json(exp))
     _write_json(os.path.join(path, RESULT_FILE), res)  # last: marks the run finished
     results[rel] = res
-    say(f"{tag}: done in {res['wall_seconds']:.0f}s, val loss {res.get('val_loss')}")
-  summary_lib.write_summary(workdir, suite_name=suite.name)
-  say(f"summary: {os.path.join(workdir, 'summary.md')}")
+    walls.append(res["wall_seconds"])
+    trained = (summary or {}).get("train_seconds") or 0.0
+    overhead.append(max(res["wall_seconds"] - trained, 0.0))
+    say(f"{tag}: done in {res['wall_seconds']:.0f}s, val loss {res.get('val_loss')}; "
+        f"{os.path.join(path, RESULT_FILE)}")
   return results
+
+
+def _report_suite(workdir: str, say) -> None:
+  """Prints the summary table and every output path of the suite."""
+  md = os.path.join(workdir, "summary.md")
+  if os.path.exists(md):
+    with open(md, encoding="utf-8") as f:
+      say(f.read().rstrip())
+  say(f"outputs in {workdir}:")
+  for name in ("summary.md", "summary.csv", os.path.join("plots", "metrics.png"),
+               os.path.join("plots", "curves.png"), "suite.json", "budget.json"):
+    if os.path.exists(os.path.join(workdir, name)):
+      say(f"  {os.path.join(workdir, name)}")
+  say(f"  {os.path.join(workdir, '<run>', RESULT_FILE)}, {ROUTING_FILE}, config.json, "
+      "metrics.jsonl, tensorboard/, checkpoints/ per run")
 
 
 def _write_json(path: str, obj, indent: Optional[int] = 1) -> None:

@@ -17,15 +17,25 @@ on a machine that has TensorFlow and a network, and where to put the result.
 
 Data dir: ``None`` means the TFDS default (``$TFDS_DATA_DIR`` or
 ``~/tensorflow_datasets``), where ``tfds build`` puts datasets.
+
+Failures are :class:`DatasetUnavailableError` with one clear message: a data
+dir that cannot be created, a prepared file that cannot be read (a truncated
+shard: delete the dataset's directory and it is prepared again). When stdout
+or stderr is not a terminal, preparing a built-in dataset prints one plain
+line instead of TFDS's banner and progress bars (carriage returns and
+terminal escape codes in a log file).
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import difflib
 import fcntl
 import importlib.util
+import io
 import os
+import sys
 from typing import Optional
 
 import numpy as np
@@ -75,6 +85,43 @@ def _prepare_lock(builder):
       fcntl.flock(f, fcntl.LOCK_UN)
 
 
+def _interactive() -> bool:
+  return all(getattr(stream, "isatty", lambda: False)() for stream in (sys.stdout, sys.stderr))
+
+
+@contextlib.contextmanager
+def _quiet_unless_interactive():
+  """No TFDS banner (stdout) or progress bars (stderr) in a non-interactive log."""
+  if _interactive():
+    yield
+    return
+  from tensorflow_datasets.core.utils import tqdm_utils  # pylint: disable=g-import-not-at-top
+  was = getattr(tqdm_utils, "_active", True)
+  tfds.display_progress_bar(False)
+  try:
+    with contextlib.redirect_stdout(io.StringIO()):
+      yield
+  finally:
+    tfds.display_progress_bar(was)
+
+
+def _unreadable(name: str, split: str, where: str, docs: Documents) -> Documents:
+  """``docs`` whose reads fail as one DatasetUnavailableError naming the damaged data."""
+  get = docs.get
+
+  def checked_get(i: int) -> Document:
+    try:
+      return get(i)
+    except Exception as e:  # array_record / tfrecord / zlib: a damaged or truncated file
+      raise DatasetUnavailableError(
+          f"{name}/{split}: document {i} cannot be read from {where} ({type(e).__name__}: "
+          f"{str(e).strip().splitlines()[0] if str(e).strip() else ''}); the prepared files "
+          f"are damaged (a truncated shard?). Fix: delete {where} and run again (built-in "
+          "datasets are prepared again; TFDS ones need preparing again)") from e
+
+  return dataclasses.replace(docs, get=checked_get)
+
+
 def builtin_builder(name: str, data_dir: Optional[str] = None, config=None, prepare: bool = True):
   """The built-in TFDS builder ``name``, prepared under ``data_dir`` if needed.
 
@@ -102,12 +149,21 @@ def builtin_builder(name: str, data_dir: Optional[str] = None, config=None, prep
       raise DatasetUnavailableError(f"config {config.name!r} of {base} is registered with other "
                                     f"parameters; give the custom config another name")
     config = config.name
-  builder = cls(data_dir=resolve_data_dir(data_dir), config=config,
-                                   file_format="array_record")
-  if prepare and not builder.is_prepared():
-    with _prepare_lock(builder):
-      if not builder.is_prepared():
-        builder.download_and_prepare()
+  try:
+    builder = cls(data_dir=resolve_data_dir(data_dir), config=config,
+                  file_format="array_record")
+    if prepare and not builder.is_prepared():
+      with _prepare_lock(builder):
+        if not builder.is_prepared():
+          with _quiet_unless_interactive():
+            builder.download_and_prepare()
+          if not _interactive():
+            print(f"prepared {name} ({builder.builder_config.name}) in {builder.data_dir}",
+                  flush=True)
+  except OSError as e:
+    raise DatasetUnavailableError(
+        f"cannot prepare {name} in data_dir={resolve_data_dir(data_dir)} ({type(e).__name__}: "
+        f"{e}). Fix: pass a writable --config.data.data_dir") from e
   return builder
 
 
@@ -117,8 +173,9 @@ def _documents_from_builtin(builder, name: str, split: str) -> Documents:
     raise DatasetUnavailableError(f"{name} has no split {split!r}; available: {', '.join(splits)}")
   metadata = dict(builder.info.metadata or {})
   metadata["config"] = builder.builder_config.name
-  return documents.from_data_source(builder.as_data_source(split), name, split,
+  docs = documents.from_data_source(builder.as_data_source(split), name, split,
                                     builder.DOMAIN_NAMES, metadata)
+  return _unreadable(name, split, os.fspath(builder.data_dir), docs)
 
 
 def _prepare_instructions(name: str, data_dir: str) -> str:
@@ -209,8 +266,9 @@ def _documents_from_tfds(name: str, split: str, data_dir: str, download: bool,
     return Document(tokens, np.zeros(tokens.size, np.uint8), f"{split}-{i}")
 
   metadata = {"file_format": fmt.value, "text_key": key, "version": str(info.version)}
-  return Documents(name=name, split=split, domain_names=TEXT_DOMAINS, length=len(source),
+  docs = Documents(name=name, split=split, domain_names=TEXT_DOMAINS, length=len(source),
                    get=get, metadata=metadata)
+  return _unreadable(name, split, os.fspath(builder.data_dir), docs)
 
 
 def get_dataset(name: str, split: str, data_dir: Optional[str] = None, *, config=None,

@@ -1,26 +1,44 @@
-"""The run's workdir: its config, its orbax checkpoints, and the resume checks.
+"""The run's workdir: its config, history, orbax checkpoints, and the resume checks.
 
 Layout of ``WORKDIR``::
 
-    config.json         the ExperimentConfig of the run (written once, at its start)
+    config.json         the ExperimentConfig the run's results describe
+    history.jsonl       one JSON line per start / resume / extension / end of the run
+    run.lock            while a run writes here (moejax.train.lock)
     checkpoints/<step>/ orbax: ``state`` (TrainState: params, optimizer state,
                         router state, step, PRNG key) and ``data`` (the train
-                        iterator's JSON state)
+                        iterator's JSON state and the unlogged metric rows)
+    damaged_checkpoints/<step>/  checkpoints that failed to restore, moved aside
     metrics.jsonl, tensorboard/   see moejax.train.metrics_log
 
-:func:`check_workdir` runs before anything is computed or written: a workdir
-that holds another model's run (different model or data config, or
-checkpoint shapes that do not match) is a :class:`WorkdirError` naming the
-differences, and the workdir stays as it was. Checkpoints are written
-atomically by orbax (a temporary directory renamed when complete), so a run
-killed while saving resumes from the previous complete one.
+A results directory must always describe what was trained.
+:func:`check_workdir` runs before anything is computed or written and
+decides what a config may do to an existing run:
+
+- a change of a field in :data:`RESUME_FREE_FIELDS` (where the data lives,
+  logging, evaluation and checkpoint intervals, the execution backend, the
+  device layout: how a run is executed or observed, not what it computes)
+  resumes and is reported;
+- ``train.steps`` may grow with ``extend=True`` (``--extend``): the extra
+  steps are trained and the extension is recorded in ``history.jsonl``;
+- any other change (model, data stream, optimizer, seed, fewer steps) is a
+  :class:`WorkdirError` naming the field, the stored and the requested
+  value, and the fix; the workdir stays as it was.
+
+Checkpoints are written atomically by orbax (a temporary directory renamed
+when complete), so a run killed while saving resumes from the previous
+complete one; :func:`restore_latest` falls back past damaged or non-finite
+checkpoints and says so.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import datetime
 import json
 import os
-from typing import Any, Optional
+import socket
+from typing import Any, Callable, Optional
 
 import jax
 import orbax.checkpoint as ocp
@@ -28,14 +46,57 @@ import orbax.checkpoint as ocp
 from moejax.train.config import ExperimentConfig, diff, experiment_to_json
 
 CONFIG_FILE = "config.json"
+HISTORY_FILE = "history.jsonl"
 CHECKPOINT_DIR = "checkpoints"
-# Fields that may change between a run and its resumption: where the data
-# lives, and how it is fetched, do not change what the run computes.
-_RELOCATABLE = ("data.data_dir", "data.download")
+DAMAGED_DIR = "damaged_checkpoints"
+
+# Config fields that are not part of what a run *is*: changing them on resume
+# changes how the run is executed, logged or evaluated, never the parameters
+# it computes. The one list; dotted prefixes of ExperimentConfig paths.
+BACKEND_FIELD = "model.moe.backend"                    # see moejax.execution.gmm
+BACKEND_INTERPRET_FIELD = "model.moe.backend_interpret"
+RESUME_FREE_FIELDS = (
+    "data.data_dir", "data.download",                  # where the data lives, how it is fetched
+    "train.log_every", "train.progress",               # logging
+    "train.eval_every", "train.eval_batches",          # periodic evaluation (the final one reads the whole split)
+    "train.checkpoint_every", "train.keep_checkpoints",
+    "train.nan_at_step",                               # test hook: can only stop a run
+    BACKEND_FIELD, BACKEND_INTERPRET_FIELD,            # execution backend: identical parameters
+    "parallel",                                        # device layout: same state shapes and values
+)
+# The one field that may change with an explicit extension (it grows only).
+STEPS_FIELD = "train.steps"
 
 
 class WorkdirError(RuntimeError):
   """The workdir holds a run this config cannot continue."""
+
+
+def field_value(cfg: Any, dotted: str) -> Any:
+  """The value at ``dotted`` (``model.moe.backend``) of a config, None past a None section."""
+  for part in dotted.split("."):
+    if cfg is None:
+      return None
+    cfg = getattr(cfg, part)
+  return cfg
+
+
+def _path(change: str) -> str:
+  return change.split(":", 1)[0]
+
+
+def _within(path: str, fields) -> bool:
+  return any(path == f or path.startswith(f + ".") for f in fields)
+
+
+def identity_changes(saved: dict, requested: dict) -> list[str]:
+  """The ``path: stored -> requested`` changes outside :data:`RESUME_FREE_FIELDS`."""
+  return [c for c in diff(saved, requested) if not _within(_path(c), RESUME_FREE_FIELDS)]
+
+
+def free_changes(saved: dict, requested: dict) -> list[str]:
+  """The changes inside :data:`RESUME_FREE_FIELDS` (reported on resume)."""
+  return [c for c in diff(saved, requested) if _within(_path(c), RESUME_FREE_FIELDS)]
 
 
 def checkpoint_steps(workdir: str) -> list[int]:
@@ -47,14 +108,57 @@ def checkpoint_steps(workdir: str) -> list[int]:
                 and os.path.isdir(os.path.join(root, n)))
 
 
-def check_workdir(workdir: str, cfg: ExperimentConfig) -> tuple[Optional[int], list[str]]:
-  """(latest checkpoint step or None, train/parallel config changes) of a compatible workdir.
+@dataclasses.dataclass(frozen=True)
+class ResumePlan:
+  """What :func:`check_workdir` found.
 
-  Raises WorkdirError when the saved run's model or data differ from ``cfg``.
-  Reads only.
+  Attributes:
+    step: the newest checkpoint step (None: a new run).
+    steps: every complete checkpoint step, ascending.
+    changes: the resume-free changes, ``path: stored -> requested``.
+    extend_from: the stored ``train.steps`` when the run is extended, else None.
+    finished: the newest checkpoint is at the stored final step and nothing
+      is to be trained (no extension).
+    saved: the stored config dict (None: no config.json).
   """
-  if os.path.exists(workdir) and not os.path.isdir(workdir):
-    raise WorkdirError(f"--workdir={workdir} is a file. Fix: pass a directory")
+
+  step: Optional[int]
+  steps: tuple = ()
+  changes: tuple = ()
+  extend_from: Optional[int] = None
+  finished: bool = False
+  saved: Optional[dict] = None
+
+
+def _stored_steps(saved: dict) -> Optional[int]:
+  return saved.get("train", {}).get("steps")
+
+
+def check_writable(path: str, what: str) -> None:
+  """WorkdirError unless ``path`` is, or can be created as, a writable directory."""
+  probe = os.path.abspath(path)
+  while not os.path.exists(probe):
+    parent = os.path.dirname(probe)
+    if parent == probe:
+      break
+    probe = parent
+  problem = None
+  if not os.path.isdir(probe):
+    problem = f"{probe} is a file, not a directory"
+  elif not os.access(probe, os.W_OK | os.X_OK):
+    problem = f"{probe} is not writable"
+  if problem:
+    raise WorkdirError(f"{what}={path} cannot be created or written: {problem}. Fix: pass a "
+                       "path in a writable directory")
+
+
+def check_workdir(workdir: str, cfg: ExperimentConfig, extend: bool = False) -> ResumePlan:
+  """The :class:`ResumePlan` of running ``cfg`` in ``workdir``; reads only.
+
+  Raises WorkdirError (see the module docstring) when ``cfg`` would
+  misdescribe the run already there.
+  """
+  check_writable(workdir, "--workdir")
   path = os.path.join(workdir, CONFIG_FILE)
   steps = checkpoint_steps(workdir)
   if not os.path.exists(path):
@@ -63,23 +167,50 @@ def check_workdir(workdir: str, cfg: ExperimentConfig) -> tuple[Optional[int], l
           f"{workdir} holds checkpoints (steps {steps}) but no {CONFIG_FILE}, so it cannot be "
           "checked against this config. Fix: use a new --workdir, or restore the "
           f"{CONFIG_FILE} of that run")
-    return None, []
-  with open(path, encoding="utf-8") as f:
-    saved = json.load(f)
+    return ResumePlan(step=None)
+  try:
+    with open(path, encoding="utf-8") as f:
+      saved = json.load(f)
+  except (OSError, ValueError) as e:
+    raise WorkdirError(f"{path} cannot be read ({type(e).__name__}: {e}). Fix: restore it, "
+                       "or use a new --workdir") from e
   new = json.loads(experiment_to_json(cfg))
-  changes = [c for c in diff(saved, new)
-             if not c.startswith(_RELOCATABLE)]
-  fatal = [c for c in changes if c.startswith(("model.", "data."))]
+  if not steps:
+    # Stopped before its first checkpoint: nothing it trained survives, so any
+    # config may start over here (its metric rows are dropped).
+    return ResumePlan(step=None, saved=saved, changes=tuple(diff(saved, new)))
+  fatal = identity_changes(saved, new)
+  stored, requested = _stored_steps(saved), cfg.train.steps
+  extend_from = None
+  if any(_path(c) == STEPS_FIELD for c in fatal) and isinstance(stored, int):
+    if not extend:
+      raise WorkdirError(
+          f"{workdir} holds a run of {STEPS_FIELD}={stored} (checkpoint at step {steps[-1]}); "
+          f"{STEPS_FIELD}={requested} would relabel its results. Fix: pass --extend to train "
+          f"it on to step {requested} (recorded in {HISTORY_FILE}), or use a new --workdir"
+          if requested > stored else
+          f"{workdir} holds a run of {STEPS_FIELD}={stored} (checkpoint at step {steps[-1]}); "
+          f"{STEPS_FIELD}={requested} would relabel its results. Fix: use a new --workdir for a "
+          f"shorter run (a run's steps can only grow, with --extend)")
+    if requested < stored:
+      raise WorkdirError(
+          f"{workdir}: --extend cannot shorten a run ({STEPS_FIELD} stored {stored}, requested "
+          f"{requested}). Fix: use a new --workdir for a shorter run")
+    extend_from = stored
+    fatal = [c for c in fatal if _path(c) != STEPS_FIELD]
   if fatal:
+    lines = []
+    for c in fatal:
+      where, _, values = c.partition(": ")
+      old, _, wanted = values.partition(" -> ")
+      lines.append(f"{where}: stored {old}, requested {wanted}")
     raise WorkdirError(
-        f"{workdir} holds a run of a different model or data stream; it cannot be resumed "
-        f"with this config:\n  " + "\n  ".join(f"{c} (saved -> requested)" for c in fatal)
-        + f"\nFix: use a new --workdir, or the saved config ({path}); nothing was changed in "
-        f"{workdir}")
-  # The device layout (``parallel``, absent from older config.json files) does
-  # not change the state's shapes or values, so it may change on resume too.
-  return (steps[-1] if steps else None), [c for c in changes
-                                          if c.startswith(("train.", "parallel"))]
+        f"{workdir} holds a run that this config would misdescribe (its results stay as they "
+        f"are):\n  " + "\n  ".join(lines)
+        + f"\nFix: use a new --workdir for the changed config, or run with the stored values "
+        f"({path}); nothing was changed in {workdir}")
+  return ResumePlan(step=steps[-1], steps=tuple(steps), changes=tuple(free_changes(saved, new)),
+                    extend_from=extend_from, finished=steps[-1] >= requested, saved=saved)
 
 
 def write_config(workdir: str, cfg: ExperimentConfig) -> None:
@@ -89,6 +220,28 @@ def write_config(workdir: str, cfg: ExperimentConfig) -> None:
   with open(tmp, "w", encoding="utf-8") as f:
     f.write(experiment_to_json(cfg) + "\n")
   os.replace(tmp, path)
+
+
+def append_history(workdir: str, event: str, **fields) -> None:
+  """One line of ``WORKDIR/history.jsonl``: the event, when, where, and ``fields``."""
+  row = {"event": event, "time": datetime.datetime.now().isoformat(timespec="seconds"),
+         "host": socket.gethostname(), "pid": os.getpid(), **fields}
+  with open(os.path.join(workdir, HISTORY_FILE), "a", encoding="utf-8") as f:
+    f.write(json.dumps(row) + "\n")
+
+
+def read_history(workdir: str) -> list[dict]:
+  path = os.path.join(workdir, HISTORY_FILE)
+  if not os.path.exists(path):
+    return []
+  out = []
+  with open(path, encoding="utf-8") as f:
+    for line in f:
+      try:
+        out.append(json.loads(line))
+      except ValueError:
+        continue  # a torn last line
+  return out
 
 
 def _key_name(k) -> str:
@@ -147,3 +300,83 @@ class Checkpointer:
 
   def close(self) -> None:
     self.manager.close()
+
+
+@dataclasses.dataclass(frozen=True)
+class Restored:
+  """A restored checkpoint: its step, the state tree, the data state, and what was skipped.
+
+  ``skipped``: ``(step, why)`` of the newer checkpoints that could not be used
+  (damaged files, non-finite values), newest first.
+  """
+
+  step: int
+  tree: Any
+  data_state: dict
+  skipped: tuple = ()
+
+
+def _short(e: BaseException) -> str:
+  first = (str(e).strip().splitlines() or [""])[0]
+  return f"{type(e).__name__}: {first[:160]}"
+
+
+def restore_latest(workdir: str, steps, abstract_state: Any) -> Restored:
+  """The newest of ``steps`` that restores and is finite; reads only.
+
+  A checkpoint whose metadata or arrays cannot be read (a truncated file,
+  a disk error) or whose values are not finite is skipped, newest first;
+  the caller moves the skipped ones aside (:func:`move_aside`) before it
+  writes. Raises WorkdirError when the checkpoint arrays have other shapes
+  than the model (another model), or when no checkpoint can be used.
+  """
+  from moejax.train import guard  # pylint: disable=g-import-not-at-top
+  ckpt = Checkpointer(workdir, max(len(steps), 1), read_only=True)
+  skipped = []
+  try:
+    for step in sorted(steps, reverse=True):
+      try:
+        ckpt.check_shapes(step, abstract_state)
+      except WorkdirError:
+        raise
+      except Exception as e:  # orbax / JSON / tensorstore: all mean "damaged"
+        skipped.append((step, f"damaged, its metadata cannot be read ({_short(e)})"))
+        continue
+      try:
+        tree, data_state = ckpt.restore(step, abstract_state)
+      except Exception as e:
+        skipped.append((step, f"damaged, its arrays cannot be restored ({_short(e)})"))
+        continue
+      bad = guard.nonfinite_leaves(tree)
+      if bad:
+        skipped.append((step, f"not finite ({guard.describe(bad)})"))
+        continue
+      return Restored(step, tree, data_state, tuple(skipped))
+  finally:
+    ckpt.close()
+  lines = "\n  ".join(f"step {s}: {why}" for s, why in skipped)
+  raise WorkdirError(
+      f"no checkpoint in {os.path.join(workdir, CHECKPOINT_DIR)} can be resumed:\n  {lines}\n"
+      f"Fix: use a new --workdir (or delete {os.path.join(workdir, CHECKPOINT_DIR)} to "
+      "train this run again from step 0)")
+
+
+def move_aside(workdir: str, steps) -> list[str]:
+  """Moves ``checkpoints/<step>`` to ``damaged_checkpoints/<step>``; returns the new paths.
+
+  Out of orbax's directory, so that the resumed run can write those steps again.
+  """
+  out = []
+  for step in steps:
+    src = os.path.join(workdir, CHECKPOINT_DIR, str(step))
+    if not os.path.isdir(src):
+      continue
+    dst = os.path.join(workdir, DAMAGED_DIR, str(step))
+    n = 1
+    while os.path.exists(dst):
+      dst = os.path.join(workdir, DAMAGED_DIR, f"{step}.{n}")
+      n += 1
+    os.makedirs(os.path.dirname(dst), exist_ok=True)
+    os.replace(src, dst)
+    out.append(dst)
+  return out

@@ -7,21 +7,29 @@
 
 Order of work, so that a bad run fails before it costs anything:
 
-1. read-only checks: the config (already validated), the workdir
-   (:func:`moejax.train.checkpoint.check_workdir`; checkpoint shapes against
-   the model's abstract shapes), the datasets (absent: a clear error);
-2. only then is anything written (config.json, metrics, checkpoints) or
+1. read-only checks: the config (already validated), the execution backend
+   on this platform (:func:`check_runnable`), the device layout, the
+   workdir (another live run's lock; :func:`moejax.train.checkpoint.check_workdir`:
+   a config that would misdescribe the results already there is refused),
+   the newest usable checkpoint (restored and checked finite, damaged ones
+   skipped: :func:`moejax.train.checkpoint.restore_latest`), the datasets;
+2. only then, holding the workdir's lock (:mod:`moejax.train.lock`), is
+   anything written (config.json, history.jsonl, metrics, checkpoints) or
    computed (initialisation, compilation).
 
-Every step's loss is checked for NaN/inf when metrics are next read back
-(every log, eval and checkpoint step, before the checkpoint is written): a
-non-finite loss stops the run with :class:`NonFiniteLossError`, and the
-checkpoints on disk are the last good ones.
+A run already at its final step trains nothing and writes nothing: it
+reports its final numbers from ``metrics.jsonl``.
+
+NaN / inf (:mod:`moejax.train.guard`): every step's loss and gradient norm
+are checked when metrics are next read back (every log, eval and checkpoint
+step), and the whole state (params, optimizer state, router state) before
+every checkpoint; a failure stops the run with :class:`NonFiniteLossError`
+naming the newest checkpoint on disk, which passed the same check.
 """
 
 from __future__ import annotations
 
-import math
+import contextlib
 import os
 import sys
 import time
@@ -34,18 +42,45 @@ from jax.sharding import NamedSharding, PartitionSpec
 from moejax import data as data_lib
 from moejax.config import ConfigError
 from moejax.evaluate.validation import evaluate, make_eval_step
+from moejax.execution import gmm
 from moejax.execution import mesh as mesh_lib
 from moejax.execution import parallel as parallel_lib
 from moejax.model import ExpertParallel
 from moejax.train import checkpoint as ckpt_lib
+from moejax.train import guard
+from moejax.train import lock as lock_lib
 from moejax.train import metrics_log
 from moejax.train import step as step_lib
 from moejax.train.config import ExperimentConfig
 from moejax.train.optim import make_optimizer
 
+# The former name of guard.NonFiniteError (a NaN/inf loss, gradient norm or state).
+NonFiniteLossError = guard.NonFiniteError
+# Key of the checkpoint's data item holding the metric rows logged since the
+# last train row, so a resumed run's first row averages the same steps.
+WINDOW_KEY = "unlogged_metrics"
 
-class NonFiniteLossError(FloatingPointError):
-  """The training loss became NaN or inf; the run stopped without saving after it."""
+
+def check_runnable(cfg: ExperimentConfig) -> None:
+  """ConfigError when the MoE execution backend cannot run on this platform as configured.
+
+  A Pallas backend off its platform (``pallas_tpu`` on CPU) needs the
+  interpret switch; found here, with the other validation, instead of as a
+  traceback at trace time after the workdir was written.
+  """
+  name = ckpt_lib.field_value(cfg, ckpt_lib.BACKEND_FIELD)
+  if cfg.model.moe is None or name not in gmm.BACKENDS:
+    return  # dense, or the reference backend (plain XLA everywhere)
+  interpret = bool(ckpt_lib.field_value(cfg, ckpt_lib.BACKEND_INTERPRET_FIELD))
+  try:
+    gmm.check_available(name, interpret=interpret)
+  except gmm.GmmError as e:
+    problem, _, fix = str(e).partition(". Fix: ")
+    problem = problem.split(": ", 1)[-1]
+    fix = fix.replace("pass interpret=True", f"set {ckpt_lib.BACKEND_INTERPRET_FIELD}=True")
+    fix = fix.replace("drop interpret=True", f"set {ckpt_lib.BACKEND_INTERPRET_FIELD}=False")
+    raise ConfigError(ckpt_lib.BACKEND_FIELD, name, problem,
+                      fix.replace("backend=", f"{ckpt_lib.BACKEND_FIELD}=")) from e
 
 
 def _eval_batches(cfg: ExperimentConfig, docs, put):
@@ -127,26 +162,52 @@ def _mean_rows(rows: list[dict]) -> dict[str, float]:
   return {k: float(np.mean([r[k] for r in rows])) for k in keys}
 
 
-def train(cfg: ExperimentConfig, workdir: str, *, out: TextIO = sys.stdout) -> dict:
+def train(cfg: ExperimentConfig, workdir: str, *, out: TextIO = sys.stdout,
+          extend: bool = False, then_steps: int = 0,
+          then_seconds: Optional[float] = None) -> dict:
   """Trains (or resumes) the run in ``workdir``; returns a summary dict.
 
+  Args:
+    cfg: the experiment.
+    workdir: the run's directory (see moejax.train.checkpoint).
+    out: where progress goes.
+    extend: allow ``cfg.train.steps`` above the stored run's and train the
+      extra steps (the cosine schedule is then stretched from the resumed
+      step on: not the same run as a fresh longer one).
+    then_steps / then_seconds: inside a suite, the steps of the runs after
+      this one and their other time, for the progress line's suite ETA.
+
+  Returns:
+    ``{"step", "train_loss", "val_loss", "unigram_baseline",
+    "max_vio_global" (MoE), "train_seconds"}``, read from metrics.jsonl;
+    train_seconds sums every segment of the run (history.jsonl).
+
   Raises:
-    moejax.config.ConfigError / checkpoint.WorkdirError /
+    moejax.config.ConfigError / checkpoint.WorkdirError (lock.WorkdirLockedError) /
     moejax.data.DatasetUnavailableError: before any compute or write.
-    NonFiniteLossError: the loss became NaN/inf (checkpoints before it kept).
+    guard.NonFiniteError: a NaN/inf loss, gradient norm or state (checkpoints
+    before it kept).
   """
   tc = cfg.train
   say = lambda text: print(text, file=out, flush=True)
 
   # --- 1. Read-only checks. -------------------------------------------------
+  check_runnable(cfg)
   layout = device_layout(cfg)
-  resume_step, train_changes = ckpt_lib.check_workdir(workdir, cfg)
-  tx = make_optimizer(tc)
+  lock_lib.check_unlocked(workdir)
+  plan = ckpt_lib.check_workdir(workdir, cfg, extend=extend)
+  tx = make_optimizer(tc, cfg.model)
   graphdef, abstract = step_lib.abstract_state(cfg, tx, layout.expert_parallel)
   abstract_tree = abstract.checkpoint_tree()
-  if resume_step is not None:
-    ckpt_lib.Checkpointer(workdir, tc.keep_checkpoints, read_only=True).check_shapes(
-        resume_step, abstract_tree)
+  restored = None
+  if plan.step is not None:
+    restored = ckpt_lib.restore_latest(workdir, plan.steps, abstract_tree)
+    if restored.step >= tc.steps:
+      say(f"{workdir}: finished at step {restored.step} (train.steps={tc.steps}); nothing to do "
+          "(to train on: raise --config.train.steps and pass --extend)")
+      for change in plan.changes:
+        say(f"  (not recorded: {change})")
+      return report(workdir, _summary(workdir), say)
   train_it = data_lib.make_batches(cfg.data, cfg.data.train_split,
                                    process_index=jax.process_index(),
                                    process_count=jax.process_count())
@@ -155,32 +216,117 @@ def train(cfg: ExperimentConfig, workdir: str, *, out: TextIO = sys.stdout) -> d
     raise data_lib.DatasetUnavailableError(
         f"{cfg.data.name}/{cfg.data.eval_split} is empty. Fix: pick another data.eval_split "
         "or a larger validation fraction")
-  if resume_step is not None and resume_step >= tc.steps:
-    say(f"{workdir}: checkpoint at step {resume_step} >= train.steps={tc.steps}; "
-        "nothing to do (raise --config.train.steps to continue)")
 
-  # --- 2. Write and compute. ---------------------------------------------
-  if resume_step is None or train_changes:
-    for change in train_changes:
-      say(f"resuming with a changed train/parallel config: {change}")
+  # --- 2. Write and compute, holding the workdir. ---------------------------
+  # One process of a multi-process run holds the lock for all of them.
+  locked = (lock_lib.WorkdirLock(workdir, say) if jax.process_index() == 0
+            else contextlib.nullcontext())
+  with locked:
+    if ckpt_lib.checkpoint_steps(workdir) != list(plan.steps):
+      raise ckpt_lib.WorkdirError(
+          f"{workdir} changed while this run was checking it (checkpoints {list(plan.steps)} -> "
+          f"{ckpt_lib.checkpoint_steps(workdir)}). Fix: run the same command again")
+    _record_start(workdir, cfg, plan, restored, say)
+    ckpt = ckpt_lib.Checkpointer(workdir, tc.keep_checkpoints)
+    writer = metrics_log.MetricsWriter(workdir, restored.step if restored else 0)
+    progress = metrics_log.Progress(tc.steps, out=out, enabled=tc.progress,
+                                    then_steps=then_steps, then_seconds=then_seconds)
+    try:
+      step = _run(cfg, workdir, graphdef, tx, restored, train_it, val_docs, ckpt, writer,
+                  progress, say, layout)
+    except guard.NonFiniteError as e:
+      _history(workdir, "stopped", reason=str(e).split(":")[0],
+                              train_seconds=progress.train_seconds)
+      raise
+    finally:
+      ckpt.wait()
+      ckpt.close()
+      writer.close()
+    _history(workdir, "end", step=step, train_seconds=progress.train_seconds)
+  return report(workdir, _summary(workdir), say)
+
+
+def _record_start(workdir, cfg, plan, restored, say) -> None:
+  """Moves damaged checkpoints aside, writes config.json and the history line of this start."""
+  if restored is not None and restored.skipped:
+    moved = ckpt_lib.move_aside(workdir, [s for s, _ in restored.skipped])
+    for (s, why), dst in zip(restored.skipped, moved):
+      say(f"{workdir}: checkpoint {s} is {why}; moved to {dst}")
+    say(f"{workdir}: falling back to checkpoint {restored.step}, the newest that restores and "
+        "is finite")
+  if restored is None:
+    if plan.saved is not None and plan.changes:
+      say(f"{workdir}: no checkpoint was written before it stopped; starting the run again "
+          f"with this config")
     ckpt_lib.write_config(workdir, cfg)
-  ckpt = ckpt_lib.Checkpointer(workdir, tc.keep_checkpoints)
-  writer = metrics_log.MetricsWriter(workdir, resume_step or 0)
-  try:
-    return _run(cfg, workdir, graphdef, tx, abstract_tree, resume_step, train_it, val_docs,
-                ckpt, writer, say, out, layout)
-  finally:
-    ckpt.wait()
-    ckpt.close()
-    writer.close()
+    _history(workdir, "start", step=0, steps=cfg.train.steps)
+    return
+  for change in plan.changes:
+    say(f"resuming with a changed execution / logging setting: {change}")
+  if plan.extend_from is not None:
+    say(f"{workdir}: extending the run from train.steps={plan.extend_from} to "
+        f"{cfg.train.steps} (from step {restored.step}; the learning-rate schedule now decays "
+        f"over {cfg.train.steps} steps)")
+  if plan.changes or plan.extend_from is not None:
+    ckpt_lib.write_config(workdir, cfg)  # not a finished run: it trains on under this config
+  fields = {"step": restored.step, "changes": list(plan.changes)}
+  if restored.skipped:
+    fields["skipped"] = [f"{s}: {why}" for s, why in restored.skipped]
+  if plan.extend_from is not None:
+    _history(workdir, "extend", step=restored.step,
+                            steps=[plan.extend_from, cfg.train.steps])
+  _history(workdir, "resume", **fields)
 
 
-def _run(cfg, workdir, graphdef, tx, abstract_tree, resume_step, train_it, val_docs, ckpt,
-         writer, say, out, layout) -> dict:
+def _history(workdir: str, event: str, **fields) -> None:
+  if jax.process_index() == 0:  # one line per event, not one per process
+    ckpt_lib.append_history(workdir, event, **fields)
+
+
+def _summary(workdir: str) -> dict:
+  out = {"step": None, "train_loss": None, "val_loss": None, "unigram_baseline": None}
+  out.update(metrics_log.final_values(workdir))
+  out["train_seconds"] = sum(float(h.get("train_seconds", 0.0))
+                             for h in ckpt_lib.read_history(workdir)
+                             if h.get("event") in ("end", "stopped"))
+  return out
+
+
+def _fmt(v, digits: int = 4) -> str:
+  return "n/a" if not isinstance(v, (int, float)) else f"{v:.{digits}f}"
+
+
+def report(workdir: str, summary: dict, say) -> dict:
+  """Prints the headline numbers and every output path of the run; returns ``summary``."""
+  line = (f"done: step {summary.get('step')} | train loss {_fmt(summary.get('train_loss'))} | "
+          f"val loss {_fmt(summary.get('val_loss'))} (unigram "
+          f"{_fmt(summary.get('unigram_baseline'), 3)})")
+  if summary.get("max_vio_global") is not None:
+    line += f" | MaxVio_global {_fmt(summary['max_vio_global'], 3)}"
+  say(line)
+  steps = ckpt_lib.checkpoint_steps(workdir)
+  for name, path, note in (
+      ("config", ckpt_lib.CONFIG_FILE, ""),
+      ("metrics", metrics_log.METRICS_FILE, ""),
+      ("tensorboard", metrics_log.TENSORBOARD_DIR,
+       f"tensorboard --logdir {os.path.join(workdir, metrics_log.TENSORBOARD_DIR)}"),
+      ("checkpoints", ckpt_lib.CHECKPOINT_DIR, f"steps {', '.join(map(str, steps))}"),
+      ("history", ckpt_lib.HISTORY_FILE, ""),
+      ("damaged", ckpt_lib.DAMAGED_DIR, "checkpoints that did not restore")):
+    full = os.path.join(workdir, path)
+    if os.path.exists(full):
+      say(f"  {name:<12} {full}{f'  ({note})' if note else ''}")
+  return summary
+
+
+def _run(cfg, workdir, graphdef, tx, restored, train_it, val_docs, ckpt, writer, progress, say,
+         layout) -> int:
+  """The steps; returns the last step done."""
   tc = cfg.train
   put_batch, put_state = layout.put_batch, layout.put_state
   unigram = data_lib.unigram_cross_entropy(train_it.docs, val_docs)
-  if resume_step is None:
+  window: list[dict] = []     # host metrics since the last log line
+  if restored is None:
     _, state = step_lib.init_state(cfg, tx, layout.expert_parallel)
     start = 0
     n_params = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(state.params))
@@ -188,8 +334,9 @@ def _run(cfg, workdir, graphdef, tx, abstract_tree, resume_step, train_it, val_d
         f"{cfg.data.batch_size}x{cfg.data.seq_len} tokens on {cfg.data.name}; "
         f"unigram baseline {unigram:.3f} nats/token")
   else:
-    tree, data_state = ckpt.restore(resume_step, abstract_tree)
-    state = step_lib.TrainState(**tree)
+    state = step_lib.TrainState(**restored.tree)
+    data_state = dict(restored.data_state)
+    window = list(data_state.pop(WINDOW_KEY, []))
     train_it.set_state(data_state)
     start = int(state.step)
     say(f"{workdir}: resumed from checkpoint at step {start}")
@@ -197,12 +344,8 @@ def _run(cfg, workdir, graphdef, tx, abstract_tree, resume_step, train_it, val_d
 
   train_step = step_lib.make_train_step(graphdef, cfg, tx)
   eval_step = make_eval_step(graphdef, cfg.model, len(val_docs.domain_names))
-  progress = metrics_log.Progress(tc.steps, out=out, enabled=tc.progress)
-  window: list[dict] = []     # host metrics since the last log line
   pending: list = []          # device metrics not yet read back
   tokens = 0.0                # target tokens of the timed steps of this window
-  last_eval: dict = {}
-  last_train: dict = {}
   step = start
   t0 = time.perf_counter()
   compiled = False
@@ -228,7 +371,9 @@ def _run(cfg, workdir, graphdef, tx, abstract_tree, resume_step, train_it, val_d
       continue
     host = [{k: float(v) for k, v in m.items()} for m in jax.device_get(pending)]
     pending = []
-    _check_finite(host, step, ckpt, workdir)
+    _check_rows(host, step, ckpt, workdir)
+    if ckpt_now:  # before the evaluation, so a non-finite state is never evaluated or saved
+      _check_state(state.checkpoint_tree(), step, ckpt, workdir)
     window.extend(host)
     if log_now:
       now = time.perf_counter()
@@ -241,7 +386,7 @@ def _run(cfg, workdir, graphdef, tx, abstract_tree, resume_step, train_it, val_d
       extra = "".join(f" | {name} {row[key]:.3f}" for key, name in
                       (("max_vio_batch", "MaxVio"), ("drop_rate", "drop")) if key in row)
       progress.line(step, row["tokens_per_s"], row["loss"], extra)
-      last_train, window = row, []
+      window = []
       tokens, timed_steps, excluded, t0 = 0.0, 0, 0.0, now
     if eval_now:
       t_eval = time.perf_counter()
@@ -257,32 +402,48 @@ def _run(cfg, workdir, graphdef, tx, abstract_tree, resume_step, train_it, val_d
       full = final or tc.eval_batches is None
       say(f"eval step {step}{' (whole split)' if full else ''}: val loss "
           f"{result['loss']:.4f} (unigram {unigram:.3f}){extra}")
-      last_eval = result
       excluded += time.perf_counter() - t_eval
     if ckpt_now:
       t_ckpt = time.perf_counter()
-      ckpt.save(step, state.checkpoint_tree(), train_it.get_state())
+      ckpt.save(step, state.checkpoint_tree(), {**train_it.get_state(), WINDOW_KEY: window})
       excluded += time.perf_counter() - t_ckpt
 
   ckpt.wait()
-  summary = {"step": step, "train_loss": last_train.get("loss"),
-             "val_loss": last_eval.get("loss"), "unigram_baseline": unigram,
-             "train_seconds": progress.train_seconds}
-  say(f"done: step {step}, train loss {summary['train_loss']}, val loss "
-      f"{summary['val_loss']}, unigram baseline {unigram:.3f}")
-  return summary
+  return step
 
 
-def _check_finite(rows: list[dict], step: int, ckpt, workdir: str) -> None:
-  first = step - len(rows) + 1
-  for i, row in enumerate(rows):
-    if not math.isfinite(row["loss"]):
-      ckpt.wait()
-      last = ckpt.latest_step()
-      keep = (f"the last good checkpoint is step {last} in {os.path.join(workdir, 'checkpoints')}"
-              if last is not None else "no checkpoint was written before it")
-      raise NonFiniteLossError(
-          f"loss is {row['loss']} at step {first + i} (cross-entropy {row.get('ce')}, aux "
-          f"{row.get('aux_loss')}, grad norm {row.get('grad_norm')}): stopping; nothing was "
-          f"saved after it, {keep}. Fix: lower train.learning_rate, raise train.warmup_steps "
-          "or set train.grad_clip, then resume from the workdir")
+_FIX = ("Fix: lower train.learning_rate, raise train.warmup_steps or set train.grad_clip, and "
+        "run in a new --workdir (this one's config.json describes its checkpoints)")
+
+
+def _last_good(ckpt, workdir: str) -> str:
+  ckpt.wait()
+  last = ckpt.latest_step()
+  if last is None:
+    return "no checkpoint was written before it"
+  return (f"the last good checkpoint (checked finite before it was saved) is step {last} in "
+          f"{os.path.join(workdir, ckpt_lib.CHECKPOINT_DIR)}")
+
+
+def _check_rows(rows: list[dict], step: int, ckpt, workdir: str) -> None:
+  bad = guard.first_nonfinite_row(rows, step - len(rows) + 1)
+  if bad is None:
+    return
+  at, key, row = bad
+  raise NonFiniteLossError(
+      f"{'loss' if key == 'loss' else 'gradient norm'} is {row[key]} at step {at} (loss "
+      f"{row.get('loss')}, cross-entropy {row.get('ce')}, aux {row.get('aux_loss')}, grad norm "
+      f"{row.get('grad_norm')}): stopping; nothing was saved after it, "
+      f"{_last_good(ckpt, workdir)}. {_FIX}")
+
+
+def _check_state(tree, step: int, ckpt, workdir: str) -> None:
+  bad = guard.nonfinite_leaves(tree)
+  if not bad:
+    return
+  raise NonFiniteLossError(
+      f"the train state after step {step} is not finite ({guard.describe(bad)}), though every "
+      f"loss and gradient norm up to it was: stopping without saving it; "
+      f"{_last_good(ckpt, workdir)}. Fix: a router_state leaf points at the bias controller "
+      f"(model.moe.balance.bias_rate), params / opt_state at the optimizer: "
+      + _FIX.split(": ", 1)[1])

@@ -9,7 +9,13 @@ scalars: ``tensorboard --logdir WORKDIR/tensorboard``.
 On resume from a checkpoint at step s, rows after s are dropped from the
 JSONL (the resumed run writes them again, identically), so the file of a
 killed-and-resumed run reads like that of an uninterrupted one. A torn last
-line from a killed process is dropped too.
+line from a killed process is dropped too. (A train row averages the steps
+since the previous row; the steps between that row and a checkpoint are
+saved with the checkpoint, so the first row after a resume averages the same
+steps as an uninterrupted run's.)
+
+:func:`final_values` reads a finished run's headline numbers back from the
+file (a run resumed at its final step trains nothing, and reports these).
 """
 
 from __future__ import annotations
@@ -89,16 +95,41 @@ def format_duration(seconds: float) -> str:
   return f"{h}h{m:02d}m{s:02d}s" if h else f"{m}m{s:02d}s"
 
 
+def final_values(workdir: str) -> dict:
+  """The last train and eval rows' headline numbers of ``WORKDIR/metrics.jsonl``.
+
+  ``{"step", "train_loss", "val_loss", "unigram_baseline", "max_vio_global"}``,
+  each present only when logged.
+  """
+  out: dict = {}
+  train, evals = read_metrics(workdir, "train"), read_metrics(workdir, "eval")
+  if train:
+    out["step"], out["train_loss"] = train[-1]["step"], train[-1].get("loss")
+  if evals:
+    last = evals[-1]
+    out["step"] = max(out.get("step", 0), last["step"])
+    for key, name in (("loss", "val_loss"), ("unigram_baseline", "unigram_baseline"),
+                      ("max_vio_global", "max_vio_global")):
+      if key in last:
+        out[name] = last[key]
+  return out
+
+
 class Progress:
   """One line per log step: ``step 120/1000 (12%) | 9.8k tok/s | loss 2.345 | ETA 3m12s``.
 
   The ETA is the remaining steps at the mean step time of this process
-  (compilation and evaluation excluded).
+  (compilation and evaluation excluded). Inside a suite, ``then_steps`` /
+  ``then_seconds`` are the steps of the runs still to train after this one
+  and the suite's other time per remaining run (analysis), so the line also
+  shows ``suite ETA``.
   """
 
-  def __init__(self, total_steps: int, out: TextIO = sys.stdout, enabled: bool = True):
+  def __init__(self, total_steps: int, out: TextIO = sys.stdout, enabled: bool = True,
+               then_steps: int = 0, then_seconds: Optional[float] = None):
     self.total, self.out, self.enabled = total_steps, out, enabled
     self.train_seconds, self.steps_timed = 0.0, 0
+    self.then_steps, self.then_seconds = then_steps, then_seconds
 
   def add_time(self, seconds: float, steps: int) -> None:
     self.train_seconds += seconds
@@ -108,10 +139,16 @@ class Progress:
     per_step = self.train_seconds / max(self.steps_timed, 1)
     return per_step * (self.total - step)
 
+  def suite_eta(self, step: int) -> float:
+    per_step = self.train_seconds / max(self.steps_timed, 1)
+    return self.eta(step) + per_step * self.then_steps + (self.then_seconds or 0.0)
+
   def line(self, step: int, tokens_per_s: float, loss: float, extra: str = "") -> str:
     pct = 100.0 * step / self.total
     text = (f"step {step}/{self.total} ({pct:.0f}%) | {tokens_per_s / 1e3:.1f}k tok/s | "
             f"loss {loss:.4f}{extra} | ETA {format_duration(self.eta(step))}")
+    if self.then_seconds is not None:
+      text += f" | suite ETA {format_duration(self.suite_eta(step))}"
     if self.enabled:
       print(text, file=self.out, flush=True)
     return text

@@ -8,10 +8,15 @@ import os
 import shutil
 
 
+import pytest
+
 from moejax.ablation import runner, suite as suite_lib
 from moejax.ablation import summary
-from moejax.train import loop
+from moejax.train import checkpoint as ckpt_lib
+from moejax.train import lock as lock_lib
+from moejax.train import loop, metrics_log
 from tests.ablation import helpers
+from tests.train import helpers as train_helpers
 
 # Every test here uses the tiny suite run (conftest): ~40 s of compilation on an idle
 # 2-core machine, 2 min on a loaded one.
@@ -44,6 +49,14 @@ def test_tiny_suite_writes_results_table_and_plots(tiny_suite_dir):
   assert [r["arm"] for r in rows] == ["aux", "bias"]
   for png in ("metrics.png", "curves.png"):
     assert os.path.getsize(os.path.join(workdir, "plots", png)) > 1000
+  # While it runs: a suite ETA once a run is done; at the end the table and every path.
+  assert "[1/2] aux: training (aux, seed 0); 1 more run(s) after it\n" in printed
+  assert "[2/2] bias: training (bias, seed 0); 0 more run(s) after it, suite ETA " in printed
+  tail = printed[printed.index("| arm |"):]
+  assert "| aux |" in tail and "| bias |" in tail
+  for name in ("summary.md", "summary.csv", "metrics.png", "curves.png", "suite.json",
+               "budget.json"):
+    assert name in tail[tail.index(f"outputs in {workdir}:"):], name
 
 
 def _count_calls(calls):
@@ -76,7 +89,13 @@ def test_killed_suite_resumes_only_the_unfinished_arm(tiny_suite_dir):
                    train_fn=_count_calls(calls))
   assert calls == [os.path.join(copy, "bias")]
   assert "nothing to do" in out.getvalue()  # the trainer resumed from its final checkpoint
-  assert os.path.exists(os.path.join(copy, "bias", "result.json"))
+  with open(os.path.join(copy, "bias", "result.json")) as f:
+    res = json.load(f)
+  # The real final numbers (from metrics.jsonl), not None.
+  final = metrics_log.read_metrics(os.path.join(copy, "bias"), "train")[-1]
+  assert res["train_summary"]["train_loss"] == final["loss"]
+  assert isinstance(res["train_summary"]["val_loss"], float)
+  assert "train loss None" not in out.getvalue()
 
 
 def test_changed_arm_is_retrained_not_reused(tiny_suite_dir, tmp_path):
@@ -87,3 +106,63 @@ def test_changed_arm_is_retrained_not_reused(tiny_suite_dir, tmp_path):
   tree["arms"]["aux"]["model"]["moe"]["balance"]["aux_loss_coef"] = 2e-2
   changed = suite_lib.suite_from_dict(tree).arm("aux").experiment
   assert not runner.is_finished(os.path.join(workdir, "aux"), changed)
+
+
+def _copy(workdir, name):
+  copy = workdir + "_" + name
+  shutil.copytree(workdir, copy)
+  return copy
+
+
+@pytest.mark.parametrize("changes, field", [
+    ({"train": {"steps": 9}}, "train.steps=6 (checkpoint at step 6); train.steps=9 would relabel"),
+    ({"train": {"learning_rate": 2e-2}}, "train.learning_rate: stored 0.01, requested 0.02"),
+])
+def test_rerun_that_would_relabel_finished_results_is_refused_untouched(tiny_suite_dir, changes,
+                                                                        field):
+  copy = _copy(tiny_suite_dir[0], "relabel_" + next(iter(changes["train"])))
+  before = train_helpers.snapshot(copy)
+  tree = helpers.tiny_suite()
+  tree["base"]["train"].update(changes["train"])
+  with pytest.raises(ckpt_lib.WorkdirError, match="run aux of suite tiny: ") as err:
+    runner.run_suite(suite_lib.suite_from_dict(tree), copy, out=io.StringIO())
+  assert field in str(err.value)
+  assert train_helpers.snapshot(copy) == before  # summary.md, suite.json, budget.json too
+
+
+def test_logging_changes_keep_a_finished_suite_finished(tiny_suite_dir):
+  copy = _copy(tiny_suite_dir[0], "logging")
+  tree = helpers.tiny_suite()
+  tree["base"]["train"].update(log_every=2, checkpoint_every=2)
+  calls, out = [], io.StringIO()
+  runner.run_suite(suite_lib.suite_from_dict(tree), copy, out=out, train_fn=_count_calls(calls))
+  assert calls == [] and out.getvalue().count("finished earlier, not retrained") == 2
+
+
+def test_extend_trains_the_extra_steps_of_every_run(tiny_suite_dir):
+  copy = _copy(tiny_suite_dir[0], "extend")
+  tree = helpers.tiny_suite()
+  tree["base"]["train"]["steps"] = 9
+  suite = suite_lib.suite_from_dict(tree)
+  assert runner.plan_suite(suite, copy, extend=True) == [
+      ("aux", "resumes from step 6 (extended from 6 steps)"),
+      ("bias", "resumes from step 6 (extended from 6 steps)")]
+  results = runner.run_suite(suite, copy, out=io.StringIO(), analyse_runs=False, extend=True)
+  for arm in ("aux", "bias"):
+    assert results[arm]["train_summary"]["step"] == 9
+    assert results[arm]["budget"]["tokens"] == 9 * 8 * 32
+    history = ckpt_lib.read_history(os.path.join(copy, arm))
+    assert [h["steps"] for h in history if h["event"] == "extend"] == [[6, 9]]
+  with open(os.path.join(copy, "budget.json")) as f:
+    assert json.load(f)["aux"]["tokens"] == 9 * 8 * 32
+
+
+def test_suite_directory_in_use_is_refused(tiny_suite_dir):
+  copy = _copy(tiny_suite_dir[0], "locked")
+  before = train_helpers.snapshot(copy)
+  with lock_lib.WorkdirLock(copy):  # as another experiments.ablate would hold it
+    after_lock = train_helpers.snapshot(copy)
+    with pytest.raises(lock_lib.WorkdirLockedError, match=f"{copy} is in use by another run"):
+      runner.run_suite(suite_lib.suite_from_dict(helpers.tiny_suite()), copy, out=io.StringIO())
+    assert train_helpers.snapshot(copy) == after_lock
+  assert train_helpers.snapshot(copy) == before

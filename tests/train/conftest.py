@@ -40,9 +40,13 @@ _CACHE_OPTIONS = ("jax_compilation_cache_dir", "jax_persistent_cache_min_compile
                   "jax_persistent_cache_min_entry_size_bytes")
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def tiny_run(tmp_path_factory, data_dir):
-  """A finished 40-step run of configs/tiny.py: (cfg, workdir, summary, stdout)."""
+  """A finished 40-step run of configs/tiny.py: (cfg, workdir, summary, stdout).
+
+  Shared by every test module: tests read it only (and check that refused
+  runs leave it untouched); tests that write work on ``tiny_copy``.
+  """
   workdir = str(tmp_path_factory.mktemp("tiny_run") / "run")
   cfg = helpers.experiment("tiny", data_dir, train__progress=True)
   out = io.StringIO()

@@ -104,7 +104,7 @@ def test_nan_loss_stops_the_run_and_keeps_the_last_good_checkpoint(tmp_path, dat
                            train__eval_every=0)
   workdir = str(tmp_path / "run")
   with pytest.raises(loop.NonFiniteLossError,
-                     match=r"loss is nan at step 13 .*last good checkpoint is step 10"):
+                     match=r"loss is nan at step 13 .*last good checkpoint .*is step 10"):
     loop.train(cfg, workdir, out=io.StringIO())
   assert ckpt_lib.checkpoint_steps(workdir) == [5, 10]
   assert max(_rows(workdir, "train")) == 10
@@ -117,7 +117,7 @@ def test_workdir_of_another_model_is_refused_untouched(tiny_run, data_dir):
   cfg, workdir, _, _ = tiny_run
   before = helpers.snapshot(workdir)
   other = helpers.experiment("tiny", data_dir, model__d_model=64)
-  with pytest.raises(ckpt_lib.WorkdirError, match=r"model\.d_model: 32 -> 64"):
+  with pytest.raises(ckpt_lib.WorkdirError, match=r"model\.d_model: stored 32, requested 64"):
     loop.train(other, workdir, out=io.StringIO())
   other_data = helpers.experiment("tiny", data_dir, data__seq_len=16)
   with pytest.raises(ckpt_lib.WorkdirError, match=r"data\.seq_len"):
@@ -145,7 +145,7 @@ def test_missing_dataset_fails_before_the_workdir_exists(tmp_path):
   assert not os.path.exists(workdir)
 
 
-def test_changed_train_config_resumes_and_is_reported(tiny_copy, data_dir):
+def test_changed_logging_config_resumes_and_is_reported(tiny_copy, data_dir):
   # Only bookkeeping changes (the compiled step stays the same program).
   cfg, workdir = tiny_copy
   shutil.rmtree(os.path.join(workdir, "checkpoints", "40"))
@@ -155,4 +155,7 @@ def test_changed_train_config_resumes_and_is_reported(tiny_copy, data_dir):
   assert "train.log_every: 5 -> 10" in out.getvalue() and summary["step"] == 40
   assert sorted(_rows(workdir, "train")) == [5, 10, 15, 20, 25, 30, 40]
   with open(os.path.join(workdir, ckpt_lib.CONFIG_FILE)) as f:
-    assert json.load(f)["train"]["log_every"] == 10
+    assert json.load(f)["train"]["log_every"] == 10  # an unfinished run trains on under it
+  history = ckpt_lib.read_history(workdir)
+  assert history[-2]["event"] == "resume"
+  assert "train.log_every: 5 -> 10" in history[-2]["changes"]

@@ -1,0 +1,64 @@
+"""A trained model back from its workdir: ``moejax.load(workdir)``.
+
+::
+
+    import moejax
+    model, cfg = moejax.load("/tmp/moejax_default")      # newest checkpoint
+    logits, aux = model(tokens, train=False)               # a moejax.model.Transformer
+    model, cfg = moejax.load("/tmp/moejax_default", step=200)
+
+The config is the run's ``config.json`` (an ExperimentConfig); the model is
+built from it and merged with the checkpoint's params and router state (the
+aux-loss-free bias), so it routes as it did in training. Nothing is written.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Optional
+
+from flax import nnx
+
+from moejax.train import checkpoint as ckpt_lib
+from moejax.train import step as step_lib
+from moejax.train.config import ExperimentConfig, experiment_from_dict
+from moejax.train.optim import make_optimizer
+
+
+def run_config(workdir: str) -> ExperimentConfig:
+  """The ExperimentConfig of the run in ``workdir`` (its config.json)."""
+  path = os.path.join(workdir, ckpt_lib.CONFIG_FILE)
+  if not os.path.exists(path):
+    raise ckpt_lib.WorkdirError(f"{workdir} has no {ckpt_lib.CONFIG_FILE}: not a moejax run "
+                                "directory. Fix: pass the --workdir of experiments.train (or a "
+                                "suite run directory DIR/<arm>[/seed_<s>])")
+  with open(path, encoding="utf-8") as f:
+    return experiment_from_dict(json.load(f))
+
+
+def model_at(cfg: ExperimentConfig, workdir: str, step: Optional[int] = None):
+  """(nnx model, step) of ``cfg`` restored from ``workdir``'s checkpoint (the newest by default)."""
+  tx = make_optimizer(cfg.train, cfg.model)
+  graphdef, abstract = step_lib.abstract_state(cfg, tx)
+  steps = ckpt_lib.checkpoint_steps(workdir)
+  if not steps:
+    raise ckpt_lib.WorkdirError(f"{workdir} has no checkpoint to load")
+  if step is None:
+    step = steps[-1]
+  elif step not in steps:
+    raise ckpt_lib.WorkdirError(f"{workdir} has no checkpoint at step {step}. Fix: pick one of "
+                                f"{steps}")
+  ckpt = ckpt_lib.Checkpointer(workdir, max(len(steps), 1), read_only=True)
+  try:
+    tree, _ = ckpt.restore(step, abstract.checkpoint_tree())
+  finally:
+    ckpt.close()
+  return nnx.merge(graphdef, tree["params"], tree["router_state"], tree["other"]), step
+
+
+def load(workdir: str, step: Optional[int] = None):
+  """(model, ExperimentConfig) of the run in ``workdir``; see the module docstring."""
+  cfg = run_config(workdir)
+  model, _ = model_at(cfg, workdir, step)
+  return model, cfg

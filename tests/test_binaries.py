@@ -1,0 +1,185 @@
+"""The binaries from the outside: one ``error:`` line per mistake, discovery flags, quiet logs.
+
+Each test runs ``python -m experiments.<binary>`` as a user would (stdout and
+stderr are pipes, not a terminal) and checks what comes back: a bad
+invocation gives exit status 1 and exactly one ``error:`` line on stderr
+(no traceback), before anything is written.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+from moejax import data as data_lib
+from moejax.train import loop
+from tests.train import helpers
+
+ROOT = helpers.ROOT
+
+
+def _run(binary: str, *args: str, env=None, timeout=300) -> subprocess.CompletedProcess:
+  env = dict(os.environ if env is None else env, JAX_PLATFORMS="cpu")
+  return subprocess.run([sys.executable, "-m", f"experiments.{binary}", *args], cwd=ROOT,
+                        env=env, capture_output=True, text=True, timeout=timeout)
+
+
+def _one_error_line(proc: subprocess.CompletedProcess) -> str:
+  assert proc.returncode == 1, (proc.returncode, proc.stderr[-3000:])
+  assert "Traceback" not in proc.stderr, proc.stderr[-3000:]
+  lines = proc.stderr.splitlines()
+  assert len(lines) == 1 and lines[0].startswith("error: "), proc.stderr[-3000:]
+  return lines[0]
+
+
+@pytest.fixture(scope="module")
+def prepared(tmp_path_factory) -> str:
+  """A data dir holding configs/tiny.py's corpus."""
+  data_dir = str(tmp_path_factory.mktemp("tfds"))
+  data_lib.load_documents(helpers.experiment("tiny", data_dir).data, "train")
+  return data_dir
+
+
+@pytest.mark.parametrize("binary, config, override, hint", [
+    ("train", "configs/tiny.py", "--config.train.stepz=3", 'did you mean "steps"?'),
+    ("train", "configs/tiny.py", "--config.model.moe.router.top_kk=1", 'did you mean "top_k"?'),
+    ("ablate", "configs/ablations/quick.py", "--config.base.train.stepz=3",
+     'did you mean "steps"?'),
+])
+def test_misspelt_override_key_is_one_line_with_the_hint(tmp_path, binary, config, override,
+                                                          hint):
+  workdir = str(tmp_path / "run")
+  line = _one_error_line(_run(binary, f"--config={config}", f"--workdir={workdir}", override))
+  key = override.split("=")[0]
+  assert line == (f"error: {key}: {key.rsplit('.', 1)[1]!r} is not a config field; {hint} "
+                  "(--print_config lists every field with its default)")
+  assert not os.path.exists(workdir)
+
+
+@pytest.mark.parametrize("binary", ["train", "ablate"])
+def test_missing_or_broken_config_file_is_one_line(tmp_path, binary):
+  workdir = str(tmp_path / "run")
+  missing = _one_error_line(_run(binary, "--config=configs/nope.py", f"--workdir={workdir}"))
+  assert missing == "error: --config=configs/nope.py: no such file"
+  broken = tmp_path / "broken.py"
+  broken.write_text("def get_config(:\n")
+  line = _one_error_line(_run(binary, f"--config={broken}", f"--workdir={workdir}"))
+  assert line == f"error: --config={broken}: cannot load it: SyntaxError: invalid syntax (line 1)"
+  raising = tmp_path / "raising.py"
+  raising.write_text("def get_config():\n  raise ValueError('no such preset')\n")
+  line = _one_error_line(_run(binary, f"--config={raising}", f"--workdir={workdir}"))
+  assert line == f"error: --config={raising}: cannot load it: ValueError: no such preset"
+  assert not os.path.exists(workdir)
+
+
+def test_uncreatable_workdir_and_data_dir_are_one_line(tmp_path, prepared):
+  blocker = tmp_path / "a_file"
+  blocker.write_text("")
+  line = _one_error_line(_run("train", "--config=configs/tiny.py",
+                              f"--workdir={blocker}/run", f"--config.data.data_dir={prepared}"))
+  assert line == (f"error: WorkdirError: --workdir={blocker}/run cannot be created or written: "
+                  f"{blocker} is a file, not a directory. Fix: pass a path in a writable "
+                  "directory")
+  line = _one_error_line(_run("ablate", "--config=configs/ablations/quick.py",
+                              f"--workdir={blocker}/suite"))
+  assert f"--workdir={blocker}/suite cannot be created or written" in line
+  workdir = str(tmp_path / "run")
+  line = _one_error_line(_run("train", "--config=configs/tiny.py", f"--workdir={workdir}",
+                              f"--config.data.data_dir={blocker}/tfds"))
+  assert line.startswith(f"error: DatasetUnavailableError: cannot prepare python_stdlib in "
+                         f"data_dir={blocker}/tfds (NotADirectoryError")
+  assert line.endswith("Fix: pass a writable --config.data.data_dir")
+  assert not os.path.exists(workdir)
+
+
+def test_truncated_dataset_shard_is_one_line(tmp_path, prepared):
+  data_dir = str(tmp_path / "tfds")
+  shutil.copytree(prepared, data_dir)
+  shard = next(os.path.join(d, f) for d, _, fs in os.walk(data_dir) for f in fs
+               if "train.array_record" in f)
+  with open(shard, "r+b") as f:
+    f.truncate(5000)
+  workdir = str(tmp_path / "run")
+  line = _one_error_line(_run("train", "--config=configs/tiny.py", f"--workdir={workdir}",
+                              f"--config.data.data_dir={data_dir}"))
+  assert re.match(r"error: DatasetUnavailableError: python_stdlib/train: document 0 cannot be "
+                  r"read from .*\(RuntimeError: .*\); the prepared files are damaged \(a "
+                  r"truncated shard\?\)\. Fix: delete ", line), line
+  assert not os.path.exists(workdir)
+
+
+def test_pallas_backend_on_cpu_is_refused_before_the_workdir_then_blocked_runs(tmp_path,
+                                                                               prepared):
+  workdir = str(tmp_path / "run")
+  line = _one_error_line(_run("train", "--config=configs/tiny.py", f"--workdir={workdir}",
+                              f"--config.data.data_dir={prepared}",
+                              "--config.model.moe.backend=pallas_tpu"))
+  assert line.startswith("error: ConfigError: model.moe.backend='pallas_tpu': needs a TPU")
+  assert "set model.moe.backend_interpret=True" in line
+  assert not os.path.exists(workdir)
+  cfg = helpers.experiment("tiny", prepared, model__moe__backend="blocked", train__steps=2,
+                           train__warmup_steps=1, train__eval_every=0)
+  assert loop.train(cfg, workdir, out=io.StringIO())["step"] == 2
+
+
+def test_print_config_shows_every_field_and_dry_run_writes_nothing(tmp_path, prepared):
+  shown = _run("train", "--config=configs/tiny.py", "--print_config",
+               "--config.train.steps=7")
+  assert shown.returncode == 0, shown.stderr[-2000:]
+  tree = json.loads(shown.stdout)
+  assert tree["train"]["steps"] == 7 and tree["train"]["nan_at_step"] == -1  # a default
+  assert set(tree) == {"model", "data", "train", "parallel"}
+  assert tree["model"]["moe"]["router"]["top_k"] == 2
+  before = helpers.snapshot(prepared)
+  workdir = str(tmp_path / "run")
+  dry = _run("train", "--config=configs/tiny.py", f"--workdir={workdir}", "--dry_run",
+             f"--config.data.data_dir={prepared}")
+  assert dry.returncode == 0, dry.stderr[-2000:]
+  assert "47.52K" in dry.stdout and "flops_per_token" in dry.stdout  # the budget table
+  assert f"workdir {workdir}: new run" in dry.stdout and f"prepared in {prepared}" in dry.stdout
+  assert not os.path.exists(workdir) and helpers.snapshot(prepared) == before
+
+
+def test_ablate_print_config_and_dry_run(tmp_path):
+  shown = _run("ablate", "--config=configs/ablations/quick.py", "--print_config")
+  assert shown.returncode == 0, shown.stderr[-2000:]
+  tree = json.loads(shown.stdout)
+  assert tree["name"] == "quick" and tree["base"]["train"]["nan_at_step"] == -1
+  arms = tree["arms (changes to base: field -> value)"]
+  assert len(arms) == 2 and all(arms.values())
+  workdir = str(tmp_path / "suite")
+  dry = _run("ablate", "--config=configs/ablations/quick.py", f"--workdir={workdir}",
+             "--dry_run")
+  assert dry.returncode == 0, dry.stderr[-2000:]
+  for arm in arms:
+    assert f"  {arm}: new" in dry.stdout
+  assert "nothing was written" in dry.stdout and not os.path.exists(workdir)
+
+
+def test_analyze_routing_without_the_interop_extra_says_which_to_install(tmp_path):
+  fake = tmp_path / "no_torch" / "torch"
+  fake.mkdir(parents=True)
+  (fake / "__init__.py").write_text("raise ImportError(\"No module named 'torch'\")\n")
+  env = dict(os.environ, PYTHONPATH=os.pathsep.join(
+      [str(fake.parent), ROOT, os.environ.get("PYTHONPATH", "")]))
+  line = _one_error_line(_run("analyze_routing", "--model_type=mixtral",
+                              f"--out_dir={tmp_path / 'out'}", env=env))
+  assert line == ("error: analyze_routing needs the interop extra (torch not installed). "
+                  'Fix: pip install -e ".[interop]"')
+  assert not (tmp_path / "out").exists()
+
+
+def test_preparing_a_dataset_in_a_log_prints_one_plain_line(tmp_path, capfd):
+  # Captured: stdout / stderr are not terminals, as in a log file.
+  data_lib.load_documents(helpers.experiment("tiny", str(tmp_path)).data, "train")
+  out, err = capfd.readouterr()
+  assert "Downloading and preparing" not in out + err
+  assert "\x1b[" not in out + err and "\r" not in out + err
+  assert re.fullmatch(r"prepared python_stdlib \(.*\) in \S+\n", out), out
