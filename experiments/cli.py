@@ -60,6 +60,11 @@ def describe_config_error(e: BaseException, argv: Sequence[str]) -> str:
     arg = next((a for a in argv if re.match(rf"--\w+\.(?:[\w.]+\.)?{re.escape(key)}(=|$|\.)", a)),
                None)
     where = arg.split("=", 1)[0] if arg else key
+    if arg:  # a key the config tree moved (model.moe.num_experts -> ...topology...)
+      from moejax.config import moved_hint  # pylint: disable=g-import-not-at-top
+      moved = moved_hint(where.split(".", 1)[1] if "." in where else where)
+      if moved:
+        hint = f"; {moved}"
     return (f"{where}: {key!r} is not a config field{hint} (--print_config lists every field "
             "with its default)")
   file_arg = _config_file_arg(argv)

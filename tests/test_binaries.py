@@ -49,9 +49,11 @@ def prepared(tmp_path_factory) -> str:
 
 @pytest.mark.parametrize("binary, config, override, hint", [
     ("train", "configs/tiny.py", "--config.train.stepz=3", 'did you mean "steps"?'),
-    ("train", "configs/tiny.py", "--config.model.moe.router.top_kk=1", 'did you mean "top_k"?'),
+    ("train", "configs/tiny.py", "--config.model.moe.routing.top_kk=1", 'did you mean "top_k"?'),
     ("ablate", "configs/ablations/quick.py", "--config.base.train.stepz=3",
      'did you mean "steps"?'),
+    ("train", "configs/tiny.py", "--config.model.moe.num_experts=8",
+     "moved to model.moe.topology.num_experts"),
 ])
 def test_misspelt_override_key_is_one_line_with_the_hint(tmp_path, binary, config, override,
                                                           hint):
@@ -120,11 +122,11 @@ def test_pallas_backend_on_cpu_is_refused_before_the_workdir_then_blocked_runs(t
   workdir = str(tmp_path / "run")
   line = _one_error_line(_run("train", "--config=configs/tiny.py", f"--workdir={workdir}",
                               f"--config.data.data_dir={prepared}",
-                              "--config.model.moe.backend=pallas_tpu"))
-  assert line.startswith("error: ConfigError: model.moe.backend='pallas_tpu': needs a TPU")
-  assert "set model.moe.backend_interpret=True" in line
+                              "--config.model.moe.execution.backend=pallas_tpu"))
+  assert line.startswith("error: ConfigError: model.moe.execution.backend='pallas_tpu': needs a TPU")
+  assert "set model.moe.execution.interpret=True" in line
   assert not os.path.exists(workdir)
-  cfg = helpers.experiment("tiny", prepared, model__moe__backend="blocked", train__steps=2,
+  cfg = helpers.experiment("tiny", prepared, model__moe__execution__backend="blocked", train__steps=2,
                            train__warmup_steps=1, train__eval_every=0)
   assert loop.train(cfg, workdir, out=io.StringIO())["step"] == 2
 
@@ -136,7 +138,19 @@ def test_print_config_shows_every_field_and_dry_run_writes_nothing(tmp_path, pre
   tree = json.loads(shown.stdout)
   assert tree["train"]["steps"] == 7 and tree["train"]["nan_at_step"] == -1  # a default
   assert set(tree) == {"model", "data", "train", "parallel"}
-  assert tree["model"]["moe"]["router"]["top_k"] == 2
+  assert tree["model"]["moe"]["routing"]["top_k"] == 2
+  # Knobs are printed resolved: the numbers that run, and what produced them.
+  fine = _run("train", "--config=configs/tiny.py", "--print_config",
+              "--config.model.moe.topology.granularity=2")
+  assert fine.returncode == 0, fine.stderr[-2000:]
+  topo = json.loads(fine.stdout)["model"]["moe"]["topology"]
+  assert (topo["num_experts"], topo["expert_width"], topo["granularity"]) == (8, 16, 1)
+  assert json.loads(fine.stdout)["model"]["moe"]["routing"]["top_k"] == 4
+  assert topo["derived_from"].startswith("granularity=2")
+  twin = _run("train", "--config=configs/tiny.py", "--print_config",
+              "--config.model.dense_twin=active")
+  model = json.loads(twin.stdout)["model"]
+  assert model["moe"] is None and model["dense_ff_width"] == 2 * 32
   before = helpers.snapshot(prepared)
   workdir = str(tmp_path / "run")
   dry = _run("train", "--config=configs/tiny.py", f"--workdir={workdir}", "--dry_run",

@@ -53,8 +53,8 @@ DAMAGED_DIR = "damaged_checkpoints"
 # Config fields that are not part of what a run *is*: changing them on resume
 # changes how the run is executed, logged or evaluated, never the parameters
 # it computes. The one list; dotted prefixes of ExperimentConfig paths.
-BACKEND_FIELD = "model.moe.backend"                    # see moejax.execution.gmm
-BACKEND_INTERPRET_FIELD = "model.moe.backend_interpret"
+BACKEND_FIELD = "model.moe.execution.backend"          # see moejax.execution.gmm
+BACKEND_INTERPRET_FIELD = "model.moe.execution.interpret"
 RESUME_FREE_FIELDS = (
     "data.data_dir", "data.download",                  # where the data lives, how it is fetched
     "train.log_every", "train.progress",               # logging
@@ -73,7 +73,7 @@ class WorkdirError(RuntimeError):
 
 
 def field_value(cfg: Any, dotted: str) -> Any:
-  """The value at ``dotted`` (``model.moe.backend``) of a config, None past a None section."""
+  """The value at ``dotted`` (``model.moe.execution.backend``) of a config, None past a None section."""
   for part in dotted.split("."):
     if cfg is None:
       return None

@@ -5,7 +5,7 @@ aux-loss-free bias) is a separate pytree that the model's controller updates
 after each step; it never reaches this optimizer (a bias trained by the
 optimizer is a known bug, MaxText #2494).
 
-A frozen router (``model.moe.router.freeze``) gets no gradient (the router
+A frozen router (``model.moe.routing.freeze``) gets no gradient (the router
 stops it), and is also masked out of the optimizer here
 (``optax.multi_transform`` with ``set_to_zero``): AdamW's decoupled weight
 decay would otherwise still shrink it by ``lr * weight_decay`` every step.
@@ -27,7 +27,7 @@ from moejax.train.config import TrainConfig
 # "router" subtree (moejax.nn.moe_block.MoEFFN). Mixture-of-depths routers
 # (an attribute "router" of the MoD block, not under "params") are not MoE
 # routers and stay trainable.
-_FREEZE_FIELD = ("moe", "router", "freeze")
+_FREEZE_FIELD = ("moe", "routing", "freeze")
 _ROUTER_KEYS = ("params", "router")
 
 

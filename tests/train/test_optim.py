@@ -50,7 +50,7 @@ def test_router_labels_mark_only_the_moe_routers():
 
 
 def test_frozen_router_is_bit_identical_after_20_steps_with_weight_decay():
-  cfg = helpers.experiment("tiny", model__moe__router__freeze=True, train__weight_decay=0.5,
+  cfg = helpers.experiment("tiny", model__moe__routing__freeze=True, train__weight_decay=0.5,
                            train__warmup_steps=1)
   tx = make_optimizer(cfg.train, cfg.model)
   graphdef, state = step_lib.init_state(cfg, tx)

@@ -87,11 +87,11 @@ def test_execution_backend_is_not_part_of_the_run(tiny_copy, data_dir):
   cfg, workdir = tiny_copy
   shutil.rmtree(os.path.join(workdir, "checkpoints", "40"))
   out = io.StringIO()
-  summary = loop.train(helpers.experiment("tiny", data_dir, model__moe__backend="blocked"),
+  summary = loop.train(helpers.experiment("tiny", data_dir, model__moe__execution__backend="blocked"),
                        workdir, out=out)
   assert summary["step"] == 40
-  assert "model.moe.backend: 'reference' -> 'blocked'" in out.getvalue()
-  assert _config(workdir)["model"]["moe"]["backend"] == "blocked"  # what ran last
+  assert "model.moe.execution.backend: 'reference' -> 'blocked'" in out.getvalue()
+  assert _config(workdir)["model"]["moe"]["execution"]["backend"] == "blocked"  # what ran last
 
 
 def _damage(workdir, step, which):
