@@ -40,5 +40,6 @@ def get_config():
       arms={name: dict(model=dict(moe=moe)) for name, moe in arms.items()},
       fixed=dict(total=0.05, active=0.05, flops_per_token=0.05, tokens=0.0, optimizer=0.0),
       seeds=(0,),
+      baseline="coarse",  # the coarse layer
       analysis=dict(comm_devices=8),
   )
