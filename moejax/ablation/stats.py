@@ -191,7 +191,8 @@ def pooled_mdd(diffs: Sequence[Interval], n: int, level: float = LEVEL) -> Optio
 def reason(iv: Optional[Interval], boot: Optional[Interval] = None) -> str:
   """Why a comparison is unresolved, in words (empty when it is resolved)."""
   if iv is None or iv.lo is None:
-    return f"{iv.n if iv else 0} paired seed(s): no interval over seeds"
+    n = iv.n if iv else 0
+    return f"no interval over seeds ({n} seed{'' if n == 1 else 's'})"
   out = []
   if not iv.excludes_zero():
     out.append("the seed interval includes 0")

@@ -31,7 +31,7 @@ def test_one_seed_has_no_interval_and_is_unresolved():
   iv = stats.t_interval([2.5])
   assert (iv.mean, iv.lo, iv.hi, iv.half_width) == (2.5, None, None, None)
   assert stats.verdict(iv) == "unresolved"
-  assert stats.reason(iv) == "1 paired seed(s): no interval over seeds"
+  assert stats.reason(iv) == "no interval over seeds (1 seed)"
 
 
 def test_known_paired_difference_is_better_and_null_is_unresolved():

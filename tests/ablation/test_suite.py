@@ -23,7 +23,7 @@ def test_baseline_that_is_not_an_arm_names_the_field():
 
 def test_reproduction_needs_three_seeds():
   with pytest.raises(ConfigError, match=r"suite\.seeds.*1 seed.*reproduction=True.*at least 3"):
-    suite_lib.suite_from_dict(helpers.tiny_suite(reproduction=True))
+    suite_lib.suite_from_dict(helpers.tiny_suite(reproduction=True, seeds=(0,)))
   with pytest.raises(ConfigError, match=r"suite\.seeds.*2 seed"):
     suite_lib.suite_from_dict(helpers.tiny_suite(reproduction=True, seeds=(0, 1)))
   suite = suite_lib.suite_from_dict(helpers.tiny_suite(reproduction=True, seeds=(0, 1, 2)))
