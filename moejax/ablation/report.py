@@ -68,7 +68,8 @@ def value(summary: Mapping, arm: str, metric: str, field: str = "mean") -> str:
   if field == "mdd":
     mdd = (summary.get("mdd") or {}).get(metric)
     if mdd is None:
-      raise ReportError(f"no MDD of {metric!r} (metrics with one: {sorted(summary.get('mdd', {}))})")
+      have = sorted(summary.get("mdd", {}))
+      raise ReportError(f"no MDD of {metric!r} (metrics with one: {have})")
     return tables.fmt(mdd["value"])
   if arm not in summary["arms"]:
     raise ReportError(f"no arm {arm!r}; arms: {list(summary['arms'])}")
@@ -85,7 +86,8 @@ def value(summary: Mapping, arm: str, metric: str, field: str = "mean") -> str:
     return tables._interval(d)  # pylint: disable=protected-access
   m = summary["arms"][arm]["metrics"].get(metric)
   if m is None:
-    raise ReportError(f"arm {arm!r} has no metric {metric!r}; it has {sorted(summary['arms'][arm]['metrics'])}")
+    have = sorted(summary["arms"][arm]["metrics"])
+    raise ReportError(f"arm {arm!r} has no metric {metric!r}; it has {have}")
   iv = m["interval"]
   if field == "half":
     return "n/a" if iv["lo"] is None else f"{(iv['hi'] - iv['lo']) / 2:.2g}"

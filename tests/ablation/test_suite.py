@@ -17,7 +17,8 @@ def test_baseline_defaults_to_the_first_arm_and_can_be_named():
 
 
 def test_baseline_that_is_not_an_arm_names_the_field():
-  with pytest.raises(ConfigError, match=r"suite\.baseline.*'gshard'.*not an arm.*\['aux', 'bias'\]"):
+  with pytest.raises(ConfigError,
+                     match=r"suite\.baseline.*'gshard'.*not an arm.*\['aux', 'bias'\]"):
     suite_lib.suite_from_dict(helpers.tiny_suite(baseline="gshard"))
 
 

@@ -108,8 +108,8 @@ def test_matches_reference_slicing(raw, S, B, seed, train):
   if not train:
     assert sum(int(g["mask"].sum()) for g in got) == T - 1  # every target exactly once
     # Per document: every byte and the separator that opens it, except the first separator.
-    per_doc = np.bincount(np.concatenate([np.zeros(0, int)] + [g["doc_ids"][g["mask"]] for g in got]),
-                          minlength=len(raw))
+    scored = [np.zeros(0, int)] + [g["doc_ids"][g["mask"]] for g in got]
+    per_doc = np.bincount(np.concatenate(scored), minlength=len(raw))
     np.testing.assert_array_equal(per_doc, [len(r) + (i > 0) for i, r in enumerate(raw)])
     with pytest.raises(StopIteration):
       next(it)
