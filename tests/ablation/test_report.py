@@ -111,6 +111,9 @@ def test_bad_value_markers_are_errors_naming_them():
                   {"s": summ})
   with pytest.raises(report.ReportError, match="ID ARM METRIC"):
     report.render("<!-- moejax:value s -->x<!-- /moejax:value -->", {"s": summ})
+  # A value stays on one line: an unclosed marker cannot swallow the prose after it.
+  text = "<!-- moejax:value s a val_loss -->x\nprose<!-- /moejax:value -->"
+  assert report.render(text, {"s": summ}) == text
   # A summary that is not there yet: pending, not an error.
   assert report.render("<!-- moejax:value t a val_loss -->x<!-- /moejax:value -->", {}) == (
       "<!-- moejax:value t a val_loss -->(pending)<!-- /moejax:value -->")
