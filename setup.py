@@ -23,6 +23,9 @@ setup(
         "tensorboardX>=2.6",
         "chex>=0.1.90",
         "numpy>=1.26",
+        # Ablation statistics: Student t quantiles, Welch intervals, the bootstrap
+        # (moejax.ablation.stats; `rng=` of scipy.stats.bootstrap needs 1.15).
+        "scipy>=1.15",
         # tensorflow-datasets 4.9.10 imports it but does not declare it on Python 3.9+.
         "importlib_resources",
         # Ablation summaries write PNG plots (experiments.ablate).

@@ -43,5 +43,6 @@ def get_config():
       },
       fixed=dict(total=0.0, active=0.0, flops_per_token=0.0, tokens=0.0, optimizer=0.0),
       seeds=(0,),
+      baseline="sequence",  # the micro-batch (sequence) loss Qwen improve on
       analysis=dict(comm_devices=8),
   )

@@ -11,7 +11,7 @@ experts of width 256, top-1, softmax, gate = the chosen probability, float32
 router), 300 steps x 16 x 64 tokens: ``cf1``, ``cf1p25``, ``cf2`` each
 ``_aux`` (alpha 1e-2, batch scope) and ``_noaux``. Every arm has the same
 total and active parameters (capacity changes only which tokens are dropped).
-Size: 6 arms, about 8-10 minutes on 2 CPU cores.
+Size: 6 arms x 3 seeds, about 25-30 minutes on 2 CPU cores.
 
   python -m experiments.ablate --config=configs/ablations/capacity.py --workdir=/tmp/abl/capacity
 """
@@ -37,6 +37,8 @@ def get_config():
       base=small_experiment(_moe(1.25, 1e-2)),
       arms=arms,
       fixed=dict(total=0.0, active=0.0, flops_per_token=0.0, tokens=0.0, optimizer=0.0),
-      seeds=(0,),
+      seeds=(0, 1, 2),
+      baseline="cf1p25_aux",  # Switch's recommended setting
+      reproduction=True,
       analysis=dict(comm_devices=8),
   )

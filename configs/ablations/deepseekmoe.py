@@ -16,7 +16,7 @@ hidden units per layer in total and 256 active per token), 300 steps x 16 x 64:
 
 Routers differ (hash has none, DeepSeekMoE's is 31 wide): total and active
 parameters agree within 3% (DeepSeekMoE 2.6% above Hash in active).
-Size: 4 arms, about 5-6 minutes on 2 CPU cores.
+Size: 4 arms x 3 seeds, about 15-18 minutes on 2 CPU cores.
 
   python -m experiments.ablate --config=configs/ablations/deepseekmoe.py --workdir=/tmp/abl/deepseekmoe
 """
@@ -48,6 +48,8 @@ def get_config():
                                                   isolate_shared=1))),
       },
       fixed=dict(total=0.03, active=0.03, flops_per_token=0.03, tokens=0.0, optimizer=0.0),
-      seeds=(0,),
+      seeds=(0, 1, 2),
+      baseline="gshard",  # GShard, the paper's main comparison
+      reproduction=True,
       analysis=dict(comm_devices=8),
   )

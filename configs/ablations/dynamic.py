@@ -46,5 +46,6 @@ def get_config():
       },
       fixed=dict(total=0.02, tokens=0.0, optimizer=0.0),
       seeds=(0,),
+      baseline="topk",  # fixed top-k
       analysis=dict(comm_devices=8),
   )

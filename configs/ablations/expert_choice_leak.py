@@ -16,7 +16,7 @@ at positions S/8, S/4, S/2 and S-1 from the prefix alone and reports
 ``leak gap`` = (prefix loss - teacher-forced loss) / prefix loss. A causal
 router gives 0 (up to float noise); a positive gap is loss bought with
 future information.
-Size: 2 arms, about 3-4 minutes on 2 CPU cores.
+Size: 2 arms x 3 seeds, about 9-12 minutes on 2 CPU cores.
 
   python -m experiments.ablate --config=configs/ablations/expert_choice_leak.py --workdir=/tmp/abl/expert_choice_leak
 """
@@ -41,6 +41,8 @@ def get_config():
           "expert_choice": dict(model=dict(moe=_moe("expert_choice", 0.0))),
       },
       fixed=dict(total=0.0, active=0.0, flops_per_token=0.0, tokens=0.0, optimizer=0.0),
-      seeds=(0,),
+      seeds=(0, 1, 2),
+      baseline="topk",  # the causal top-k router
+      reproduction=True,
       analysis=dict(comm_devices=8, causal_probe=True),
   )

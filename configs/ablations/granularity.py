@@ -43,5 +43,6 @@ def get_config():
       arms=arms,
       fixed=dict(total=0.05, active=0.05, flops_per_token=0.05, tokens=0.0, optimizer=0.0),
       seeds=(0,),
+      baseline="coarse",  # the coarse layer
       analysis=dict(comm_devices=8),
   )

@@ -8,7 +8,7 @@ alpha 1e-3 and 1e-2 (no bias), loss-free sign-bias u=1e-3 (the paper's rate,
 no aux loss) and u=1e-2: a sign step of u moves a bias by at most u per
 step, so over 300 steps u=1e-3 can shift it by 0.3 at most, while the paper
 ran ~24k steps; u=1e-2 gives our short run a comparable reach.
-Size: 4 arms x ~1-2 min on 2 CPU cores.
+Size: 4 arms x 3 seeds x ~1-2 min on 2 CPU cores.
 
   python -m experiments.ablate --config=configs/ablations/lossfree.py --workdir=/tmp/abl/lossfree
 """
@@ -37,6 +37,8 @@ def get_config():
           "lossfree_u1e-2": dict(model=dict(moe=_moe(0.0, True, 1e-2))),
       },
       fixed=dict(total=0.0, active=0.0, flops_per_token=0.0, tokens=0.0, optimizer=0.0),
-      seeds=(0,),
+      seeds=(0, 1, 2),
+      baseline="aux_1e-2",  # the paper's reference: the aux loss
+      reproduction=True,
       analysis=dict(comm_devices=8),
   )

@@ -52,5 +52,6 @@ def get_config():
       },
       fixed=dict(total=0.0, active=0.0, flops_per_token=0.0, tokens=0.0, optimizer=0.0),
       seeds=(0,),
+      baseline="aux_loss",  # the published reference (aux loss)
       analysis=dict(comm_devices=8, routing_batches=4),
   )

@@ -41,5 +41,6 @@ def get_config():
       },
       fixed=dict(total=0.0, active=0.0, flops_per_token=0.0, tokens=0.0, optimizer=0.0),
       seeds=(0,),
+      baseline="serial",  # the serial schedule
       analysis=dict(comm_devices=8),
   )

@@ -15,6 +15,11 @@ relative spread (max - min) / max of a number must be <= its tolerance, the
 optimizer strings must be equal, and the data config must always be equal
 (same corpus, same order). A violation raises :class:`BudgetError` naming the
 quantity, the arms at both ends and the tolerance.
+
+:func:`corpus_check` compares corpus fingerprints
+(:mod:`moejax.data.fingerprint`): runs of one suite, or result directories
+side by side, measured on different corpora (another Python's standard
+library, another tokenizer) are flagged: their numbers are not comparable.
 """
 
 from __future__ import annotations
@@ -103,6 +108,12 @@ def check(budgets: Mapping[str, ArmBudget], fixed: Mapping[str, float],
         "difference is the point) widen suite.fixed.<quantity> / drop it and say why in the "
         "suite's description")
   return notes
+
+
+def corpus_check(fingerprints: Mapping[str, Mapping | None]) -> list[str]:
+  """Lines flagging labelled runs whose corpus fingerprints differ (none: one corpus)."""
+  from moejax.data.fingerprint import mismatches  # pylint: disable=g-import-not-at-top
+  return mismatches(fingerprints)
 
 
 def table(budgets: Mapping[str, ArmBudget], fixed: Mapping[str, float] = ()) -> str:

@@ -5,7 +5,9 @@ Layout of a suite directory ``DIR``::
     DIR/suite.json             the suite (name, fixed, seeds, arms' overrides)
     DIR/budget.json            the budget of every arm (see moejax.ablation.budget)
     DIR/<arm>[/seed_<s>]/      a moejax.train run (config.json, checkpoints, metrics.jsonl)
-        result.json            written last: budget + final metrics + analysis
+        result.json            written last: budget + final metrics + analysis, corpus
+                               fingerprint and provenance (command, commit, machine)
+        per_doc_loss.npz       per validation document: CE sum and target count
         routing.json           per-layer loads over training, domain counts, co-activation
     DIR/summary.md, summary.csv, plots/*.png
 
@@ -37,6 +39,8 @@ import numpy as np
 
 from moejax.ablation import analysis as analysis_lib
 from moejax.ablation import budget as budget_lib
+from moejax.ablation import final_eval
+from moejax.ablation import provenance
 from moejax.ablation.suite import Suite
 from moejax.train import checkpoint as ckpt_lib
 from moejax.train import lock as lock_lib
@@ -138,9 +142,11 @@ def analyse(exp: ExperimentConfig, run_path: str, options: dict, say) -> tuple[d
   res: dict = {}
   routing: dict = {"steps": [], "layers": {}}
   moe = exp.model.moe
-  n_batches = int(options.get("routing_batches", 4))
-  batches, domains = analysis_lib.val_batches(exp, n_batches)
+  n_batches = options.get("routing_batches")
+  batches, domains, sample = final_eval.routing_sample(
+      exp, None if n_batches is None else int(n_batches))
   routing["domains"] = domains
+  routing["sample"] = sample
   if moe is None:
     res["a2a_note"] = "n/a: dense model, no expert parallelism"
     return res, routing
@@ -213,20 +219,27 @@ def run_suite(suite: Suite, workdir: str, *, out: TextIO = sys.stdout,
   say = lambda text: print(text, file=out, flush=True)
   b = check_suite(suite, out)  # raises before anything is written
   plan = dict(plan_suite(suite, workdir, extend))  # likewise
+  from moejax.data import fingerprint as fingerprint_lib  # pylint: disable=g-import-not-at-top
+  corpus = fingerprint_lib.corpus_fingerprint(suite.arms[0].experiment.data)
+  say(f"corpus: {corpus['id']} (Python {corpus['python_version']})")
+  prov = provenance.run_provenance()
   with lock_lib.WorkdirLock(workdir, say):
     _write_json(os.path.join(workdir, "suite.json"), {
         "name": suite.name, "description": suite.description, "fixed": dict(suite.fixed),
         "seeds": list(suite.seeds), "analysis": dict(suite.analysis),
+        "baseline": suite.baseline, "reproduction": suite.reproduction,
         "arms": {a.name: a.overrides for a in suite.arms},
         "arm_order": [a.name for a in suite.arms]})
     _write_json(os.path.join(workdir, "budget.json"), {n: v.as_dict() for n, v in b.items()})
-    results = _train_runs(suite, workdir, b, plan, train_fn, analyse_runs, say, out)
+    results = _train_runs(suite, workdir, b, plan, train_fn, analyse_runs, say, out, corpus,
+                          prov)
     summary_lib.write_summary(workdir, suite_name=suite.name)
   _report_suite(workdir, say)
   return results
 
 
-def _train_runs(suite, workdir, b, plan, train_fn, analyse_runs, say, out) -> dict:
+def _train_runs(suite, workdir, b, plan, train_fn, analyse_runs, say, out, corpus,
+                prov) -> dict:
   results = {}
   runs = list(suite.runs())
   todo = [rel for _, _, rel in runs if plan[rel] != "finished"]
@@ -241,6 +254,9 @@ def _train_runs(suite, workdir, b, plan, train_fn, analyse_runs, say, out) -> di
       say(f"{tag}: finished earlier, not retrained")
       with open(os.path.join(path, RESULT_FILE), encoding="utf-8") as f:
         results[rel] = json.load(f)
+      for line in budget_lib.corpus_check({"this run": corpus, rel: results[rel].get("corpus")}):
+        say(f"  ! {rel}: {line}; its numbers are not comparable with runs on this corpus: "
+            "move the suite directory aside to retrain it here")
       continue
     after = todo[todo.index(rel) + 1:]
     # Suite ETA: the other runs' steps at this run's step time, plus the mean
@@ -255,9 +271,18 @@ def _train_runs(suite, workdir, b, plan, train_fn, analyse_runs, say, out) -> di
     res = {"suite": suite.name, "arm": arm.name, "seed": seed, "run": rel,
            "budget": b[arm.name].as_dict(), "train_summary": summary,
            **train_metrics(path)}
+    ev = final_eval.final_evaluation(exp, path)
+    res.update(_final_metrics(ev, path))
+    res["corpus"], res["provenance"] = corpus, prov
     if analyse_runs:
       extra, routing = analyse(exp, path, dict(suite.analysis), say)
       res.update(extra)
+      for name, layer in routing["layers"].items():  # the summary's counts, whole split
+        if name not in ev.joints:
+          continue
+        layer["joint"] = ev.joints[name].tolist()
+        layer["final_load"] = ev.loads[name].tolist()
+      routing["joint_source"] = "final whole-split evaluation (moejax.ablation.final_eval)"
       _write_json(os.path.join(path, ROUTING_FILE), routing, indent=None)
     res["wall_seconds"] = time.perf_counter() - t0
     res["experiment"] = json.loads(experiment_to_json(exp))
@@ -278,12 +303,26 @@ def _report_suite(workdir: str, say) -> None:
     with open(md, encoding="utf-8") as f:
       say(f.read().rstrip())
   say(f"outputs in {workdir}:")
-  for name in ("summary.md", "summary.csv", os.path.join("plots", "metrics.png"),
-               os.path.join("plots", "curves.png"), "suite.json", "budget.json"):
+  plots = os.path.join(workdir, "plots")
+  pngs = sorted(os.path.join("plots", n) for n in os.listdir(plots)) if os.path.isdir(plots) \
+      else []
+  for name in ["summary.md", "summary.json", "summary.csv", *pngs, "suite.json", "budget.json"]:
     if os.path.exists(os.path.join(workdir, name)):
       say(f"  {os.path.join(workdir, name)}")
   say(f"  {os.path.join(workdir, '<run>', RESULT_FILE)}, {ROUTING_FILE}, config.json, "
       "metrics.jsonl, tensorboard/, checkpoints/ per run")
+
+
+def _final_metrics(ev: final_eval.FinalEval, path: str) -> dict:
+  """The run's final numbers from the whole-split evaluation, and its per-document file."""
+  out = {"val_loss": ev.metrics["loss"], "val_tokens": ev.metrics["tokens"],
+         "per_doc": {"file": os.path.basename(final_eval.write_per_doc(path, ev)),
+                     "documents": int(ev.doc_count.size), "step": ev.step}}
+  for k in ("max_vio_global", "specialisation_mi", "specialisation_mi_norm"):
+    if k in ev.metrics:
+      out[k] = ev.metrics[k]
+  out["layers"] = {k: v for k, v in ev.metrics.items() if "/" in k}
+  return out
 
 
 def _write_json(path: str, obj, indent: Optional[int] = 1) -> None:

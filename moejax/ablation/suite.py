@@ -13,6 +13,12 @@ returns an ``ml_collections.ConfigDict`` (or a plain dict) with:
   quantity in :data:`QUANTITIES` (``optimizer`` and ``tokens`` take 0: exact);
 - ``seeds``: ``train.seed`` values, every arm trained once per seed with the
   same data order (``data.seed`` stays the base's);
+- ``baseline``: the arm every other arm is compared with (paired differences,
+  intervals and verdicts, :mod:`moejax.ablation.stats`); default: the first
+  arm. A reproduction names the published reference arm;
+- ``reproduction``: True for a suite that reproduces a published result; it
+  must then run at least :data:`MIN_REPRODUCTION_SEEDS` seeds, so that its
+  verdicts have an interval over seeds;
 - ``analysis``: optional measurements: ``causal_probe`` (bool),
   ``comm_devices`` (expert-parallel devices of the all-to-all accounting, 8),
   ``latency`` (bool, True) and ``latency_reps`` (30), ``routing_batches``
@@ -34,7 +40,9 @@ from moejax.config import ConfigError, to_dict
 from moejax.train.config import ExperimentConfig, experiment_from_dict
 
 QUANTITIES = ("total", "active", "flops_per_token", "tokens", "optimizer")
-SUITE_KEYS = ("name", "description", "base", "arms", "fixed", "seeds", "analysis")
+SUITE_KEYS = ("name", "description", "base", "arms", "fixed", "seeds", "baseline",
+              "reproduction", "analysis")
+MIN_REPRODUCTION_SEEDS = 3
 ANALYSIS_KEYS = ("causal_probe", "comm_devices", "latency", "latency_reps", "routing_batches")
 
 
@@ -57,6 +65,8 @@ class Suite:
   fixed: Mapping[str, float]
   seeds: tuple
   analysis: Mapping[str, Any]
+  baseline: str = ""
+  reproduction: bool = False
 
   def arm(self, name: str) -> Arm:
     for a in self.arms:
@@ -129,6 +139,20 @@ def suite_from_dict(tree: Mapping[str, Any] | Any) -> Suite:
   seeds = tuple(tree.get("seeds") or (0,))
   if not all(isinstance(s, int) and s >= 0 for s in seeds) or len(set(seeds)) != len(seeds):
     raise ConfigError("suite.seeds", seeds, "must be distinct ints >= 0", "e.g. seeds=(0, 1)")
+  baseline = tree.get("baseline") or next(iter(arms_tree))
+  if baseline not in arms_tree:
+    raise ConfigError("suite.baseline", baseline, "is not an arm of the suite",
+                      f"set suite.baseline to one of {list(arms_tree)} (default: the first arm)")
+  reproduction = tree.get("reproduction", False)
+  if not isinstance(reproduction, bool):
+    raise ConfigError("suite.reproduction", reproduction, "must be True or False",
+                      "set reproduction=True for a suite that reproduces a published result")
+  if reproduction and len(seeds) < MIN_REPRODUCTION_SEEDS:
+    raise ConfigError(
+        "suite.seeds", seeds, f"has {len(seeds)} seed(s), but suite.reproduction=True needs at "
+        f"least {MIN_REPRODUCTION_SEEDS} (a verdict needs an interval over seeds)",
+        f"set seeds=(0, 1, 2) (--config.seeds='(0,1,2)'), or reproduction=False for a "
+        "quick look")
   analysis = dict(tree.get("analysis") or {})
   for key in analysis:
     if key not in ANALYSIS_KEYS:
@@ -153,7 +177,8 @@ def suite_from_dict(tree: Mapping[str, Any] | Any) -> Suite:
                         "fix the arm's overrides") from e
     arms.append(Arm(arm_name, overrides, exp))
   return Suite(name=name, description=tree.get("description", ""), arms=tuple(arms),
-               fixed=fixed, seeds=seeds, analysis=analysis)
+               fixed=fixed, seeds=seeds, analysis=analysis, baseline=baseline,
+               reproduction=reproduction)
 
 
 def load_suite_file(path: str):

@@ -1,8 +1,20 @@
-"""Suite summaries: per-arm table (markdown, CSV), plots (PNG), cross-directory comparison.
+"""Suite summaries: result.json files -> one summary dict (JSON) with intervals and verdicts.
 
-A row is one arm: the mean over its seeds (with the standard deviation in the
-markdown when there are several). Metrics a run does not provide are ``n/a``
-and the markdown lists the reason under the table.
+Legend: n seeds of an arm, N validation documents.
+
+:func:`summarise_results` groups runs by a label (the arm, or
+``<suite>/<arm>`` across directories), and per label and metric keeps the
+value of every seed with its mean and 95% interval over seeds; per label
+other than the baseline and per metric of :data:`VERDICT_METRICS` the paired
+difference with the baseline, for the validation loss the document bootstrap
+of the per-document losses, and the computed verdict; and per metric the
+suite's minimal detectable difference. The statistics are those of
+:mod:`moejax.ablation.stats` (formulas there and in docs/ablations.md).
+
+:func:`write_summary` writes, for a suite directory, ``summary.json`` (that
+dict, plus provenance and the corpus fingerprint: what ``experiments.report``
+turns into RESULTS.md and what ``results/`` keeps), ``summary.md``,
+``summary.csv`` and the plots of :mod:`moejax.ablation.plots`.
 """
 
 from __future__ import annotations
@@ -11,30 +23,39 @@ import csv
 import json
 import math
 import os
-from typing import Iterable, Optional, Sequence
+from typing import Callable, Iterable, Mapping, Optional, Sequence
 
 import numpy as np
 
-from moejax.ablation.budget import spread
+from moejax.ablation import final_eval, stats
+from moejax.ablation.budget import corpus_check, spread
 from moejax.topology.accounting import human
-from moejax.train import metrics_log
 
-# (key in result.json, column title)
-BUDGET_COLUMNS = (("total", "total params"), ("active", "active/token"),
-                  ("flops_per_token", "FLOPs/token"), ("tokens", "train tokens"))
-METRIC_COLUMNS = (
-    ("val_loss", "val loss"), ("train_loss", "train loss"),
-    ("max_vio_batch", "MaxVio batch"), ("max_vio_global", "MaxVio global"),
-    ("drop_rate", "drop rate"), ("specialisation_mi_norm", "spec. MI/H"),
-    ("active_experts_mean", "active experts mean"), ("active_experts_var", "active experts var"),
-    ("a2a_bytes_per_token", "a2a B/token"), ("exposed_comm", "exposed comm"),
-    ("moe_latency_p50_ms", "MoE P50 ms"), ("moe_latency_p99_ms", "MoE P99 ms"),
-    ("probe_teacher_forced_loss", "probe TF loss"), ("probe_prefix_loss", "probe prefix loss"),
-    ("probe_leak_gap", "leak gap"))
+FORMAT = 1
+SUMMARY_FILE = "summary.json"
+
+# key in result.json -> (title, unit, direction: -1 lower is better, +1 higher, 0 neither)
+METRICS = {
+    "val_loss": ("val loss", "nats/token", -1),
+    "train_loss": ("train loss", "nats/token", -1),
+    "max_vio_batch": ("MaxVio batch", "max/mean load - 1", -1),
+    "max_vio_global": ("MaxVio global", "max/mean load - 1", -1),
+    "drop_rate": ("drop rate", "share of token copies", -1),
+    "specialisation_mi_norm": ("spec. MI/H", "I(expert; domain) / H(domain)", 0),
+    "active_experts_mean": ("active experts mean", "FFN experts per token", 0),
+    "active_experts_var": ("active experts var", "(experts per token)^2", 0),
+    "a2a_bytes_per_token": ("a2a B/token", "bytes per token", 0),
+    "moe_latency_p50_ms": ("MoE P50 ms", "ms", 0),
+    "moe_latency_p99_ms": ("MoE P99 ms", "ms", 0),
+    "probe_teacher_forced_loss": ("probe TF loss", "nats/token", 0),
+    "probe_prefix_loss": ("probe prefix loss", "nats/token", 0),
+    "probe_leak_gap": ("leak gap", "(prefix - TF) / prefix", 0),
+}
+VERDICT_METRICS = ("val_loss", "max_vio_global", "max_vio_batch", "drop_rate",
+                   "specialisation_mi_norm", "probe_leak_gap")
+BUDGET_KEYS = (("total", "total params"), ("active", "active/token"),
+               ("flops_per_token", "FLOPs/token"), ("tokens", "train tokens"))
 NOTE_KEYS = (("a2a_bytes_per_token", "a2a_note"), ("exposed_comm", "exposed_comm_note"))
-PLOT_METRICS = ("val_loss", "max_vio_batch", "max_vio_global", "drop_rate",
-                "specialisation_mi_norm", "active_experts_mean", "active_experts_var",
-                "a2a_bytes_per_token", "exposed_comm", "moe_latency_p99_ms", "probe_leak_gap")
 
 
 def find_results(root: str) -> list[dict]:
@@ -51,83 +72,194 @@ def find_results(root: str) -> list[dict]:
 
 
 def _num(v) -> Optional[float]:
-  return float(v) if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) else None
+  ok = isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+  return float(v) if ok else None
 
 
-def aggregate(results: Sequence[dict], label=lambda r: r["arm"]) -> list[dict]:
-  """One row per label (arm): mean and std over seeds of every numeric column."""
+def _seed_values(runs: Sequence[dict], key: str) -> dict[int, float]:
+  out = {}
+  for r in runs:
+    v = _num(r.get(key))
+    if v is not None:
+      out[int(r.get("seed", 0))] = v
+  return out
+
+
+def _mean_per_doc(runs: Sequence[dict]):
+  """(seed-mean CE sums f64[N], counts f64[N]) of runs with per-document files, else None."""
+  got = [final_eval.read_per_doc(r["_path"]) for r in runs if r.get("_path")]
+  got = [g for g in got if g is not None]
+  if not got or len({g[0].shape for g in got}) > 1:
+    return None
+  return np.mean([g[0] for g in got], axis=0), got[0][1]
+
+
+def _bootstrap(arm_runs, base_runs) -> tuple[Optional[dict], str]:
+  a, b = _mean_per_doc(arm_runs), _mean_per_doc(base_runs)
+  if a is None or b is None:
+    return None, "no per-document losses (per_doc_loss.npz) for both"
+  if a[0].shape != b[0].shape or not np.array_equal(a[1], b[1]):
+    return None, "the runs scored different documents (another corpus or split)"
+  return stats.document_bootstrap(a[0] - b[0], a[1]).as_dict(), ""
+
+
+def summarise_results(results: Sequence[dict], *, label: Callable[[dict], str] = lambda r: r["arm"],
+                      baseline: Optional[str] = None, order: Sequence[str] = ()) -> dict:
+  """The summary dict of ``results`` grouped by ``label`` (see the module doc).
+
+  ``baseline``: the label every other label is compared with (None: no comparisons).
+  ``order``: labels in this order first (a suite's arm order), the rest after.
+  """
   groups: dict[str, list[dict]] = {}
   for r in results:
     groups.setdefault(label(r), []).append(r)
-  rows = []
-  for name, rs in groups.items():
-    row = {"arm": name, "suite": rs[0].get("suite", ""), "seeds": len(rs),
-           "optimizer": rs[0]["budget"]["optimizer"], "paths": [r["_path"] for r in rs]}
-    for key, _ in BUDGET_COLUMNS:
-      row[key] = rs[0]["budget"][key]
-    for key, _ in METRIC_COLUMNS:
-      vals = [_num(r.get(key)) for r in rs]
-      vals = [v for v in vals if v is not None]
-      row[key] = float(np.mean(vals)) if vals else None
-      row[key + "_std"] = float(np.std(vals)) if len(vals) > 1 else None
-    for key, note in NOTE_KEYS:
-      row[note] = rs[0].get(note)
-    rows.append(row)
-  return rows
+  names = [n for n in order if n in groups] + sorted(n for n in groups if n not in order)
+  if baseline is not None and baseline not in groups:
+    raise ValueError(f"baseline {baseline!r} has no result; labels: {names}")
+  arms = {}
+  for name in names:
+    runs = sorted(groups[name], key=lambda r: r.get("seed", 0))
+    metrics = {}
+    for key in METRICS:
+      vals = _seed_values(runs, key)
+      if vals:
+        metrics[key] = {"values": {str(s): v for s, v in sorted(vals.items())},
+                        "interval": stats.t_interval(list(vals.values())).as_dict()}
+    arms[name] = {"suite": runs[0].get("suite", ""), "arm": runs[0].get("arm", name),
+                  "seeds": sorted(int(r.get("seed", 0)) for r in runs),
+                  "budget": dict(runs[0].get("budget", {})), "metrics": metrics,
+                  "notes": {note: runs[0][note] for _, note in NOTE_KEYS if runs[0].get(note)}}
+  out = {"format": FORMAT, "labels": names, "baseline": baseline, "arms": arms,
+         "comparisons": {}, "mdd": {}}
+  corpora = {f"{name} seed {r.get('seed', 0)}": r.get("corpus")
+             for name in names for r in groups[name]}
+  ids = sorted({c["id"] for c in corpora.values() if c})
+  out["corpus"] = {"ids": ids, "flags": corpus_check(corpora),
+                   "fingerprint": next((c for c in corpora.values() if c), None)}
+  seed_counts = {n: len(a["seeds"]) for n, a in arms.items()}
+  out["seed_counts"] = seed_counts
+  if baseline is None:
+    return out
+  diffs: dict[str, list[stats.Interval]] = {}
+  for name in names:
+    if name == baseline:
+      continue
+    comp = {}
+    for key in VERDICT_METRICS:
+      a, b = _seed_values(groups[name], key), _seed_values(groups[baseline], key)
+      if not a or not b or not any(list(a.values()) + list(b.values())):
+        continue  # absent, or 0 in every run (no capacity: no drops): nothing to compare
+      entry = _difference(a, b)
+      if entry["pairing"] == "paired":
+        diffs.setdefault(key, []).append(stats.Interval.from_dict(entry["diff"]))
+      boot = None
+      if key == "val_loss":
+        boot, why = _bootstrap(groups[name], groups[baseline])
+        entry["documents"] = boot
+        if why:
+          entry["documents_note"] = why
+      seed_iv = stats.Interval.from_dict(entry["diff"])
+      boot_iv = stats.Interval.from_dict(boot) if boot else None
+      direction = METRICS[key][2]
+      entry["verdict"] = stats.verdict(seed_iv, boot_iv, direction=direction)
+      entry["reason"] = (stats.reason(seed_iv, boot_iv)
+                         if entry["verdict"] == stats.UNRESOLVED else "")
+      comp[key] = entry
+    out["comparisons"][name] = comp
+  n = min(seed_counts.values())
+  out["mdd"] = {key: {"value": stats.pooled_mdd(diffs.get(key, []), n), "seeds": n}
+                for key in VERDICT_METRICS if any(key in c for c in out["comparisons"].values())}
+  return out
 
 
-def _fmt(v, key: str = "") -> str:
-  if v is None:
-    return "n/a"
-  if key in ("total", "active", "flops_per_token", "tokens", "a2a_bytes_per_token"):
-    return human(v)
-  return f"{v:.4g}" if abs(v) < 1e4 else human(v)
+def _difference(a: Mapping[int, float], b: Mapping[int, float]) -> dict:
+  """Paired over common seeds when at least two are common (or the seed sets are equal),
+  else unpaired (Welch) over each side's own seeds."""
+  common = sorted(set(a) & set(b))
+  if len(common) >= 2 or (common and set(a) == set(b)):
+    iv, seeds = stats.paired(a, b)
+    return {"diff": iv.as_dict(), "pairing": "paired", "seeds": seeds}
+  iv = stats.welch(list(a.values()), list(b.values()))
+  return {"diff": iv.as_dict(), "pairing": "unpaired (Welch): fewer than 2 common seeds",
+          "seeds": sorted(set(a) | set(b))}
 
 
-def markdown(rows: Sequence[dict], title: str = "") -> str:
-  cols = [("arm", "arm"), ("seeds", "seeds")] + list(BUDGET_COLUMNS) + list(METRIC_COLUMNS)
-  cols = [c for c in cols if c[0] in ("arm", "seeds") or any(r.get(c[0]) is not None for r in rows)
-          or c[0] in ("a2a_bytes_per_token", "exposed_comm", "moe_latency_p99_ms")]
-  lines = [f"# {title}", ""] if title else []
-  lines.append("| " + " | ".join(t for _, t in cols) + " |")
-  lines.append("|" + "|".join("---" for _ in cols) + "|")
-  for r in rows:
-    cells = []
-    for key, _ in cols:
-      v = r.get(key)
-      if key in ("arm",):
-        cells.append(str(v))
-      elif key == "seeds":
-        cells.append(str(v))
-      else:
-        s = _fmt(v, key)
-        if r.get(key + "_std") is not None:
-          s += f" ± {r[key + '_std']:.2g}"
-        cells.append(s)
-    lines.append("| " + " | ".join(cells) + " |")
-  notes = []
-  for key, note in NOTE_KEYS:
-    by_text: dict[str, list[str]] = {}
-    for r in rows:
-      if r.get(note):
-        by_text.setdefault(r[note], []).append(r["arm"])
-    notes += [f"- {key} ({', '.join(arms)}): {text}" for text, arms in by_text.items()]
-  if rows:
-    lines += ["", f"Optimizer: {rows[0]['optimizer']}"]
-  if notes:
-    lines += ["", "Notes:"] + notes
-  return "\n".join(lines) + "\n"
+def _collect_provenance(results: Sequence[dict]) -> dict:
+  provs = [r.get("provenance") or {} for r in results]
+  pick = lambda key: sorted({p[key] for p in provs if p.get(key)})
+  dates = pick("date")
+  return {"commands": pick("command"), "commits": pick("commit"),
+          "dates": [dates[0], dates[-1]] if dates else [], "machines": pick("machine"),
+          "jax_versions": pick("jax_version"), "python_versions": pick("python_version"),
+          "runs": len(results), "runs_without_provenance": sum(1 for p in provs if not p)}
 
 
-def write_csv(rows: Sequence[dict], path: str) -> None:
-  keys = (["arm", "suite", "seeds"] + [k for k, _ in BUDGET_COLUMNS] +
-          [k for k, _ in METRIC_COLUMNS] + [k + "_std" for k, _ in METRIC_COLUMNS] +
-          ["optimizer", "a2a_note", "exposed_comm_note"])
+def suite_summary(workdir: str) -> dict:
+  """The summary dict of the suite directory ``workdir`` (its suite.json and result files)."""
+  suite: dict = {}
+  path = os.path.join(workdir, "suite.json")
+  if os.path.exists(path):
+    with open(path, encoding="utf-8") as f:
+      suite = json.load(f)
+  results = find_results(workdir)
+  order = list(suite.get("arm_order", []))
+  if order:  # runs left over from arms the suite file no longer has are not summarised
+    results = [r for r in results if r["arm"] in order]
+  if not results:
+    raise FileNotFoundError(f"no result.json under {workdir} (run experiments.ablate first)")
+  names = {r["arm"] for r in results}
+  baseline = suite.get("baseline") or (order[0] if order else None)
+  if baseline not in names:
+    baseline = None
+  out = summarise_results(results, baseline=baseline, order=order)
+  out.update({"suite": suite.get("name") or results[0].get("suite", ""),
+              "description": (suite.get("description") or "").strip().split("\n")[0],
+              "reproduction": bool(suite.get("reproduction", False)),
+              "suite_seeds": suite.get("seeds", sorted({r.get("seed", 0) for r in results})),
+              "provenance": _collect_provenance(results),
+              "budget_flags": budget_mismatches(out)})
+  return out
+
+
+def budget_mismatches(summary: Mapping, tolerance: float = 0.02) -> list[str]:
+  """Lines naming every budget quantity on which the labels differ beyond ``tolerance``."""
+  arms = summary["arms"]
+  out = []
+  if len(arms) < 2:
+    return out
+  for key, title in BUDGET_KEYS:
+    vals = {n: float(a["budget"][key]) for n, a in arms.items() if a["budget"].get(key) is not None}
+    if len(vals) > 1 and spread(list(vals.values())) > tolerance:
+      lo, hi = min(vals, key=vals.get), max(vals, key=vals.get)
+      out.append(f"{title} differs by {100 * spread(list(vals.values())):.1f}% "
+                 f"({lo} {human(vals[lo])} .. {hi} {human(vals[hi])})")
+  opts = {a["budget"].get("optimizer") for a in arms.values()}
+  if len(opts) > 1:
+    out.append("optimizer settings differ: " + " | ".join(sorted(map(str, opts))))
+  return out
+
+
+def mean(summary: Mapping, label: str, key: str) -> Optional[float]:
+  m = summary["arms"][label]["metrics"].get(key)
+  return None if m is None else m["interval"]["mean"]
+
+
+def write_csv(summary: Mapping, path: str) -> None:
+  """One row per label: budget, then per metric mean, 95% lo / hi and seed count."""
+  keys = ["arm", "suite", "seeds"] + [k for k, _ in BUDGET_KEYS] + ["optimizer"]
+  for k in METRICS:
+    keys += [k, f"{k}_lo", f"{k}_hi", f"{k}_n"]
   with open(path, "w", newline="", encoding="utf-8") as f:
-    w = csv.DictWriter(f, fieldnames=keys, extrasaction="ignore")
+    w = csv.DictWriter(f, fieldnames=keys)
     w.writeheader()
-    for r in rows:
-      w.writerow({k: ("" if r.get(k) is None else r.get(k)) for k in keys})
+    for name, a in summary["arms"].items():
+      row = {"arm": name, "suite": a["suite"], "seeds": len(a["seeds"]),
+             "optimizer": a["budget"].get("optimizer", "")}
+      row.update({k: a["budget"].get(k, "") for k, _ in BUDGET_KEYS})
+      for k, m in a["metrics"].items():
+        iv = m["interval"]
+        row.update({k: iv["mean"], f"{k}_lo": iv["lo"], f"{k}_hi": iv["hi"], f"{k}_n": iv["n"]})
+      w.writerow({k: ("" if row.get(k) is None else row.get(k)) for k in keys})
 
 
 def read_csv(path: str) -> list[dict]:
@@ -135,112 +267,36 @@ def read_csv(path: str) -> list[dict]:
     rows = list(csv.DictReader(f))
   for r in rows:
     for k, v in r.items():
-      if k not in ("arm", "suite", "optimizer", "a2a_note", "exposed_comm_note"):
+      if k not in ("arm", "suite", "optimizer"):
         r[k] = float(v) if v not in ("", None) else None
   return rows
 
 
-def plot_metrics(rows: Sequence[dict], path: str, metrics: Iterable[str] = PLOT_METRICS) -> str:
-  """One bar chart per metric (n/a metrics are drawn as an empty panel saying so)."""
-  from matplotlib.figure import Figure  # pylint: disable=g-import-not-at-top
-  metrics = list(metrics)
-  titles = dict(METRIC_COLUMNS)
-  ncol = 4
-  nrow = math.ceil(len(metrics) / ncol)
-  # Figure, not pyplot: no global backend switch (a notebook keeps its inline backend).
-  fig = Figure(figsize=(4 * ncol, 3.2 * nrow))
-  axes = fig.subplots(nrow, ncol, squeeze=False)
-  names = [r["arm"] for r in rows]
-  for ax, key in zip(axes.flat, metrics):
-    vals = [r.get(key) for r in rows]
-    ax.set_title(titles.get(key, key), fontsize=10)
-    if all(v is None for v in vals):
-      if key == "probe_leak_gap":
-        ax.axis("off")  # only the expert-choice suite runs the probe
-        continue
-      ax.text(0.5, 0.5, "n/a (see summary.md notes)", ha="center", va="center",
-              transform=ax.transAxes)
-      ax.set_xticks([])
-      ax.set_yticks([])
-      continue
-    err = [r.get(key + "_std") or 0.0 for r in rows]
-    ax.bar(range(len(names)), [v if v is not None else 0.0 for v in vals], yerr=err,
-           color=[f"C{i}" for i in range(len(names))])
-    got = [v for v in vals if v is not None]
-    if key in ("val_loss", "train_loss") and min(got) > 0:
-      # Losses differ in the second decimal: a zero baseline would hide it.
-      span = max(max(got) - min(got), 1e-3)
-      ax.set_ylim(min(got) - 2 * span, max(got) + span)
-    ax.set_xticks(range(len(names)))
-    ax.set_xticklabels(names, rotation=30, ha="right", fontsize=8)
-  for ax in list(axes.flat)[len(metrics):]:
-    ax.axis("off")
-  fig.tight_layout()
-  fig.savefig(path, dpi=80)
-  return path
-
-
-def plot_curves(results: Sequence[dict], path: str) -> str:
-  """Validation loss and MaxVio_batch over training steps, one line per run."""
-  from matplotlib.figure import Figure  # pylint: disable=g-import-not-at-top
-  fig = Figure(figsize=(15, 3.6))
-  axes = fig.subplots(1, 3)
-  arms = sorted({r["arm"] for r in results})
-  for r in results:
-    c = f"C{arms.index(r['arm'])}"
-    label = r["arm"] + (f" s{r['seed']}" if r.get("seed") else "")
-    ev = metrics_log.read_metrics(r["_path"], "eval")
-    tr = metrics_log.read_metrics(r["_path"], "train")
-    axes[0].plot([e["step"] for e in ev], [e["loss"] for e in ev], "o-", color=c, label=label)
-    axes[1].plot([t["step"] for t in tr], [t["loss"] for t in tr], color=c, label=label)
-    if tr and "max_vio_batch" in tr[0]:
-      axes[2].plot([t["step"] for t in tr], [t["max_vio_batch"] for t in tr], color=c,
-                   label=label)
-  for ax, t in zip(axes, ("validation loss", "training loss", "MaxVio batch")):
-    ax.set_title(t)
-    ax.set_xlabel("step")
-  axes[0].legend(fontsize=8)
-  fig.tight_layout()
-  fig.savefig(path, dpi=80)
+def write_json(obj, path: str) -> str:
+  tmp = path + ".tmp"
+  with open(tmp, "w", encoding="utf-8") as f:
+    json.dump(obj, f, indent=1, sort_keys=True)
+    f.write("\n")
+  os.replace(tmp, path)
   return path
 
 
 def write_summary(workdir: str, suite_name: str = "") -> dict:
-  """summary.md, summary.csv and plots/{metrics,curves}.png for the results under workdir."""
-  results = find_results(workdir)
-  rows = aggregate(results)
-  order_path = os.path.join(workdir, "suite.json")
-  if os.path.exists(order_path):  # the suite's own arm order, not the directory order
-    with open(order_path, encoding="utf-8") as f:
-      order = list(json.load(f).get("arm_order", []))
-    if order:  # runs left over from arms the suite file no longer has are not summarised
-      results = [r for r in results if r["arm"] in order]
-      rows = [r for r in rows if r["arm"] in order]
-    rows.sort(key=lambda r: order.index(r["arm"]) if r["arm"] in order else len(order))
+  """summary.json, summary.md, summary.csv and plots/*.png of the suite directory."""
+  from moejax.ablation import plots, tables  # pylint: disable=g-import-not-at-top
+  summary = suite_summary(workdir)
+  if suite_name:
+    summary["suite"] = suite_name
+  write_json(summary, os.path.join(workdir, SUMMARY_FILE))
   with open(os.path.join(workdir, "summary.md"), "w", encoding="utf-8") as f:
-    f.write(markdown(rows, f"suite {suite_name}" if suite_name else ""))
-  write_csv(rows, os.path.join(workdir, "summary.csv"))
-  plots = os.path.join(workdir, "plots")
-  os.makedirs(plots, exist_ok=True)
-  out = {"rows": rows}
-  if rows:
-    out["metrics_png"] = plot_metrics(rows, os.path.join(plots, "metrics.png"))
-    out["curves_png"] = plot_curves(results, os.path.join(plots, "curves.png"))
+    f.write(tables.suite_markdown(summary))
+  write_csv(summary, os.path.join(workdir, "summary.csv"))
+  out = {"summary": summary}
+  out.update(plots.write_plots(summary, find_results(workdir), os.path.join(workdir, "plots")))
   return out
 
 
-def budget_mismatches(rows: Sequence[dict], tolerance: float = 0.02) -> list[str]:
-  """Lines naming every budget quantity on which the rows differ (beyond ``tolerance``)."""
-  out = []
-  if len(rows) < 2:
-    return out
-  for key, title in BUDGET_COLUMNS:
-    vals = {r["arm"]: float(r[key]) for r in rows if r.get(key) is not None}
-    if len(vals) > 1 and spread(list(vals.values())) > tolerance:
-      lo, hi = min(vals, key=vals.get), max(vals, key=vals.get)
-      out.append(f"{title} differs by {100 * spread(list(vals.values())):.1f}% "
-                 f"({lo} {human(vals[lo])} .. {hi} {human(vals[hi])})")
-  opts = {r["optimizer"] for r in rows}
-  if len(opts) > 1:
-    out.append("optimizer settings differ: " + " | ".join(sorted(opts)))
-  return out
+def metrics_present(summaries: Iterable[Mapping], keys: Iterable[str] = METRICS) -> list[str]:
+  """The metric keys that at least one label of the summaries has."""
+  summaries = list(summaries)
+  return [k for k in keys if any(k in a["metrics"] for s in summaries for a in s["arms"].values())]

@@ -54,6 +54,9 @@ class BatchIterator:
     segment_ids: int32[B/P, S] 1, 2, ... numbering the documents that the
       *inputs* of a row belong to (a separator belongs to the document it
       opens); 0 on padding. For document-masked attention if wanted.
+    doc_ids: int32[B/P, S] index into ``docs`` of the document each *target*
+      belongs to (a separator target to the document it opens, like its
+      label); -1 on padding. Per-document validation losses sum over it.
     mask: bool[B/P, S] False only where the target is padding.
     target_bytes: int32[B/P, S] the bytes each target stands for
       (``Documents.bytes_per_token``: 1 at byte level, the separator 1, a
@@ -137,11 +140,13 @@ class BatchIterator:
   def _read(self, epoch: int, start: int, n: int):
     """Stream tokens ``[start, start + n)`` of ``epoch`` (cut at the stream's end).
 
-    Returns tokens, labels and segment numbers, each int32[n] (zero past the
-    end), and how many tokens were real.
+    Returns tokens, labels, segment numbers and document indices, each
+    int32[n] (zero past the end; -1 for the indices), and how many tokens
+    were real.
     """
     order, cum = self._epoch_order(epoch)
     tokens, labels, segs = (np.zeros(n, np.int32) for _ in range(3))
+    doc_ids = np.full(n, -1, np.int32)
     pos, filled, seg = start, 0, 0
     j = int(np.searchsorted(cum, start, side="right")) - 1
     while filled < n and j < len(order):
@@ -159,8 +164,9 @@ class BatchIterator:
         tokens[out] = doc.tokens[off - 1:off - 1 + k]
         labels[out] = doc.labels[off - 1:off - 1 + k]
       segs[out] = seg
+      doc_ids[out] = order[j]
       filled, pos, j = filled + k, pos + k, j + 1
-    return tokens, labels, segs, filled
+    return tokens, labels, segs, doc_ids, filled
 
   def _row_start(self, row: int) -> int:
     if self.train:
@@ -180,12 +186,14 @@ class BatchIterator:
     S = self.seq_len
     out = {k: np.zeros((len(self._rows), S), np.int32)
            for k in ("inputs", "targets", "labels", "segment_ids")}
+    out["doc_ids"] = np.full((len(self._rows), S), -1, np.int32)
     out["mask"] = np.zeros((len(self._rows), S), bool)
     for i, row in enumerate(self._rows):
-      tokens, labels, segs, filled = self._read(self.epoch, self._row_start(row), S + 1)
+      tokens, labels, segs, doc_ids, filled = self._read(self.epoch, self._row_start(row), S + 1)
       n_targets = max(filled - 1, 0)
       out["inputs"][i], out["targets"][i] = tokens[:S], tokens[1:]
       out["labels"][i], out["segment_ids"][i] = labels[1:], segs[:S]
+      out["doc_ids"][i] = doc_ids[1:]
       out["mask"][i, :n_targets] = True
     out["target_bytes"] = self._token_bytes[out["targets"]] * out["mask"]
     self.step += 1

@@ -1,11 +1,13 @@
 """Validation: loss, MaxVio_global and expert specialisation over a split.
 
 Legend: B batch, S sequence length, E FFN experts, E_r routed columns (FFN
-plus zero-computation experts), D domains.
+plus zero-computation experts), D domains, N documents of the split.
 
 :func:`make_eval_step` compiles one forward (``train=False``: no noise, no
-controller update) that returns per-batch *sums*; :func:`evaluate` adds them
-over the batches on device and reads them back once:
+controller update) that returns per-batch *sums*; :func:`evaluate_totals`
+adds them over the batches on device and reads them back once, and
+:func:`summarise` turns the totals into the metrics (:func:`evaluate` does
+both):
 
 - ``loss``: masked cross-entropy, nats per target token over the pass;
 - ``loss_per_byte``: the same total nats divided by the UTF-8 bytes the
@@ -21,6 +23,14 @@ over the batches on device and reads them back once:
 
 Loads count only scored positions (``mask``), so the padded rows of the last
 validation batch do not bias MaxVio_global.
+
+Per document (``make_eval_step(..., num_docs=N)``, for the final whole-split
+evaluation of an ablation run): the cross-entropy sum and the target count
+of every document, f32[N] each, summed over the batch's ``doc_ids`` (see
+:mod:`moejax.data.packing`; a separator target counts for the document it
+opens). They add up to the split's totals, so the split's loss is
+sum(doc_ce) / sum(doc_count), and a paired bootstrap over documents can
+resample them (:mod:`moejax.ablation.stats`).
 """
 
 from __future__ import annotations
@@ -30,6 +40,7 @@ from typing import Any, Callable, Iterable, Optional
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 from flax import nnx
 
 from moejax.balance.metrics import MaxVioAccumulator
@@ -40,11 +51,14 @@ from moejax.nn.losses import masked_cross_entropy
 Batch = dict[str, Any]
 
 
-def make_eval_step(graphdef, model_cfg: ModelConfig, num_domains: int) -> Callable:
+def make_eval_step(graphdef, model_cfg: ModelConfig, num_domains: int,
+                   num_docs: Optional[int] = None) -> Callable:
   """jitted ``eval_step(params, router_state, other, batch) -> sums``.
 
-  sums: ``ce_sum`` f32[], ``count`` f32[], ``bytes`` f32[], and per MoE layer with a routing
-  decision ``load/<layer>`` f32[E] and ``joint/<layer>`` f32[E_r, D].
+  sums: ``ce_sum`` f32[], ``count`` f32[], ``bytes`` f32[], and per MoE layer
+  with a routing decision ``load/<layer>`` f32[E] and ``joint/<layer>``
+  f32[E_r, D]; with ``num_docs`` N also ``doc_ce`` and ``doc_count`` f32[N]
+  (the batch must carry ``doc_ids``).
   """
   moe = model_cfg.moe
 
@@ -55,6 +69,15 @@ def make_eval_step(graphdef, model_cfg: ModelConfig, num_domains: int) -> Callab
     out = {"ce_sum": ce_sum, "count": count}
     target_bytes = batch.get("target_bytes", batch["mask"])
     out["bytes"] = jnp.sum(jnp.where(batch["mask"], target_bytes, 0).astype(jnp.float32))
+    if num_docs is not None:
+      # The same per-position CE as masked_cross_entropy, summed per document;
+      # ids of padding are -1, which segment_sum drops.
+      m = batch["mask"].astype(jnp.float32)
+      ce = optax.softmax_cross_entropy_with_integer_labels(
+          logits.astype(jnp.float32), batch["targets"]) * m                # [B, S]
+      ids = jnp.where(batch["mask"], batch["doc_ids"], -1).reshape(-1)
+      out["doc_ce"] = jax.ops.segment_sum(ce.reshape(-1), ids, num_segments=num_docs)
+      out["doc_count"] = jax.ops.segment_sum(m.reshape(-1), ids, num_segments=num_docs)
     for name, layer in aux["moe"].items():
       if "expert_ids" not in layer:
         continue  # soft / PEER layers have no token -> expert decision
@@ -70,6 +93,12 @@ def make_eval_step(graphdef, model_cfg: ModelConfig, num_domains: int) -> Callab
 def evaluate(eval_step: Callable, params, router_state, other, batches: Iterable[Batch],
              num_batches: Optional[int] = None) -> dict[str, float]:
   """Runs ``eval_step`` over ``batches`` (at most ``num_batches``); see the module doc."""
+  return summarise(evaluate_totals(eval_step, params, router_state, other, batches, num_batches))
+
+
+def evaluate_totals(eval_step: Callable, params, router_state, other, batches: Iterable[Batch],
+                    num_batches: Optional[int] = None) -> dict[str, np.ndarray]:
+  """The sums of ``eval_step`` over ``batches`` (at most ``num_batches``), as numpy arrays."""
   totals = None
   for i, batch in enumerate(batches):
     if num_batches is not None and i >= num_batches:
@@ -79,24 +108,44 @@ def evaluate(eval_step: Callable, params, router_state, other, batches: Iterable
   if totals is None:
     raise ValueError("evaluate: the validation split gave no batch; check data.eval_split "
                      "and that the split holds at least one token")
-  totals = jax.device_get(totals)
+  return {k: np.asarray(v) for k, v in jax.device_get(totals).items()}
+
+
+def summarise(totals: dict) -> dict[str, float]:
+  """The metrics of the module doc from :func:`evaluate_totals`' sums."""
   out: dict[str, float] = {"loss": float(totals["ce_sum"] / max(totals["count"], 1.0)),
                            "tokens": float(totals["count"])}
   out["loss_per_byte"] = float(totals["ce_sum"] / max(totals["bytes"], 1.0))
   out["bits_per_byte"] = out["loss_per_byte"] / float(np.log(2.0))
   out["bytes"] = float(totals["bytes"])
+  joints = {k.split("/", 1)[1]: v for k, v in totals.items() if k.startswith("joint/")}
+  loads = {k.split("/", 1)[1]: v for k, v in totals.items() if k.startswith("load/")}
+  out.update(routing_metrics(joints, loads))
+  return out
+
+
+def routing_metrics(joints: dict, loads: Optional[dict] = None) -> dict[str, float]:
+  """Per layer and mean over layers: MaxVio_global (of ``loads``) and I(expert; domain).
+
+  The one place these numbers are computed from the (expert, domain) counts
+  ``joints`` {layer: f[E_r, D]} and the loads {layer: f[E]}: the training
+  loop's evaluation, the ablation summary and the routing notebook all call
+  it, so their numbers agree.
+  """
+  out: dict[str, float] = {}
   vio, mi, mi_norm = [], [], []
-  for key in sorted(k for k in totals if k.startswith("joint/")):
-    name = key.split("/", 1)[1]
-    load = totals[f"load/{name}"]
-    acc = MaxVioAccumulator.zeros(load.shape[0]).add(jnp.asarray(load))
-    v = float(acc.value())
-    m, m_norm = mutual_information(totals[key])
-    out[f"{name}/max_vio_global"], out[f"{name}/specialisation_mi"] = v, m
-    out[f"{name}/specialisation_mi_norm"] = m_norm
-    vio.append(v), mi.append(m), mi_norm.append(m_norm)
+  for name in sorted(joints):
+    m, m_norm = mutual_information(joints[name])
+    out[f"{name}/specialisation_mi"], out[f"{name}/specialisation_mi_norm"] = m, m_norm
+    mi.append(m), mi_norm.append(m_norm)
+    if loads is not None and name in loads:
+      load = np.asarray(loads[name])
+      v = float(MaxVioAccumulator.zeros(load.shape[0]).add(jnp.asarray(load)).value())
+      out[f"{name}/max_vio_global"] = v
+      vio.append(v)
   if vio:
     out["max_vio_global"] = float(np.mean(vio))
+  if mi:
     out["specialisation_mi"] = float(np.mean(mi))
     out["specialisation_mi_norm"] = float(np.mean(mi_norm))
   return out

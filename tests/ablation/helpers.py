@@ -23,7 +23,8 @@ def tiny_base(steps: int = 6) -> dict:
 
 
 def tiny_suite(steps: int = 6, **changes) -> dict:
-  """Two arms (aux loss vs loss-free bias) of configs/tiny.py at an equal budget."""
+  """Two arms (aux loss vs loss-free bias) of configs/tiny.py at an equal budget, 2 seeds
+  (the least that gives an interval over seeds)."""
   bal = lambda aux, bias: dict(aux_loss_coef=aux, bias_update="sign" if bias else "none")
   tree = dict(
       name="tiny",
@@ -32,7 +33,7 @@ def tiny_suite(steps: int = 6, **changes) -> dict:
       arms={"aux": dict(model=dict(moe=dict(routing=dict(use_bias=False), balance=bal(1e-2, False)))),
             "bias": dict(model=dict(moe=dict(routing=dict(use_bias=True), balance=bal(0.0, True))))},
       fixed=dict(total=0.0, active=0.0, flops_per_token=0.0, tokens=0.0, optimizer=0.0),
-      seeds=(0,),
+      seeds=(0, 1),
       analysis=dict(routing_batches=1, comm_devices=4, causal_probe=True, latency_reps=5),
   )
   tree.update(copy.deepcopy(changes))

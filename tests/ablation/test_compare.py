@@ -1,4 +1,4 @@
-"""experiments.compare: side-by-side table, budget mismatches flagged."""
+"""experiments.compare: side-by-side table, intervals, budget and corpus mismatches flagged."""
 
 from __future__ import annotations
 
@@ -7,26 +7,30 @@ import os
 import subprocess
 import sys
 
-
 from moejax.ablation import summary
 from tests.ablation import helpers
 
 OPT = "adamw lr=0.003 steps=10"
+CORPUS = {"dataset": "python_stdlib", "config": "py3.11.7", "version": "1.0.0",
+          "python_version": "3.11.7", "tokenizer": "bytes", "content_sha256": "a" * 64,
+          "id": "python_stdlib/py3.11.7:1.0.0 bytes sha256:aaaaaaaaaaaa"}
 
 
-def _result(root, suite, arm, active, optimizer=OPT, val=2.0):
-  path = os.path.join(root, suite, arm)
+def _result(root, suite, arm, active, optimizer=OPT, val=2.0, seed=None, corpus=None):
+  path = os.path.join(root, suite, arm, *([f"seed_{seed}"] if seed is not None else []))
   os.makedirs(path)
-  res = {"suite": suite, "arm": arm, "seed": 0, "run": arm, "val_loss": val,
+  res = {"suite": suite, "arm": arm, "seed": seed or 0, "run": arm, "val_loss": val,
          "budget": {"total": 1000, "active": active, "active_max": active,
                     "flops_per_token": 2 * active, "tokens": 640, "optimizer": optimizer}}
+  if corpus:
+    res["corpus"] = corpus
   with open(os.path.join(path, "result.json"), "w") as f:
     json.dump(res, f)
   return os.path.join(root, suite)
 
 
-def _compare(*dirs):
-  return subprocess.run([sys.executable, "-m", "experiments.compare", *dirs], cwd=helpers.ROOT,
+def _compare(*args):
+  return subprocess.run([sys.executable, "-m", "experiments.compare", *args], cwd=helpers.ROOT,
                         capture_output=True, text=True, timeout=120)
 
 
@@ -42,14 +46,14 @@ def test_flags_active_mismatch_across_suites(tmp_path):
 
 def test_equal_budgets_are_not_flagged_and_optimizer_is(tmp_path):
   a = _result(str(tmp_path), "s1", "x", active=100.0)
-  b = _result(str(tmp_path), "s1", "y", active=101.0)  # 1% < 2% tolerance
-  rows = summary.aggregate(summary.find_results(a))
-  assert summary.budget_mismatches(rows) == []
+  _result(str(tmp_path), "s1", "y", active=101.0)  # 1% < 2% tolerance
+  assert summary.budget_mismatches(summary.summarise_results(summary.find_results(a))) == []
   proc = _compare(a)
   assert "budgets match" in proc.stdout
   c = _result(str(tmp_path), "s3", "z", active=100.0, optimizer="adamw lr=0.01 steps=10")
-  rows = summary.aggregate(summary.find_results(a) + summary.find_results(c))
-  assert any("optimizer settings differ" in line for line in summary.budget_mismatches(rows))
+  summ = summary.summarise_results(summary.find_results(a) + summary.find_results(c),
+                                   label=lambda r: f"{r['suite']}/{r['arm']}")
+  assert any("optimizer settings differ" in line for line in summary.budget_mismatches(summ))
 
 
 def test_no_results_is_an_error(tmp_path):
@@ -57,8 +61,35 @@ def test_no_results_is_an_error(tmp_path):
   assert proc.returncode == 1 and "no result.json" in proc.stderr
 
 
+def test_corpus_mismatch_is_flagged(tmp_path):
+  other = dict(CORPUS, python_version="3.12.1", config="py3.12.1", content_sha256="b" * 64,
+               id="python_stdlib/py3.12.1:1.0.0 bytes sha256:bbbbbbbbbbbb")
+  a = _result(str(tmp_path), "s1", "x", active=100.0, corpus=CORPUS)
+  b = _result(str(tmp_path), "s2", "x", active=100.0, corpus=other)
+  proc = _compare(a, b)
+  assert "CORPUS MISMATCH" in proc.stdout
+  assert "corpora differ (config, python_version, content_sha256)" in proc.stdout
+  same = _result(str(tmp_path), "s3", "x", active=100.0, corpus=CORPUS)
+  assert "CORPUS MISMATCH" not in _compare(a, same).stdout
+
+
+def test_different_seed_counts_compare_and_say_so(tmp_path):
+  a = _result(str(tmp_path), "one", "x", active=100.0, val=2.0)          # one seed
+  for seed, val in ((0, 2.10), (1, 2.12), (2, 2.08)):
+    b = _result(str(tmp_path), "three", "y", active=100.0, val=val, seed=seed)
+  proc = _compare(a, b, "--baseline=three/y")
+  assert proc.returncode == 0, proc.stderr
+  assert "seed counts differ (three/y: 3, one/x: 1)" in proc.stdout
+  # One seed against three: the difference is unpaired, and one seed gives no interval.
+  assert "| one/x | val loss | -0.1 | n/a (1, unpaired) |" in proc.stdout
+  assert "| three/y (baseline) | 3 |" in proc.stdout
+  assert _compare(a, "--baseline=nope/z").returncode == 1
+
+
 def test_compare_reads_a_real_suite(tiny_suite_dir):
   workdir, _, _ = tiny_suite_dir
   proc = _compare(workdir)
   assert proc.returncode == 0, proc.stderr
-  assert "| tiny/aux |" in proc.stdout and "budgets match" in proc.stdout
+  assert "| tiny/aux (baseline) |" in proc.stdout and "budgets match" in proc.stdout
+  assert "| tiny/bias | val loss |" in proc.stdout  # the suite's own baseline was found
+  assert "CORPUS MISMATCH" not in proc.stdout

@@ -5,13 +5,15 @@ from __future__ import annotations
 import io
 import json
 import os
+import platform
 import shutil
 
-
+import numpy as np
 import pytest
 
-from moejax.ablation import runner, suite as suite_lib
+from moejax.ablation import final_eval, runner, suite as suite_lib
 from moejax.ablation import summary
+from moejax.evaluate import validation
 from moejax.train import checkpoint as ckpt_lib
 from moejax.train import lock as lock_lib
 from moejax.train import loop, metrics_log
@@ -24,10 +26,12 @@ from tests.train import helpers as train_helpers
 
 def test_tiny_suite_writes_results_table_and_plots(tiny_suite_dir):
   workdir, printed, results = tiny_suite_dir
-  assert set(results) == {"aux", "bias"}
+  runs = {f"{arm}/seed_{s}" for arm in ("aux", "bias") for s in (0, 1)}
+  assert set(results) == runs
   assert "total*" in printed and "ok  active" in printed  # the budget table came first
-  for arm in ("aux", "bias"):
-    with open(os.path.join(workdir, arm, "result.json")) as f:
+  assert "corpus: python_stdlib/py" in printed
+  for run in sorted(runs):
+    with open(os.path.join(workdir, run, "result.json")) as f:
       res = json.load(f)
     assert res["budget"]["tokens"] == 6 * 8 * 32
     assert res["train_summary"]["step"] == 6
@@ -38,24 +42,50 @@ def test_tiny_suite_writes_results_table_and_plots(tiny_suite_dir):
     assert res["exposed_comm"] is None and res["exposed_comm_note"].startswith("n/a")
     # top-k routing is causal: the prefix-only loss equals the teacher-forced one.
     assert abs(res["probe_leak_gap"]) < 1e-3
-    with open(os.path.join(workdir, arm, "routing.json")) as f:
+    # The final numbers are the runner's whole-split evaluation of the final checkpoint,
+    # the same as the trainer's own final evaluation up to float32 summation order.
+    assert res["val_loss"] == pytest.approx(res["train_summary"]["val_loss"], rel=1e-5)
+    assert res["corpus"]["id"].startswith("python_stdlib/")
+    assert res["corpus"]["python_version"] == platform.python_version()
+    assert set(res["provenance"]) >= {"command", "commit", "date", "machine", "jax_version"}
+    # Per-document losses add up to the split's loss.
+    ce, count = final_eval.read_per_doc(os.path.join(workdir, run))
+    assert count.sum() == res["val_tokens"] and res["per_doc"]["documents"] == count.size
+    assert ce.sum() / count.sum() == pytest.approx(res["val_loss"], rel=1e-5)
+    with open(os.path.join(workdir, run, "routing.json")) as f:
       routing = json.load(f)
     assert routing["steps"] == [3, 6]  # every kept checkpoint
-    layer = routing["layers"]["layer_0"]
-    assert len(layer["load_over_training"]) == 2 and len(layer["coact"]) == 4
+    assert routing["sample"].startswith("1 of the ") and "evenly spaced" in routing["sample"]
+    for name, layer in routing["layers"].items():
+      assert len(layer["load_over_training"]) == 2 and len(layer["coact"]) == 4
+      # The joint counts are the whole split's: one count per routed slot of every scored
+      # target (top-2 over every one of the split's tokens).
+      assert np.sum(layer["joint"]) == 2 * res["val_tokens"]
+      assert res["layers"][f"{name}/max_vio_global"] == pytest.approx(
+          validation.routing_metrics({name: layer["joint"]},
+                                     {name: layer["final_load"]})[f"{name}/max_vio_global"])
   md = open(os.path.join(workdir, "summary.md")).read()
-  assert md.index("| aux |") < md.index("| bias |")  # suite order
+  assert md.index("| aux (baseline) |") < md.index("| bias |")  # suite order
+  assert "| bias | val loss |" in md and "(2) |" in md  # compared with the baseline, 2 seeds
   rows = summary.read_csv(os.path.join(workdir, "summary.csv"))
   assert [r["arm"] for r in rows] == ["aux", "bias"]
-  for png in ("metrics.png", "curves.png"):
+  assert rows[0]["val_loss_n"] == 2 and rows[0]["val_loss_lo"] < rows[0]["val_loss"]
+  with open(os.path.join(workdir, "summary.json")) as f:
+    summ = json.load(f)
+  assert summ["baseline"] == "aux" and summ["suite"] == "tiny"
+  comp = summ["comparisons"]["bias"]["val_loss"]
+  assert comp["pairing"] == "paired" and comp["seeds"] == [0, 1]
+  assert comp["documents"]["n"] >= 2 and comp["verdict"] in ("better", "worse", "unresolved")
+  for png in ("metrics.png", "differences.png", "curves.png"):
     assert os.path.getsize(os.path.join(workdir, "plots", png)) > 1000
   # While it runs: a suite ETA once a run is done; at the end the table and every path.
-  assert "[1/2] aux: training (aux, seed 0); 1 more run(s) after it\n" in printed
-  assert "[2/2] bias: training (bias, seed 0); 0 more run(s) after it, suite ETA " in printed
-  tail = printed[printed.index("| arm |"):]
-  assert "| aux |" in tail and "| bias |" in tail
-  for name in ("summary.md", "summary.csv", "metrics.png", "curves.png", "suite.json",
-               "budget.json"):
+  assert "[1/4] aux/seed_0: training (aux, seed 0); 3 more run(s) after it\n" in printed
+  assert "[4/4] bias/seed_1: training (bias, seed 1); 0 more run(s) after it, suite ETA " \
+      in printed
+  tail = printed[printed.index("outputs in"):]
+  assert "| bias |" in printed[printed.rindex("| arm |"):]
+  for name in ("summary.md", "summary.json", "summary.csv", "metrics.png", "curves.png",
+               "suite.json", "budget.json"):
     assert name in tail[tail.index(f"outputs in {workdir}:"):], name
 
 
@@ -74,7 +104,8 @@ def test_rerun_skips_finished_arms(tiny_suite_dir):
   runner.run_suite(suite_lib.suite_from_dict(helpers.tiny_suite()), copy, out=out,
                    train_fn=_count_calls(calls))
   assert calls == []
-  assert out.getvalue().count("finished earlier, not retrained") == 2
+  assert out.getvalue().count("finished earlier, not retrained") == 4
+  assert "corpora differ" not in out.getvalue()
 
 
 def test_killed_suite_resumes_only_the_unfinished_arm(tiny_suite_dir):
@@ -83,16 +114,17 @@ def test_killed_suite_resumes_only_the_unfinished_arm(tiny_suite_dir):
   shutil.copytree(workdir, copy)
   # As if killed after 'bias' trained but before its result was written: its
   # checkpoints are there, its result.json is not.
-  os.remove(os.path.join(copy, "bias", "result.json"))
+  run = os.path.join(copy, "bias", "seed_1")
+  os.remove(os.path.join(run, "result.json"))
   calls, out = [], io.StringIO()
   runner.run_suite(suite_lib.suite_from_dict(helpers.tiny_suite()), copy, out=out,
                    train_fn=_count_calls(calls))
-  assert calls == [os.path.join(copy, "bias")]
+  assert calls == [run]
   assert "nothing to do" in out.getvalue()  # the trainer resumed from its final checkpoint
-  with open(os.path.join(copy, "bias", "result.json")) as f:
+  with open(os.path.join(run, "result.json")) as f:
     res = json.load(f)
   # The real final numbers (from metrics.jsonl), not None.
-  final = metrics_log.read_metrics(os.path.join(copy, "bias"), "train")[-1]
+  final = metrics_log.read_metrics(run, "train")[-1]
   assert res["train_summary"]["train_loss"] == final["loss"]
   assert isinstance(res["train_summary"]["val_loss"], float)
   assert "train loss None" not in out.getvalue()
@@ -102,10 +134,11 @@ def test_changed_arm_is_retrained_not_reused(tiny_suite_dir, tmp_path):
   workdir, _, _ = tiny_suite_dir
   tree = helpers.tiny_suite()
   exp = suite_lib.suite_from_dict(tree).arm("aux").experiment
-  assert runner.is_finished(os.path.join(workdir, "aux"), exp)
+  run = os.path.join(workdir, "aux", "seed_0")
+  assert runner.is_finished(run, runner._seeded(exp, 0))  # pylint: disable=protected-access
   tree["arms"]["aux"]["model"]["moe"]["balance"]["aux_loss_coef"] = 2e-2
   changed = suite_lib.suite_from_dict(tree).arm("aux").experiment
-  assert not runner.is_finished(os.path.join(workdir, "aux"), changed)
+  assert not runner.is_finished(run, runner._seeded(changed, 0))  # pylint: disable=protected-access
 
 
 def _copy(workdir, name):
@@ -124,7 +157,7 @@ def test_rerun_that_would_relabel_finished_results_is_refused_untouched(tiny_sui
   before = train_helpers.snapshot(copy)
   tree = helpers.tiny_suite()
   tree["base"]["train"].update(changes["train"])
-  with pytest.raises(ckpt_lib.WorkdirError, match="run aux of suite tiny: ") as err:
+  with pytest.raises(ckpt_lib.WorkdirError, match="run aux/seed_0 of suite tiny: ") as err:
     runner.run_suite(suite_lib.suite_from_dict(tree), copy, out=io.StringIO())
   assert field in str(err.value)
   assert train_helpers.snapshot(copy) == before  # summary.md, suite.json, budget.json too
@@ -136,7 +169,7 @@ def test_logging_changes_keep_a_finished_suite_finished(tiny_suite_dir):
   tree["base"]["train"].update(log_every=2, checkpoint_every=2)
   calls, out = [], io.StringIO()
   runner.run_suite(suite_lib.suite_from_dict(tree), copy, out=out, train_fn=_count_calls(calls))
-  assert calls == [] and out.getvalue().count("finished earlier, not retrained") == 2
+  assert calls == [] and out.getvalue().count("finished earlier, not retrained") == 4
 
 
 def test_extend_trains_the_extra_steps_of_every_run(tiny_suite_dir):
@@ -144,14 +177,14 @@ def test_extend_trains_the_extra_steps_of_every_run(tiny_suite_dir):
   tree = helpers.tiny_suite()
   tree["base"]["train"]["steps"] = 9
   suite = suite_lib.suite_from_dict(tree)
+  runs = [f"{arm}/seed_{s}" for arm in ("aux", "bias") for s in (0, 1)]
   assert runner.plan_suite(suite, copy, extend=True) == [
-      ("aux", "resumes from step 6 (extended from 6 steps)"),
-      ("bias", "resumes from step 6 (extended from 6 steps)")]
+      (run, "resumes from step 6 (extended from 6 steps)") for run in runs]
   results = runner.run_suite(suite, copy, out=io.StringIO(), analyse_runs=False, extend=True)
-  for arm in ("aux", "bias"):
-    assert results[arm]["train_summary"]["step"] == 9
-    assert results[arm]["budget"]["tokens"] == 9 * 8 * 32
-    history = ckpt_lib.read_history(os.path.join(copy, arm))
+  for run in runs:
+    assert results[run]["train_summary"]["step"] == 9
+    assert results[run]["budget"]["tokens"] == 9 * 8 * 32
+    history = ckpt_lib.read_history(os.path.join(copy, run))
     assert [h["steps"] for h in history if h["event"] == "extend"] == [[6, 9]]
   with open(os.path.join(copy, "budget.json")) as f:
     assert json.load(f)["aux"]["tokens"] == 9 * 8 * 32
@@ -166,3 +199,22 @@ def test_suite_directory_in_use_is_refused(tiny_suite_dir):
       runner.run_suite(suite_lib.suite_from_dict(helpers.tiny_suite()), copy, out=io.StringIO())
     assert train_helpers.snapshot(copy) == after_lock
   assert train_helpers.snapshot(copy) == before
+
+
+def test_a_finished_run_on_another_corpus_is_flagged(tiny_suite_dir):
+  workdir, _, _ = tiny_suite_dir
+  copy = workdir + "_corpus"
+  shutil.copytree(workdir, copy)
+  path = os.path.join(copy, "aux", "seed_0", "result.json")
+  with open(path) as f:
+    res = json.load(f)
+  res["corpus"] = dict(res["corpus"], python_version="3.99.0", content_sha256="0" * 64,
+                       id="python_stdlib/py3.99.0:1.0.0 bytes sha256:000000000000")
+  with open(path, "w") as f:
+    json.dump(res, f)
+  out = io.StringIO()
+  runner.run_suite(suite_lib.suite_from_dict(helpers.tiny_suite()), copy, out=out,
+                   train_fn=_count_calls([]))
+  assert "! aux/seed_0: corpora differ (python_version, content_sha256)" in out.getvalue()
+  md = open(os.path.join(copy, "summary.md")).read()
+  assert "- ! corpora differ" in md  # the summary says so too

@@ -28,12 +28,15 @@ def test_validation_rows_exact():
   np.testing.assert_array_equal(b0["targets"], [[A, B, 0], [Cc, D, E]])
   np.testing.assert_array_equal(b0["labels"], [[1, 1, 2], [2, 2, 2]])
   np.testing.assert_array_equal(b0["segment_ids"], [[1, 1, 1], [1, 1, 1]])
+  # The target 0 before 'cde' opens document 1 (like its label).
+  np.testing.assert_array_equal(b0["doc_ids"], [[0, 0, 1], [1, 1, 1]])
   assert b0["mask"].all()
   np.testing.assert_array_equal(b1["inputs"], [[E, 0, F], [0, 0, 0]])
   np.testing.assert_array_equal(b1["targets"], [[0, F, 0], [0, 0, 0]])
   np.testing.assert_array_equal(b1["labels"][0, :2], [3, 3])
   np.testing.assert_array_equal(b1["segment_ids"], [[1, 2, 2], [0, 0, 0]])
   np.testing.assert_array_equal(b1["mask"], [[True, True, False], [False] * 3])
+  np.testing.assert_array_equal(b1["doc_ids"], [[2, 2, -1], [-1, -1, -1]])
   with pytest.raises(StopIteration):
     next(it)
 
@@ -62,6 +65,7 @@ def reference_batches(docs, S, B, seed, train, n):
     # A separator takes the first label of its document (0 if it is empty).
     labels = np.concatenate([np.r_[docs[i].labels[:1] if len(docs[i].labels) else [0],
                                    docs[i].labels] for i in order]).astype(np.int32)
+    doc_of = np.concatenate([np.full(len(docs[i].tokens) + 1, i) for i in order])
     if train:
       L = len(stream) // B
       starts = [[b * L + k * S for b in range(B)] for k in range((L - 1) // S)]
@@ -73,7 +77,9 @@ def reference_batches(docs, S, B, seed, train, n):
       batch = batch + [len(stream)] * (B - len(batch))  # padding rows: past the end
       windows = np.stack([pad(stream[s:s + S + 1]) for s in batch])
       lab = np.stack([pad(labels[s:s + S + 1]) for s in batch])
-      out.append({"inputs": windows[:, :-1], "targets": windows[:, 1:], "labels": lab[:, 1:]})
+      doc = np.stack([pad(doc_of[s:s + S + 1]) for s in batch])
+      out.append({"inputs": windows[:, :-1], "targets": windows[:, 1:], "labels": lab[:, 1:],
+                  "doc_ids": doc[:, 1:]})
     if not train:
       break
     epoch += 1
@@ -96,10 +102,15 @@ def test_matches_reference_slicing(raw, S, B, seed, train):
   got = [next(it) for _ in range(len(want))]
   for g, w in zip(got, want):
     valid = g["mask"]
-    for key in ("inputs", "targets", "labels"):
+    for key in ("inputs", "targets", "labels", "doc_ids"):
       np.testing.assert_array_equal(np.where(valid, g[key], -1), np.where(valid, w[key], -1))
+    assert (g["doc_ids"][~valid] == -1).all()
   if not train:
     assert sum(int(g["mask"].sum()) for g in got) == T - 1  # every target exactly once
+    # Per document: every byte and the separator that opens it, except the first separator.
+    scored = [np.zeros(0, int)] + [g["doc_ids"][g["mask"]] for g in got]
+    per_doc = np.bincount(np.concatenate(scored), minlength=len(raw))
+    np.testing.assert_array_equal(per_doc, [len(r) + (i > 0) for i, r in enumerate(raw)])
     with pytest.raises(StopIteration):
       next(it)
 

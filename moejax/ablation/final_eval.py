@@ -1,0 +1,101 @@
+"""The final whole-split evaluation of an ablation run, per document, and the routing sample.
+
+Legend: N validation documents, E_r routed columns, D domains.
+
+:func:`final_evaluation` restores a run's last checkpoint and evaluates it
+once over the whole validation split with
+:func:`moejax.evaluate.validation.make_eval_step` (``num_docs=N``), which
+gives in one pass:
+
+- the run's final metrics (validation loss, MaxVio_global, I(expert; domain)),
+  the numbers of the suite summary;
+- per document the cross-entropy sum and the target count, f64[N] each,
+  written to ``<run>/per_doc_loss.npz`` (``ce_sum``, ``count``) for the
+  document bootstrap of :mod:`moejax.ablation.stats`;
+- per MoE layer the (expert, domain) counts f[E_r, D] and the load, written
+  to ``routing.json`` (``layers.<layer>.joint`` / ``final_load``): the routing
+  notebook draws P(domain | expert) from exactly the counts the summary's
+  specialisation number comes from.
+
+:func:`routing_sample` picks the validation batches of the per-checkpoint
+routing pass (load over training, co-activation): the whole split, or
+``n`` batches evenly spaced over it (a stratified sample of the split's
+files in stored order, not its first few files).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from typing import Optional
+
+import numpy as np
+
+from moejax import data as data_lib
+from moejax.ablation import analysis as analysis_lib
+from moejax.evaluate import validation
+from moejax.train import step as step_lib
+from moejax.train.config import ExperimentConfig
+
+PER_DOC_FILE = "per_doc_loss.npz"
+
+
+@dataclasses.dataclass(frozen=True)
+class FinalEval:
+  metrics: dict            # validation.summarise(...) of the whole split
+  doc_ce: np.ndarray       # f64[N]
+  doc_count: np.ndarray    # f64[N]
+  joints: dict             # {layer: f64[E_r, D]}
+  loads: dict              # {layer: f64[E]}
+  step: int
+
+
+def final_evaluation(exp: ExperimentConfig, run_path: str) -> FinalEval:
+  """The whole-split evaluation of the run's last checkpoint (see the module doc)."""
+  model, step = analysis_lib.load_model(exp, run_path)
+  graphdef, params, router_state, other = step_lib.split_model(model)
+  docs = data_lib.load_documents(exp.data, exp.data.eval_split)
+  eval_step = validation.make_eval_step(graphdef, exp.model, len(docs.domain_names),
+                                        num_docs=len(docs))
+  batches = data_lib.make_batch_iterator(docs, exp.data.seq_len, exp.data.batch_size,
+                                         seed=exp.data.seed, train=False)
+  totals = validation.evaluate_totals(eval_step, params, router_state, other, batches)
+  layers = lambda prefix: {k.split("/", 1)[1]: np.asarray(v, np.float64)
+                           for k, v in totals.items() if k.startswith(prefix)}
+  return FinalEval(metrics=validation.summarise(totals),
+                   doc_ce=np.asarray(totals["doc_ce"], np.float64),
+                   doc_count=np.asarray(totals["doc_count"], np.float64),
+                   joints=layers("joint/"), loads=layers("load/"), step=int(step))
+
+
+def write_per_doc(run_path: str, ev: FinalEval) -> str:
+  path = os.path.join(run_path, PER_DOC_FILE)
+  tmp = path + ".tmp.npz"
+  np.savez_compressed(tmp, ce_sum=ev.doc_ce, count=ev.doc_count)
+  os.replace(tmp, path)
+  return path
+
+
+def read_per_doc(run_path: str) -> Optional[tuple[np.ndarray, np.ndarray]]:
+  """(ce_sum f64[N], count f64[N]) of a run, or None when it has none (older runs)."""
+  path = os.path.join(run_path, PER_DOC_FILE)
+  if not os.path.exists(path):
+    return None
+  with np.load(path) as f:
+    return np.asarray(f["ce_sum"], np.float64), np.asarray(f["count"], np.float64)
+
+
+def routing_sample(exp: ExperimentConfig, num: Optional[int]):
+  """(batches, domain names, description) of the routing pass: see the module doc."""
+  docs = data_lib.load_documents(exp.data, exp.data.eval_split)
+  it = data_lib.make_batch_iterator(docs, exp.data.seq_len, exp.data.batch_size,
+                                    seed=exp.data.seed, train=False)
+  total = len(it)
+  if num is None or num >= total:
+    keep, what = set(range(total)), f"the whole validation split ({total} batches)"
+  else:
+    keep = {int(i) for i in np.linspace(0, total - 1, num).round()}
+    what = (f"{len(keep)} of the {total} validation batches, evenly spaced over the split "
+            "(analysis.routing_batches)")
+  batches = [b for i, b in enumerate(it) if i in keep]
+  return batches, list(docs.domain_names), what

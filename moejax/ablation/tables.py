@@ -1,0 +1,191 @@
+"""Markdown tables of a summary dict (:mod:`moejax.ablation.summary`).
+
+One renderer for every place a suite's numbers appear: the suite's
+``summary.md``, ``experiments.compare`` and the generated blocks of
+RESULTS.md (``experiments.report``). The output depends on the summary
+dict alone, so RESULTS.md's tables can be regenerated from the committed
+``results/*.json`` and compared byte for byte.
+
+Cells: ``mean ± h`` where h is the half-width of the 95% Student t interval
+over the arm's seeds (just the mean with one seed); differences are
+arm - baseline with their 95% intervals over paired seeds and, for the
+validation loss, over documents (bootstrap).
+"""
+
+from __future__ import annotations
+
+from typing import Mapping, Optional
+
+from moejax.ablation.summary import BUDGET_KEYS, METRICS, NOTE_KEYS, VERDICT_METRICS
+from moejax.topology.accounting import human
+
+_HUMAN = ("total", "active", "flops_per_token", "tokens", "a2a_bytes_per_token")
+# Columns of the arms table, in order (a column no arm has is left out).
+ARM_COLUMNS = ("val_loss", "max_vio_batch", "max_vio_global", "drop_rate",
+               "specialisation_mi_norm", "active_experts_mean", "active_experts_var",
+               "a2a_bytes_per_token", "moe_latency_p99_ms", "probe_teacher_forced_loss",
+               "probe_prefix_loss", "probe_leak_gap")
+
+
+def fmt(v: Optional[float], key: str = "") -> str:
+  if v is None:
+    return "n/a"
+  if key in _HUMAN:
+    return human(v)
+  return f"{v:.4g}" if abs(v) < 1e4 else human(v)
+
+
+def _signed(v: float) -> str:
+  return f"{v:+.4g}"
+
+
+def _interval(iv: Optional[Mapping]) -> str:
+  if not iv or iv.get("lo") is None:
+    return "n/a"
+  return f"[{_signed(iv['lo'])}, {_signed(iv['hi'])}]"
+
+
+def _cell(metric: Optional[Mapping], key: str) -> str:
+  if metric is None:
+    return "n/a"
+  iv = metric["interval"]
+  s = fmt(iv["mean"], key)
+  if iv.get("lo") is not None:
+    s += f" ± {(iv['hi'] - iv['lo']) / 2:.2g}"
+  return s
+
+
+def _present(summary: Mapping, keys) -> list[str]:
+  return [k for k in keys if any(k in a["metrics"] for a in summary["arms"].values())]
+
+
+def _skip_constant_zero(summary: Mapping, keys: list[str]) -> list[str]:
+  """Drop columns that are exactly 0 for every arm (drop rate without capacity, var of top-k)."""
+  keep = []
+  for k in keys:
+    vals = [a["metrics"][k]["interval"]["mean"] for a in summary["arms"].values()
+            if k in a["metrics"]]
+    if k in ("drop_rate", "active_experts_var") and all(v == 0 for v in vals):
+      continue
+    keep.append(k)
+  return keep
+
+
+def arms_table(summary: Mapping) -> str:
+  base = summary.get("baseline")
+  cols = _skip_constant_zero(summary, _present(summary, ARM_COLUMNS))
+  head = ["arm", "seeds", "total params", "active/token"] + [METRICS[k][0] for k in cols]
+  lines = ["| " + " | ".join(head) + " |", "|---|---:|" + "---:|" * (len(head) - 2)]
+  for name, a in summary["arms"].items():
+    label = f"{name} (baseline)" if name == base else name
+    cells = [label, str(len(a["seeds"])), fmt(a["budget"].get("total"), "total"),
+             fmt(a["budget"].get("active"), "active")]
+    cells += [_cell(a["metrics"].get(k), k) for k in cols]
+    lines.append("| " + " | ".join(cells) + " |")
+  return "\n".join(lines)
+
+
+def comparison_table(summary: Mapping) -> str:
+  comps = summary.get("comparisons") or {}
+  if not comps:
+    return ""
+  lines = [f"| arm | metric | {chr(916)} vs {summary['baseline']} | 95% over seeds (n) "
+           "| 95% over documents | verdict | why unresolved |",
+           "|---|---|---:|---|---|---|---|"]
+  for name, comp in comps.items():
+    for key in VERDICT_METRICS:
+      if key not in comp:
+        continue
+      e = comp[key]
+      d = e["diff"]
+      seeds = _interval(d) + f" ({d['n']}{'' if e['pairing'] == 'paired' else ', unpaired'})"
+      docs = _interval(e.get("documents")) if key == "val_loss" else ""
+      verdict = e["verdict"]
+      verdict = verdict if verdict == "unresolved" else f"**{verdict}**"
+      lines.append(f"| {name} | {METRICS[key][0]} | {_signed(d['mean'])} | {seeds} | {docs} "
+                   f"| {verdict} | {e.get('reason', '')} |")
+  return "\n".join(lines)
+
+
+def mdd_line(summary: Mapping) -> str:
+  mdd = summary.get("mdd") or {}
+  if not mdd:
+    return ""
+  parts = [f"{METRICS[k][0]} {fmt(v['value']) if v['value'] is not None else 'n/a (one seed)'}"
+           for k, v in mdd.items()]
+  n = next(iter(mdd.values()))["seeds"]
+  return (f"Minimal detectable difference at {n} seed(s) (half-width of the pooled paired "
+          f"95% interval; smaller true differences stay unresolved): " + ", ".join(parts) + ".")
+
+
+def provenance_lines(summary: Mapping) -> list[str]:
+  p = summary.get("provenance") or {}
+  join = lambda xs: ", ".join(f"`{x}`" for x in xs) if xs else "unknown"
+  dates = p.get("dates") or []
+  when = "unknown" if not dates else (dates[0] if dates[0] == dates[-1]
+                                      else f"{dates[0]} .. {dates[-1]}")
+  corpus = summary.get("corpus") or {}
+  lines = [f"- command: {join(p.get('commands'))}",
+           f"- commit {join(p.get('commits'))}; date {when}; machine "
+           f"{', '.join(p.get('machines') or ['unknown'])}; jax "
+           f"{', '.join(p.get('jax_versions') or ['unknown'])}; Python "
+           f"{', '.join(p.get('python_versions') or ['unknown'])}",
+           f"- corpus: {join(corpus.get('ids'))}"]
+  if p.get("runs_without_provenance"):
+    lines.append(f"- {p['runs_without_provenance']} of {p['runs']} runs recorded no provenance")
+  return lines
+
+
+def notes(summary: Mapping) -> list[str]:
+  out = []
+  for key, note in NOTE_KEYS:
+    by_text: dict[str, list[str]] = {}
+    for name, a in summary["arms"].items():
+      text = a.get("notes", {}).get(note)
+      if text:
+        by_text.setdefault(text, []).append(name)
+    title = METRICS.get(key, (key,))[0]
+    out += [f"- {title} ({', '.join(arms)}): {text}" for text, arms in by_text.items()]
+  counts = summary.get("seed_counts") or {}
+  if len(set(counts.values())) > 1:
+    out.append("- seed counts differ (" + ", ".join(f"{k}: {v}" for k, v in counts.items()) +
+               "): each interval uses its own seeds; differences pair the common seeds, or "
+               "are unpaired (Welch) where fewer than two are common")
+  out += [f"- ! {line}" for line in (summary.get("corpus") or {}).get("flags", [])]
+  out += [f"- ! budget: {line}" for line in summary.get("budget_flags", [])]
+  opts = {a["budget"].get("optimizer") for a in summary["arms"].values()}
+  if len(opts) == 1 and None not in opts:
+    out.append(f"- optimizer: {opts.pop()}")
+  return out
+
+
+def section_markdown(summary: Mapping) -> str:
+  """The generated part of one RESULTS.md section (and of summary.md)."""
+  parts = ["\n".join(provenance_lines(summary)), arms_table(summary)]
+  for extra in (comparison_table(summary), mdd_line(summary)):
+    if extra:
+      parts.append(extra)
+  n = notes(summary)
+  if n:
+    parts.append("Notes:\n\n" + "\n".join(n))
+  return "\n\n".join(parts) + "\n"
+
+
+def suite_markdown(summary: Mapping) -> str:
+  title = f"# suite {summary.get('suite', '')}".rstrip()
+  head = [title, ""]
+  if summary.get("description"):
+    head += [summary["description"], ""]
+  head.append("Cells: mean ± half-width of the 95% interval over seeds; "
+              f"{chr(916)}: arm - baseline (paired over seeds). Statistics: docs/ablations.md.")
+  return "\n".join(head) + "\n\n" + section_markdown(summary)
+
+
+def budget_table(summary: Mapping) -> str:
+  """total / active / FLOPs / tokens per label (compare's first table)."""
+  lines = ["| " + " | ".join(["label"] + [t for _, t in BUDGET_KEYS]) + " |",
+           "|---|" + "---:|" * len(BUDGET_KEYS)]
+  for name, a in summary["arms"].items():
+    lines.append("| " + " | ".join([name] + [fmt(a["budget"].get(k), k)
+                                             for k, _ in BUDGET_KEYS]) + " |")
+  return "\n".join(lines)

@@ -1,0 +1,119 @@
+"""RESULTS.md is generated: the committed file equals what results/*.json generate."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from moejax.ablation import report, summary
+from tests.ablation import helpers
+
+
+def test_committed_results_md_is_what_results_json_generate():
+  with open(os.path.join(helpers.ROOT, "RESULTS.md"), encoding="utf-8") as f:
+    text = f.read()
+  summaries = report.load_summaries(os.path.join(helpers.ROOT, "results"))
+  assert report.render(text, summaries) == text, (
+      "RESULTS.md differs from what results/*.json generate: a number was edited by hand, or a "
+      "summary changed without regenerating. Fix: python -m experiments.report --out RESULTS.md")
+  ids = report.block_ids(text)
+  assert "overview" in ids and len(ids) == len(set(ids))
+  for sid in summaries:  # every committed summary is shown somewhere
+    assert sid in ids, f"results/{sid}.json has no block in RESULTS.md"
+  for sid in ids:
+    if sid != "overview" and sid not in summaries:
+      assert report.PENDING.format(id=sid) in text  # says "pending re-run", shows no number
+
+
+def _report(*args, cwd):
+  return subprocess.run([sys.executable, "-m", "experiments.report", *args], cwd=cwd,
+                        capture_output=True, text=True, timeout=300,
+                        env=dict(os.environ, PYTHONPATH=helpers.ROOT))
+
+
+TEMPLATE = """# Results
+
+Hand-written prose stays. The bias arm's validation loss is
+<!-- moejax:value tiny bias val_loss -->9.99<!-- /moejax:value --> nats
+(<!-- moejax:value tiny bias val_loss diff -->+1<!-- /moejax:value --> vs aux,
+<!-- moejax:value tiny bias val_loss verdict -->better<!-- /moejax:value -->; MDD
+<!-- moejax:value tiny - val_loss mdd -->0<!-- /moejax:value -->).
+
+<!-- moejax:generated overview -->
+<!-- moejax:end overview -->
+
+## tiny
+
+<!-- moejax:generated tiny -->
+stale numbers 1.234
+<!-- moejax:end tiny -->
+
+## later
+
+<!-- moejax:generated later -->
+<!-- moejax:end later -->
+"""
+
+
+def test_report_command_regenerates_tables_and_values(tiny_suite_dir, tmp_path):
+  workdir, _, _ = tiny_suite_dir
+  out, results = tmp_path / "RESULTS.md", tmp_path / "results"
+  out.write_text(TEMPLATE)
+  proc = _report(f"tiny={workdir}", f"--out={out}", f"--results_dir={results}", cwd=tmp_path)
+  assert proc.returncode == 0, proc.stderr
+  text = out.read_text()
+  summ = json.loads((results / "tiny.json").read_text())
+  assert summ == json.loads(json.dumps(summary.suite_summary(workdir)))
+  assert "Hand-written prose stays." in text and "stale numbers" not in text
+  assert "| aux (baseline) | 2 |" in text and "| bias | val loss |" in text
+  assert "- command: " in text and "- corpus: `python_stdlib/py" in text and "jax " in text
+  mean = summ["arms"]["bias"]["metrics"]["val_loss"]["interval"]["mean"]
+  comp = summ["comparisons"]["bias"]["val_loss"]
+  assert f"-->{mean:.4g}<!--" in text and f"-->{comp['diff']['mean']:+.4g}<!--" in text
+  assert f"-->{comp['verdict']}<!--" in text
+  assert report.PENDING.format(id="later") in text  # no summary yet: pending, no numbers
+  assert "| tiny | 2 | aux |" in text and "| later | | | pending re-run |" in text
+  # Regenerating changes nothing, and --check agrees; a hand edit is caught and undone.
+  assert _report(f"--out={out}", f"--results_dir={results}", "--check",
+                 cwd=tmp_path).returncode == 0
+  out.write_text(text.replace("| aux (baseline) | 2 |", "| aux (baseline) | 3 |"))
+  proc = _report(f"--out={out}", f"--results_dir={results}", "--check", cwd=tmp_path)
+  assert proc.returncode == 1 and "blocks: tiny" in proc.stderr
+  assert _report(f"--out={out}", f"--results_dir={results}", cwd=tmp_path).returncode == 0
+  assert out.read_text() == text
+
+
+def test_a_new_summary_gets_a_section(tiny_suite_dir, tmp_path):
+  workdir, _, _ = tiny_suite_dir
+  out = tmp_path / "R.md"
+  out.write_text("# Results\n")
+  proc = _report(f"tiny@s={workdir}", f"--out={out}", f"--results_dir={tmp_path / 'r'}",
+                 cwd=tmp_path)
+  assert proc.returncode == 0, proc.stderr
+  assert "new section appended" in proc.stdout
+  text = out.read_text()
+  assert "## tiny@s: test suite" in text and "<!-- moejax:generated tiny@s -->" in text
+  assert "| bias | val loss |" in text
+
+
+def test_bad_value_markers_are_errors_naming_them():
+  summ = {"arms": {"a": {"metrics": {}}}, "comparisons": {}, "mdd": {}}
+  with pytest.raises(report.ReportError, match="no arm 'b'"):
+    report.render("<!-- moejax:value s b val_loss -->x<!-- /moejax:value -->", {"s": summ})
+  with pytest.raises(report.ReportError, match="has no metric 'val_loss'"):
+    report.render("<!-- moejax:value s a val_loss -->x<!-- /moejax:value -->", {"s": summ})
+  with pytest.raises(report.ReportError, match="field 'median'"):
+    report.render("<!-- moejax:value s a val_loss median -->x<!-- /moejax:value -->",
+                  {"s": summ})
+  with pytest.raises(report.ReportError, match="ID ARM METRIC"):
+    report.render("<!-- moejax:value s -->x<!-- /moejax:value -->", {"s": summ})
+  # A value stays on one line: an unclosed marker cannot swallow the prose after it.
+  text = "<!-- moejax:value s a val_loss -->x\nprose<!-- /moejax:value -->"
+  assert report.render(text, {"s": summ}) == text
+  # A summary that is not there yet: pending, not an error.
+  assert report.render("<!-- moejax:value t a val_loss -->x<!-- /moejax:value -->", {}) == (
+      "<!-- moejax:value t a val_loss -->(pending)<!-- /moejax:value -->")
