@@ -27,6 +27,8 @@ setup(
         "importlib_resources",
         # Ablation summaries write PNG plots (experiments.ablate).
         "matplotlib>=3.8",
+        # Weight-only int8 / int4 expert quantisation for serving (moejax.serve.quantize).
+        "qwix>=0.1.8",
     ],
     extras_require={
         "test": ["pytest>=8.0", "pytest-xdist>=3.5", "hypothesis>=6.100",

@@ -44,3 +44,15 @@ def test_all_presets_one_table():
   assert sorted(line.split()[0] for line in summary) == [
       "deepseek_v3", "gpt_oss_120b", "kimi_k2", "mixtral_8x22b", "mixtral_8x7b",
       "qwen3_235b_a22b", "switch_base_128"]
+
+
+def test_memory_table_reproduces_the_seed_figures():
+  r = _run("--preset=mixtral_8x22b", "--device_gb=80")
+  assert r.returncode == 0, r.stderr
+  row = next(line for line in r.stdout.splitlines()
+             if line.startswith("mixtral_8x22b") and "(" in line)
+  assert "281.24 (4)" in row  # bf16 weights: 281 GB, four 80 GB GPUs
+  r = _run("--preset=mixtral_8x7b", "--memory=false")
+  assert r.returncode == 0 and "KV/token" not in r.stdout
+  bad = _run("--preset=mixtral_8x7b", "--group_size=-1")
+  assert bad.returncode != 0 and "--group_size=-1" in bad.stderr
