@@ -40,6 +40,7 @@ would avoid it).
 from __future__ import annotations
 
 import dataclasses
+import re
 from typing import Any, Mapping, Optional
 
 import jax
@@ -76,6 +77,15 @@ class QuantConfig:
     if self.scale_dtype not in SCALE_DTYPES:
       raise ConfigError("quant.scale_dtype", self.scale_dtype, "unknown scale dtype",
                         f"use one of {', '.join(SCALE_DTYPES)}")
+
+  @classmethod
+  def parse(cls, text: str) -> "QuantConfig":
+    """'int8', 'int4' (per channel) or 'int4_g32' (groups of 32 input rows)."""
+    m = re.fullmatch(r"int(\d+)(?:_g(\d+))?", text)
+    if not m:
+      raise ConfigError("quant", text, "is not int<bits>[_g<group>]",
+                        "write e.g. int8, int4 or int4_g32")
+    return cls(bits=int(m.group(1)), group_size=int(m.group(2)) if m.group(2) else None)
 
   @property
   def label(self) -> str:
