@@ -269,6 +269,7 @@ def print_serving_table(res: dict) -> None:
   print(f"{'B':>4}" + "".join(f"{n:>16}" for n in names))
   for b, row in res["ffn_slot_s"].items():
     print(f"{b:>4}" + "".join(f"{1e3 * row[n]:>16.3f}" for n in names))
+  print("\n" + markdown_tables(res))
 
 
 def plot(res: dict, path: str) -> None:
@@ -316,3 +317,23 @@ def plot(res: dict, path: str) -> None:
                f"jax {c['jax']}", fontsize=10)
   fig.tight_layout()
   fig.savefig(path, dpi=150)
+
+
+def markdown_tables(res: dict) -> str:
+  """The decode / prefill table and the FFN-slot table as Markdown (docs/serving.md)."""
+  lines = ["| B | model | prefill tok/s | decode P50 ms | decode P99 ms | decode tok/s "
+           "| P50 x dense_active | experts touched |", "|---|---|---|---|---|---|---|---|"]
+  for b in res["batches"]:
+    for name, rows in res["results"].items():
+      r = rows[b] if b in rows else rows[str(b)]  # str keys after a JSON round trip
+      touched = (f"{r['experts_touched_mean']:.2f} (uniform {r['experts_touched_uniform']:.2f})"
+                 if "experts_touched_mean" in r else "-")
+      lines.append(f"| {b} | {name} | {r['prefill_tokens_per_s']:.0f} | "
+                   f"{1e3 * r['decode_p50_s']:.2f} | {1e3 * r['decode_p99_s']:.2f} | "
+                   f"{r['decode_tokens_per_s']:.0f} | "
+                   f"{r.get('decode_p50_x_dense_active', float('nan')):.2f} | {touched} |")
+  names = list(next(iter(res["ffn_slot_s"].values())))
+  lines += ["", "| B | " + " | ".join(names) + " |", "|---" * (len(names) + 1) + "|"]
+  for b, row in res["ffn_slot_s"].items():
+    lines.append(f"| {b} | " + " | ".join(f"{1e3 * row[n]:.2f}" for n in names) + " |")
+  return "\n".join(lines)

@@ -22,6 +22,8 @@ head, norms and routers at 16 bits. Conventions: moejax/topology/memory.py.
 
   python -m experiments.params --preset=mixtral_8x22b --device_gb=80
   python -m experiments.params --preset=deepseek_v3 --seq_len=32768 --batch=8 --group_size=0
+  python -m experiments.params --preset=gpt_oss_120b --quantized=routed_experts \
+      --group_size=32 --scale_bits=8     # MXFP4-like experts, the rest in bf16
 """
 
 from __future__ import annotations
@@ -45,6 +47,9 @@ _MEMORY = flags.DEFINE_bool("memory", True, "print the serving memory table")
 _GROUP = flags.DEFINE_integer("group_size", 128,
                               "input rows per quantisation scale (0: one per output channel)")
 _SCALE_BITS = flags.DEFINE_integer("scale_bits", 16, "bits per quantisation scale")
+_QUANTIZED = flags.DEFINE_list("quantized", list(memory.QUANTIZABLE),
+                               "components whose matrices the fp8 / int8 / int4 columns "
+                               "quantise (the rest stays at 16 bits)")
 _BATCH = flags.DEFINE_integer("batch", 1, "sequences in the KV-cache column")
 _KV_BITS = flags.DEFINE_integer("kv_bits", 16, "bits per cached key / value number")
 _DEVICE_GB = flags.DEFINE_float("device_gb", 80.0, "accelerator memory in GB (1e9 bytes)")
@@ -112,8 +117,11 @@ def main(argv):
     raise app.UsageError(str(e)) from e
   print(accounting.budget_table(budgets, published))
   if _MEMORY.value:
-    formats = memory.standard_formats(group_size=_GROUP.value or None,
-                                      scale_bits=_SCALE_BITS.value)
+    try:
+      formats = memory.standard_formats(group_size=_GROUP.value or None,
+                                        scale_bits=_SCALE_BITS.value, quantized=_QUANTIZED.value)
+    except ValueError as e:
+      raise app.UsageError(f"--quantized: {e}") from e
     print()
     print(memory.memory_table(models, formats, context=_SEQ_LEN.value, batch=_BATCH.value,
                               kv_bits=_KV_BITS.value, device_gb=_DEVICE_GB.value))
