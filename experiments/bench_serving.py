@@ -333,7 +333,8 @@ def markdown_tables(res: dict) -> str:
                    f"{r['decode_tokens_per_s']:.0f} | "
                    f"{r.get('decode_p50_x_dense_active', float('nan')):.2f} | {touched} |")
   names = list(next(iter(res["ffn_slot_s"].values())))
-  lines += ["", "| B | " + " | ".join(names) + " |", "|---" * (len(names) + 1) + "|"]
+  lines += ["", "One FFN slot (layer 0) on B tokens, median ms:", "",
+            "| B | " + " | ".join(names) + " |", "|---" * (len(names) + 1) + "|"]
   for b, row in res["ffn_slot_s"].items():
     lines.append(f"| {b} | " + " | ".join(f"{1e3 * row[n]:.2f}" for n in names) + " |")
   return "\n".join(lines)
