@@ -246,8 +246,8 @@ def print_serving_table(res: dict) -> None:
   models = list(res["results"])
   m = res["models"]
   for name in models:
-    ff = (f"E={m[name]['config']['moe']['num_experts']} K={m[name]['config']['moe']['router']['top_k']}"
-          f" f={m[name]['config']['moe']['expert_width']}" if m[name]["config"]["moe"]
+    moe = m[name]["config"]["moe"]
+    ff = (f"E={moe['num_experts']} K={moe['router']['top_k']} f={moe['expert_width']}" if moe
           else f"F={m[name]['ffn_width']}")
     print(f"{name}: {m[name]['params'] / 1e6:.2f}M params, {ff}")
   print(f"\nprompt {res['prompt']} tokens, {res['steps']} decode steps, "
@@ -262,7 +262,8 @@ def print_serving_table(res: dict) -> None:
       print(f"{b:>4} {name:<13}{r['prefill_s']:>10.4f}{r['prefill_tokens_per_s']:>14.0f}"
             f"{r.get('prefill_x_dense_active', float('nan')):>7.2f}"
             f"{1e3 * r['decode_p50_s']:>14.2f}{1e3 * r['decode_p99_s']:>9.2f}"
-            f"{r['decode_tokens_per_s']:>13.0f}{r.get('decode_p50_x_dense_active', float('nan')):>7.2f}"
+            f"{r['decode_tokens_per_s']:>13.0f}"
+            f"{r.get('decode_p50_x_dense_active', float('nan')):>7.2f}"
             f"{touched:>9}")
   names = list(next(iter(res["ffn_slot_s"].values())))
   print("\nFFN slot alone (layer 0, B tokens), median ms: " + ", ".join(names))

@@ -90,7 +90,7 @@ def _moejax_pass(model, batches):
   graphdef, state = nnx.split(model)
   out = []
   for batch in batches:
-    logits, aux = quant_lib._forward_jit(graphdef, state, jnp.asarray(batch["inputs"]))
+    logits, aux = quant_lib.forward_split(graphdef, state, jnp.asarray(batch["inputs"]))
     routing = {k: (v["expert_ids"], v["valid"]) for k, v in aux["moe"].items()
                if "expert_ids" in v}
     out.append((np.asarray(logits), jax.tree.map(np.asarray, routing)))
@@ -134,7 +134,7 @@ def moejax_rows(workdir: str, schemes) -> dict:
 
 def _expert_bytes(model) -> int:
   groups = []
-  for ffn in quant_lib._moe_ffns(model):
+  for ffn in quant_lib.moe_ffns(model):
     groups += [ffn.params.get("experts"), ffn.params.get("shared")]
   seen, total = set(), 0
   for g in groups:
@@ -312,8 +312,8 @@ def main(argv):
   if _HF_TYPE.value:
     out["hf"] = hf_rows(_HF_TYPE.value, schemes)
     r = out["hf"]
-    print_table(f"HF {r['model_type']} (d={r['hidden_size']}, {r['layers']} layers, trained {r['train_steps']} steps, "
-                f"loss {r['train_loss_first_last'][0]:.3f} -> {r['train_loss_first_last'][1]:.3f}); "
+    print_table(f"HF {r['model_type']} (d={r['hidden_size']}, {r['layers']} layers, trained "
+                f"{r['train_steps']} steps, loss {r['train_loss_first_last'][0]:.3f} -> {r['train_loss_first_last'][1]:.3f}); "
                 f"imported layers' max |y - y_HF| = {r['hf_parity_max_abs']:.1e}", r)
   if _JSON.value:
     with open(_JSON.value, "w", encoding="utf-8") as f:

@@ -59,7 +59,6 @@ step updates them in place.
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 from typing import Any, Optional
 
@@ -67,14 +66,14 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from moejax.config import ConfigError, ModelConfig
-from moejax.nn.attention import KVCache
+from moejax.config import ConfigError, ModelConfig, apply_overrides
 from moejax.nn.mod import MoDBlock
 from moejax.serve import quantize as quant_lib
 
-# Config paths this module reads, in one place: the config redesign moves
-# them (capacity_factor into moe.balance, router into moe.routing, backend
-# into moe.execution). Update these and the accessors below together.
+# Config paths this module reads and writes, in one place: the config
+# redesign moves them (capacity_factor into moe.balance, router into
+# moe.routing, backend into moe.execution); updating these strings is all
+# this module needs.
 FIELD_MOE_KIND = "model.moe.kind"
 FIELD_ROUTER_KIND = "model.moe.router.kind"
 FIELD_CAPACITY = "model.moe.capacity_factor"
@@ -83,13 +82,12 @@ FIELD_BACKEND = "model.moe.backend"
 _DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 
 
-def _router_kind(cfg: ModelConfig) -> str:
-  return cfg.moe.router.kind
-
-
-def _with_moe_fields(cfg: ModelConfig, **moe_fields) -> ModelConfig:
-  """cfg with ``moe.<field>=value`` set (capacity_factor, backend)."""
-  return dataclasses.replace(cfg, moe=dataclasses.replace(cfg.moe, **moe_fields))
+def _get(cfg: ModelConfig, field: str) -> Any:
+  """The value at a ``model.a.b`` path of a ModelConfig."""
+  value = cfg
+  for part in field.split(".")[1:]:
+    value = getattr(value, part)
+  return value
 
 
 # ---------------------------------------------------------------------------
@@ -102,19 +100,19 @@ def check_decodable(cfg: ModelConfig) -> None:
   """
   if cfg.moe is None:
     return
-  if cfg.moe.kind == "soft":
+  kind = _get(cfg, FIELD_MOE_KIND)
+  if kind == "soft":
     raise ConfigError(
-        FIELD_MOE_KIND, cfg.moe.kind,
+        FIELD_MOE_KIND, kind,
         "Soft MoE mixes every token of a sequence into each slot, so token t's output "
         "depends on later tokens: it is not causal and cannot be decoded one token at a time",
         "decode a model with moe.kind='sparse' and a token-choice router, or 'peer'")
-  if cfg.moe.kind == "sparse" and _router_kind(cfg) == "expert_choice":
+  if kind == "sparse" and _get(cfg, FIELD_ROUTER_KIND) == "expert_choice":
     raise ConfigError(
-        FIELD_ROUTER_KIND, _router_kind(cfg),
+        FIELD_ROUTER_KIND, "expert_choice",
         "expert choice lets each expert pick its top tokens over the whole sequence, so "
         "whether token t reaches an expert depends on later tokens: it is not causal and "
-        "cannot be decoded one token at a time (Zhou et al. 2202.09368 evaluate it with "
-        "teacher forcing only)",
+        "cannot be decoded one token at a time",
         "decode a token-choice router (topk, top_p, hash or hierarchical)")
 
 
@@ -122,12 +120,15 @@ def serving_config(cfg: ModelConfig, backend: Optional[str] = None) -> ModelConf
   """The config decoding runs: dropless (capacity_factor=None), optionally another backend."""
   if cfg.moe is None:
     return cfg
-  fields: dict[str, Any] = {}
-  if cfg.moe.kind == "sparse" and cfg.moe.capacity_factor is not None:
-    fields["capacity_factor"] = None
+  changes: dict[str, Any] = {}
+  if _get(cfg, FIELD_MOE_KIND) == "sparse" and _get(cfg, FIELD_CAPACITY) is not None:
+    changes[FIELD_CAPACITY] = None
   if backend is not None:
-    fields["backend"] = backend
-  return _with_moe_fields(cfg, **fields) if fields else cfg
+    changes[FIELD_BACKEND] = backend
+  if not changes:
+    return cfg
+  # apply_overrides validates the result like any config (a bad backend name is an error).
+  return apply_overrides(cfg, {k.removeprefix("model."): v for k, v in changes.items()})
 
 
 def serving_model(model: nnx.Module, backend: Optional[str] = None) -> nnx.Module:

@@ -25,7 +25,6 @@ import time
 from typing import Optional, Sequence
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
@@ -80,7 +79,8 @@ def _sample(logits, key, cfg):
 
 
 def generate(model: nnx.Module | Decoder, prompts: Sequence[Sequence[int]], *,
-             max_new_tokens: int, sampling: sampling_lib.SamplingConfig = sampling_lib.SamplingConfig(),
+             max_new_tokens: int,
+             sampling: sampling_lib.SamplingConfig = sampling_lib.SamplingConfig(),
              seed: int = 0, stop_id: Optional[int] = None, pad_multiple: int = 1) -> Generation:
   """Samples up to ``max_new_tokens`` after each prompt (token ids; see module docstring).
 

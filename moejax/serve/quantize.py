@@ -40,6 +40,7 @@ would avoid it).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import re
 from typing import Any, Mapping, Optional
 
@@ -150,7 +151,7 @@ def dequantize_params(params: Any, dtype=jnp.float32) -> Any:
 # ---------------------------------------------------------------------------
 # NNX models.
 
-def _moe_ffns(model: nnx.Module):
+def moe_ffns(model: nnx.Module):
   """Every routed-expert FFN module (MoEFFN or ScMoEFFN) of a sparse layer."""
   for _, node in nnx.iter_graph(model):
     params = getattr(node, "params", None)
@@ -171,7 +172,7 @@ def quantize_model(model: nnx.Module, qcfg: QuantConfig) -> nnx.Module:
   Returns ``model``.
   """
   seen: set[int] = set()
-  for ffn in _moe_ffns(model):
+  for ffn in moe_ffns(model):
     for group, keys, axis in ((ffn.params.get("experts"), ROUTED_KEYS, 1),
                               (ffn.params.get("shared"), SHARED_KEYS, 0)):
       if group is None:
@@ -197,19 +198,18 @@ def materialize(module: nnx.Module) -> None:
       node.set_value(dequantize_array(node.get_value(), jnp.float32))
 
 
-def _forward_impl(graphdef, state, tokens):
+@functools.partial(jax.jit, static_argnums=0)
+def forward_split(graphdef, state, tokens: jax.Array) -> tuple[jax.Array, dict]:
+  """:func:`forward` on a split model (``nnx.split``): one compile per graphdef and shape."""
   model = nnx.merge(graphdef, state)
   materialize(model)
   return model(tokens, train=False)
 
 
-_forward_jit = jax.jit(_forward_impl, static_argnums=0)
-
-
 def forward(model: nnx.Module, tokens: jax.Array) -> tuple[jax.Array, dict]:
   """``model(tokens, train=False)`` jitted, with quantised experts dequantised inside."""
   graphdef, state = nnx.split(model)
-  return _forward_jit(graphdef, state, jnp.asarray(tokens, jnp.int32))
+  return forward_split(graphdef, state, jnp.asarray(tokens, jnp.int32))
 
 
 # ---------------------------------------------------------------------------
