@@ -20,8 +20,6 @@ choice, Soft MoE: not causal), a bad sampling flag or a missing checkpoint.
 
 from __future__ import annotations
 
-import json
-import os
 import sys
 
 from absl import app, flags
@@ -42,28 +40,13 @@ _STOP = flags.DEFINE_bool("stop_at_end_of_document", True,
 flags.mark_flags_as_required(["workdir", "prompt"])
 
 
-def load_run(workdir: str, step=None):
-  """(ExperimentConfig, model, step) of a run; ``moejax.load`` when available."""
-  from moejax.train.checkpoint import CONFIG_FILE
-  from moejax.train.config import experiment_from_dict
-
-  path = os.path.join(workdir, CONFIG_FILE)
-  if not os.path.exists(path):
-    raise FileNotFoundError(f"--workdir={workdir} has no {CONFIG_FILE}. Fix: pass the "
-                            "directory of a run made by experiments.train")
-  with open(path, encoding="utf-8") as f:
-    cfg = experiment_from_dict(json.load(f))
-  from moejax.ablation.analysis import load_model  # restores params and router state
-  model, step = load_model(cfg, workdir, step)
-  return cfg, model, step
-
-
 def main(argv):
   if len(argv) > 1:
     raise app.UsageError(f"unexpected arguments: {argv[1:]}")
   from moejax.config import ConfigError
   from moejax.serve import Decoder, SamplingConfig, generate, get_tokenizer
   from moejax.serve import quantize as quant_lib
+  from moejax.serve.generate import load_run
 
   try:
     sampling = SamplingConfig(temperature=_TEMPERATURE.value, top_k=_TOP_K.value,

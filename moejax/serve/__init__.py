@@ -19,9 +19,10 @@ of any config). docs/serving.md has the measurements.
 """
 
 from moejax.serve.decode import Decoder, check_decodable, serving_config, serving_model
-from moejax.serve.generate import Generation, generate, left_pad
+from moejax.serve.generate import Generation, generate, left_pad, load_run
 from moejax.serve.sampling import SamplingConfig, sample
 from moejax.serve.tokenize import Tokenizer, get_tokenizer
 
 __all__ = ["Decoder", "check_decodable", "serving_config", "serving_model", "Generation",
-           "generate", "left_pad", "SamplingConfig", "sample", "Tokenizer", "get_tokenizer"]
+           "generate", "left_pad", "load_run", "SamplingConfig", "sample", "Tokenizer",
+           "get_tokenizer"]

@@ -73,6 +73,30 @@ def prefill_inputs(lengths: np.ndarray, p: int) -> tuple[np.ndarray, np.ndarray]
   return np.maximum(slots - pad, 0).astype(np.int32), slots >= pad
 
 
+def load_run(workdir: str, step: Optional[int] = None):
+  """(ExperimentConfig, model, step) of a training run's workdir (the latest checkpoint).
+
+  Reads ``config.json`` and restores params and router state with
+  :func:`moejax.ablation.analysis.load_model` (``moejax.load`` replaces this
+  when it lands).
+  """
+  import json
+  import os
+
+  from moejax.ablation.analysis import load_model
+  from moejax.train.checkpoint import CONFIG_FILE
+  from moejax.train.config import experiment_from_dict
+
+  path = os.path.join(workdir, CONFIG_FILE)
+  if not os.path.exists(path):
+    raise FileNotFoundError(f"--workdir={workdir} has no {CONFIG_FILE}. Fix: pass the "
+                            "directory of a run made by experiments.train")
+  with open(path, encoding="utf-8") as f:
+    cfg = experiment_from_dict(json.load(f))
+  model, step = load_model(cfg, workdir, step)
+  return cfg, model, step
+
+
 @functools.partial(jax.jit, static_argnums=2)
 def _sample(logits, key, cfg):
   return sampling_lib.sample(logits, key, cfg)
