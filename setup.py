@@ -32,6 +32,8 @@ setup(
         "matplotlib>=3.8",
         # data.tokenizer='bpe': byte-level BPE trained on the corpus (moejax/data/bpe.py).
         "tokenizers>=0.21",
+        # Weight-only int8 / int4 expert quantisation for serving (moejax.serve.quantize).
+        "qwix>=0.1.8",
     ],
     extras_require={
         "test": ["pytest>=8.0", "pytest-xdist>=3.5", "hypothesis>=6.100",

@@ -6,6 +6,8 @@ Usage:
       --gmm_m=8192 --gmm_k=512 --gmm_n=384        # CPU-sized
   python -m experiments.bench --suite=gmm         # GPU: m=65536 k=2048 n=1408
   python -m experiments.bench --suite=ep --json_out=/tmp/ep.json  # experiments/bench_ep.py
+  python -m experiments.bench --suite=serving --json_out=/tmp/serving.json \
+      --serving_plot=/tmp/serving.png                # experiments/bench_serving.py
 
 ``--suite=layer`` times, side by side in one process, forward and
 forward+backward of
@@ -45,11 +47,13 @@ import numpy as np
 from absl import app, flags, logging
 
 from experiments import bench_ep  # the expert-parallel suite and its ep_* flags
+from experiments import bench_serving  # the serving suite and its serving_* flags
 from moejax.execution import experts as experts_lib
 from moejax.execution import gmm as gmm_lib
 from moejax.routing.types import RoutingResult
 
-_SUITE = flags.DEFINE_enum("suite", "layer", ["layer", "gmm", "ep"], "which benchmark")
+_SUITE = flags.DEFINE_enum("suite", "layer", ["layer", "gmm", "ep", "serving"],
+                           "which benchmark")
 _JSON = flags.DEFINE_string("json_out", None, "write the results here as JSON")
 _REPEATS = flags.DEFINE_integer("repeats", 5, "timed runs per variant (median)")
 _SLOW_S = flags.DEFINE_float("slow_s", 20.0, "a first run slower than this is 'slow'")
@@ -369,6 +373,9 @@ def main(argv):
   elif _SUITE.value == "ep":
     res = bench_ep.ep_suite(_REPEATS.value)
     bench_ep.print_ep_table(res)
+  elif _SUITE.value == "serving":
+    res = bench_serving.serving_suite(conditions())
+    bench_serving.print_serving_table(res)
   else:
     res = gmm_suite()
     print_gmm_table(res)
