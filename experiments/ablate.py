@@ -11,7 +11,8 @@ after a kill resumes: finished arms are skipped, a half-trained arm resumes
 from its checkpoint.
 
 Overrides reach the suite tree: ``--config.base.train.steps=50`` (every arm),
-``--config.seeds='(0,1)'``. A changed config that would relabel results
+``--config.seeds='(0,1)'``, ``--config.scale=m`` (the scale ladder,
+moejax.ablation.scale: every arm m times wider, deeper, longer). A changed config that would relabel results
 already in ``DIR`` (e.g. more steps on a finished suite) is refused before
 anything is written; ``--extend`` trains the extra steps instead. A ``DIR``
 in use by another ``experiments.ablate`` is refused (``DIR/run.lock``).
@@ -51,16 +52,18 @@ flags.mark_flags_as_required(["config"])
 def resolved_suite(tree, suite) -> dict:
   """The suite as JSON: its fields, the resolved base experiment, each arm's changes."""
   # pylint: disable=g-import-not-at-top
+  from moejax.ablation.suite import base_experiment
   from moejax.config import to_dict
-  from moejax.train.config import diff, experiment_from_dict
-  base = to_dict(experiment_from_dict(tree["base"]))
+  from moejax.train.config import diff
+  base = to_dict(base_experiment(tree))
   arms = {}
   for arm in suite.arms:
     changes = diff(base, to_dict(arm.experiment))
     arms[arm.name] = {c.split(":", 1)[0]: c.split(": ", 1)[1].split(" -> ", 1)[1]
                       for c in changes}
   return {"name": suite.name, "description": suite.description, "fixed": dict(suite.fixed),
-          "seeds": list(suite.seeds), "analysis": dict(suite.analysis), "base": base,
+          "seeds": list(suite.seeds), "analysis": dict(suite.analysis), "scale": suite.scale,
+          "base": base,
           "arms (changes to base: field -> value)": arms}
 
 

@@ -20,7 +20,7 @@ MaxVio_global at a similar validation loss (Wang et al. Table 2: 0.72 -> 0.04).
 import importlib.util
 import os
 
-from moejax.ablation.bases import suite_config
+from moejax.ablation.bases import EVAL_BATCHES, eval_every, suite_config
 
 
 def _default_config():
@@ -38,7 +38,8 @@ def _balance(aux, bias, rate=1e-3):
 
 def get_config():
   base = _default_config()
-  base["train"].update(steps=250, warmup_steps=20, eval_every=125, eval_batches=10,
+  base["train"].update(steps=250, warmup_steps=20, eval_every=eval_every(250),
+                       eval_batches=EVAL_BATCHES,
                        checkpoint_every=50, keep_checkpoints=6, log_every=25)
   return suite_config(
       name="quick",

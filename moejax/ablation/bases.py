@@ -6,6 +6,13 @@ embedded standard-library corpus, sequences of 64, batches of 16, 300 AdamW
 steps (307k training tokens). On 2 shared CPU cores one arm trains in about
 one to two minutes, so a 4-6 arm suite fits in 5-10 minutes. That is far from
 any published scale: the suites test directions and mechanisms, not numbers.
+``--config.scale=m|l`` runs any suite wider, deeper and on longer sequences
+(:mod:`moejax.ablation.scale`).
+
+Validation curves: the trainer evaluates a fixed subset of
+:data:`EVAL_BATCHES` validation batches every ``steps //`` :data:`EVAL_POINTS`
+steps (:func:`eval_every`), cheap enough for 15 points per curve; the runner's
+final evaluation reads the whole split.
 """
 
 from __future__ import annotations
@@ -13,7 +20,17 @@ from __future__ import annotations
 import copy
 from typing import Any, Optional
 
+from moejax.ablation.scale import DEFAULT_SCALE
 from moejax.config import MoEConfig, from_dict, to_dict
+
+EVAL_POINTS = 15   # periodic evaluations per run (the validation curve's points)
+EVAL_BATCHES = 4   # validation batches per periodic evaluation (a fixed subset)
+
+
+def eval_every(steps: int) -> int:
+  """Steps between the periodic evaluations of a ``steps``-step suite run."""
+  return max(1, steps // EVAL_POINTS)
+
 
 SMALL_MOE = dict(
     topology=dict(num_experts=8, expert_width=128, activation="swiglu"),
@@ -45,8 +62,8 @@ def small_experiment(moe: Optional[dict] = None, steps: int = 300, **model) -> d
       model=model_tree,
       data=dict(name="python_stdlib", seq_len=64, batch_size=16, seed=0),
       train=dict(steps=steps, learning_rate=3e-3, warmup_steps=20, min_lr_ratio=0.1,
-                 weight_decay=0.1, grad_clip=1.0, log_every=25, eval_every=steps // 3,
-                 eval_batches=10, checkpoint_every=steps // 3, keep_checkpoints=4,
+                 weight_decay=0.1, grad_clip=1.0, log_every=25, eval_every=eval_every(steps),
+                 eval_batches=EVAL_BATCHES, checkpoint_every=steps // 3, keep_checkpoints=4,
                  progress=True))
 
 
@@ -63,6 +80,8 @@ def suite_config(**fields):
   """The suite tree as an ``ml_collections.ConfigDict``, so ``--config.base.train.steps=50``
   style overrides work from the command line."""
   import ml_collections  # pylint: disable=g-import-not-at-top
+
+  fields.setdefault("scale", DEFAULT_SCALE)  # --config.scale=m (moejax.ablation.scale)
 
   def convert(v):  # nested dicts too: ConfigDict would otherwise sort the arms by name
     if isinstance(v, dict):

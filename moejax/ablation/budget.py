@@ -7,6 +7,9 @@ Per arm (from :func:`moejax.topology.accounting.budget` at the run's
   (matmul convention: LM head in, input embedding out; top-p counts its
   maximum k, see the accounting module); ``flops_per_token``: forward FLOPs;
 - ``tokens``: training target positions, steps x batch x seq_len;
+- ``train_flops`` (a property, not checked): 3 x FLOPs/token x tokens, the
+  training compute (backward ~ 2 forwards), the column that compares rungs
+  of the scale ladder;
 - ``optimizer``: a canonical string of every optimisation setting (peak LR,
   schedule, AdamW moments, weight decay, clipping, steps), compared exactly.
 
@@ -46,6 +49,10 @@ class ArmBudget:
   flops_per_token: float
   tokens: int
   optimizer: str
+
+  @property
+  def train_flops(self) -> float:
+    return 3.0 * self.flops_per_token * self.tokens
 
   def as_dict(self) -> dict:
     return dataclasses.asdict(self)
@@ -120,9 +127,9 @@ def table(budgets: Mapping[str, ArmBudget], fixed: Mapping[str, float] = ()) -> 
   """The budget table as aligned text; fixed quantities are marked with '*'."""
   mark = lambda q: q + ("*" if q in fixed else "")
   head = ["arm", mark("total"), mark("active"), "active_max", mark("flops_per_token"),
-          mark("tokens"), mark("optimizer")]
+          mark("tokens"), "train_FLOPs", mark("optimizer")]
   rows = [head] + [[n, human(b.total), human(b.active), human(b.active_max),
-                    human(b.flops_per_token), human(b.tokens), b.optimizer]
+                    human(b.flops_per_token), human(b.tokens), human(b.train_flops), b.optimizer]
                    for n, b in budgets.items()]
   widths = [max(len(r[i]) for r in rows) for i in range(len(head))]
   lines = ["  ".join(c.ljust(w) if i in (0, len(head) - 1) else c.rjust(w)

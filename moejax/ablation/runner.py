@@ -2,7 +2,7 @@
 
 Layout of a suite directory ``DIR``::
 
-    DIR/suite.json             the suite (name, fixed, seeds, arms' overrides)
+    DIR/suite.json             the suite (name, fixed, seeds, scale, arms' overrides)
     DIR/budget.json            the budget of every arm (see moejax.ablation.budget)
     DIR/<arm>[/seed_<s>]/      a moejax.train run (config.json, checkpoints, metrics.jsonl)
         result.json            written last: budget + final metrics + analysis, corpus
@@ -41,6 +41,7 @@ from moejax.ablation import analysis as analysis_lib
 from moejax.ablation import budget as budget_lib
 from moejax.ablation import final_eval
 from moejax.ablation import provenance
+from moejax.ablation import scale as scale_lib
 from moejax.ablation.suite import Suite
 from moejax.train import checkpoint as ckpt_lib
 from moejax.train import lock as lock_lib
@@ -58,8 +59,9 @@ def budgets(suite: Suite) -> dict[str, budget_lib.ArmBudget]:
 def check_suite(suite: Suite, out: TextIO = sys.stdout) -> dict[str, budget_lib.ArmBudget]:
   """Prints the budget table and checks it; BudgetError before anything is written."""
   b = budgets(suite)
-  print(f"suite {suite.name}: {len(suite.arms)} arms x {len(suite.seeds)} seed(s); budget "
-        "(* = held fixed):", file=out)
+  scale = scale_lib.get_scale(suite.scale)
+  print(f"suite {suite.name} at scale {scale.name} ({scale.describe()}): {len(suite.arms)} arms "
+        f"x {len(suite.seeds)} seed(s); budget (* = held fixed):", file=out)
   print(budget_lib.table(b, suite.fixed), file=out)
   notes = budget_lib.check(b, suite.fixed, {a.name: a.experiment for a in suite.arms})
   for line in notes:
@@ -228,6 +230,7 @@ def run_suite(suite: Suite, workdir: str, *, out: TextIO = sys.stdout,
         "name": suite.name, "description": suite.description, "fixed": dict(suite.fixed),
         "seeds": list(suite.seeds), "analysis": dict(suite.analysis),
         "baseline": suite.baseline, "reproduction": suite.reproduction,
+        "scale": suite.scale, "scale_factors": scale_lib.get_scale(suite.scale).factors(),
         "arms": {a.name: a.overrides for a in suite.arms},
         "arm_order": [a.name for a in suite.arms]})
     _write_json(os.path.join(workdir, "budget.json"), {n: v.as_dict() for n, v in b.items()})
@@ -268,7 +271,7 @@ def _train_runs(suite, workdir, b, plan, train_fn, analyse_runs, say, out, corpu
     say(f"{tag}: training ({arm.name}, seed {seed}); {len(after)} more run(s) after it{left}")
     t0 = time.perf_counter()
     summary = train_fn(exp, path, out, eta)
-    res = {"suite": suite.name, "arm": arm.name, "seed": seed, "run": rel,
+    res = {"suite": suite.name, "arm": arm.name, "seed": seed, "run": rel, "scale": suite.scale,
            "budget": b[arm.name].as_dict(), "train_summary": summary,
            **train_metrics(path)}
     ev = final_eval.final_evaluation(exp, path)

@@ -19,6 +19,9 @@ returns an ``ml_collections.ConfigDict`` (or a plain dict) with:
 - ``reproduction``: True for a suite that reproduces a published result; it
   must then run at least :data:`MIN_REPRODUCTION_SEEDS` seeds, so that its
   verdicts have an interval over seeds;
+- ``scale``: the rung of the scale ladder, ``s`` (default), ``m`` or ``l``
+  (:mod:`moejax.ablation.scale`), applied to every arm's experiment after
+  its overrides (``--config.scale=m``);
 - ``analysis``: optional measurements: ``causal_probe`` (bool),
   ``comm_devices`` (expert-parallel devices of the all-to-all accounting, 8),
   ``latency`` (bool, True) and ``latency_reps`` (30), ``routing_batches``
@@ -36,12 +39,13 @@ import importlib.util
 import os
 from typing import Any, Mapping
 
+from moejax.ablation import scale as scale_lib
 from moejax.config import ConfigError, to_dict
 from moejax.train.config import ExperimentConfig, experiment_from_dict
 
 QUANTITIES = ("total", "active", "flops_per_token", "tokens", "optimizer")
 SUITE_KEYS = ("name", "description", "base", "arms", "fixed", "seeds", "baseline",
-              "reproduction", "analysis")
+              "reproduction", "analysis", "scale")
 MIN_REPRODUCTION_SEEDS = 3
 ANALYSIS_KEYS = ("causal_probe", "comm_devices", "latency", "latency_reps", "routing_batches")
 
@@ -67,6 +71,7 @@ class Suite:
   analysis: Mapping[str, Any]
   baseline: str = ""
   reproduction: bool = False
+  scale: str = scale_lib.DEFAULT_SCALE
 
   def arm(self, name: str) -> Arm:
     for a in self.arms:
@@ -158,11 +163,8 @@ def suite_from_dict(tree: Mapping[str, Any] | Any) -> Suite:
     if key not in ANALYSIS_KEYS:
       raise ConfigError(f"suite.analysis.{key}", analysis[key], "is not an analysis option",
                         f"use one of {', '.join(ANALYSIS_KEYS)}")
-  try:  # the full tree, defaults included, so that an arm may set any existing field
-    base_tree = to_dict(experiment_from_dict(tree["base"]))
-  except ConfigError as e:
-    raise ConfigError("suite.base", "", f"is not a valid experiment: {e}",
-                      "fix the base config") from e
+  scale = scale_lib.get_scale(tree.get("scale") or scale_lib.DEFAULT_SCALE)
+  base_tree = _base_tree(tree["base"])
   arms = []
   for arm_name, overrides in arms_tree.items():
     if not arm_name or "/" in arm_name or arm_name.startswith("."):
@@ -171,14 +173,31 @@ def suite_from_dict(tree: Mapping[str, Any] | Any) -> Suite:
     overrides = dict(overrides or {})
     exp_tree = merge(base_tree, overrides, f"suite.arms.{arm_name}")
     try:
-      exp = experiment_from_dict(exp_tree)
+      exp = experiment_from_dict(scale_lib.scale_experiment(exp_tree, scale))
     except ConfigError as e:
-      raise ConfigError(f"suite.arms.{arm_name}", "", f"builds an invalid experiment: {e}",
+      at = f" at suite.scale={scale.name}" if scale.name != scale_lib.DEFAULT_SCALE else ""
+      raise ConfigError(f"suite.arms.{arm_name}", "", f"builds an invalid experiment{at}: {e}",
                         "fix the arm's overrides") from e
     arms.append(Arm(arm_name, overrides, exp))
   return Suite(name=name, description=tree.get("description", ""), arms=tuple(arms),
                fixed=fixed, seeds=seeds, analysis=analysis, baseline=baseline,
-               reproduction=reproduction)
+               reproduction=reproduction, scale=scale.name)
+
+
+def _base_tree(base: Any) -> dict:
+  """The base experiment built and back as a dict: every default present, knobs resolved."""
+  try:
+    return to_dict(experiment_from_dict(base))
+  except ConfigError as e:
+    raise ConfigError("suite.base", "", f"is not a valid experiment: {e}",
+                      "fix the base config") from e
+
+
+def base_experiment(tree: Mapping[str, Any] | Any) -> ExperimentConfig:
+  """The suite's base experiment at its ``scale`` (what ``--print_config`` diffs arms against)."""
+  tree = _plain(tree)
+  scale = scale_lib.get_scale(tree.get("scale") or scale_lib.DEFAULT_SCALE)
+  return experiment_from_dict(scale_lib.scale_experiment(_base_tree(tree["base"]), scale))
 
 
 def load_suite_file(path: str):

@@ -215,6 +215,7 @@ def suite_summary(workdir: str) -> dict:
   out.update({"suite": suite.get("name") or results[0].get("suite", ""),
               "description": (suite.get("description") or "").strip().split("\n")[0],
               "reproduction": bool(suite.get("reproduction", False)),
+              "scale": suite.get("scale", results[0].get("scale", "s")),
               "suite_seeds": suite.get("seeds", sorted({r.get("seed", 0) for r in results})),
               "provenance": _collect_provenance(results),
               "budget_flags": budget_mismatches(out)})

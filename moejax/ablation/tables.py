@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from typing import Mapping, Optional
 
+from moejax.ablation.scale import get_scale
 from moejax.ablation.summary import BUDGET_KEYS, METRICS, NOTE_KEYS, VERDICT_METRICS
 from moejax.topology.accounting import human
 
@@ -131,6 +132,9 @@ def provenance_lines(summary: Mapping) -> list[str]:
            f"{', '.join(p.get('jax_versions') or ['unknown'])}; Python "
            f"{', '.join(p.get('python_versions') or ['unknown'])}",
            f"- corpus: {join(corpus.get('ids'))}"]
+  if summary.get("scale"):  # summaries written before the scale ladder have none
+    lines.append(f"- scale: {summary['scale']} ({get_scale(summary['scale']).describe()}; "
+                 "moejax.ablation.scale)")
   if p.get("runs_without_provenance"):
     lines.append(f"- {p['runs_without_provenance']} of {p['runs']} runs recorded no provenance")
   return lines
