@@ -16,9 +16,13 @@ moejax.ablation.scale: every arm m times wider, deeper, longer). A changed confi
 already in ``DIR`` (e.g. more steps on a finished suite) is refused before
 anything is written; ``--extend`` trains the extra steps instead. A ``DIR``
 in use by another ``experiments.ablate`` is refused (``DIR/run.lock``).
+Compiled programs are cached in ``DIR/compile_cache`` (JAX's persistent
+cache; ``JAX_COMPILATION_CACHE_DIR`` overrides), so the seeds of an arm and a
+resumed suite do not compile again.
 
-``--budget_only`` prints and checks the budget and exits; ``--dry_run`` also
-checks every run's directory and says what would happen to it (new, resumed,
+``--budget_only`` prints and checks the budget and exits; ``--ladder``
+prints the baseline arm's size and compute at every rung of the scale
+ladder and exits; ``--dry_run`` also checks every run's directory and says what would happen to it (new, resumed,
 finished), writing nothing; ``--print_config`` prints the suite with its
 resolved base experiment (every field) and each arm's changes to it, as JSON.
 """
@@ -40,6 +44,9 @@ _BUDGET_ONLY = flags.DEFINE_bool("budget_only", False, "Print and check the budg
                                  "then exit without training.")
 _DRY_RUN = flags.DEFINE_bool("dry_run", False, "Check the budget and every run directory, "
                              "print what would happen; write nothing.")
+_LADDER = flags.DEFINE_bool("ladder", False, "Print the suite's baseline arm at every rung of "
+                            "the scale ladder (--config.scale=s|m|l) as a Markdown table, "
+                            "then exit.")
 _PRINT_CONFIG = flags.DEFINE_bool("print_config", False, "Print the resolved suite (base "
                                   "experiment with every default, each arm's changes) as JSON "
                                   "and exit.")
@@ -81,6 +88,9 @@ def main(argv):
   from moejax.train.checkpoint import WorkdirError
   try:
     suite = suite_lib.suite_from_dict(tree)
+    if _LADDER.value:
+      print(runner.ladder_table(tree))
+      return
     if _PRINT_CONFIG.value:
       print(json.dumps(resolved_suite(tree, suite), indent=2, default=list))
       return
@@ -96,6 +106,7 @@ def main(argv):
       return
     if not _WORKDIR.value:
       cli.fail("--workdir is required unless --budget_only, --dry_run or --print_config")
+    cli.compilation_cache(_WORKDIR.value)  # written from the first compile: after the checks
     runner.run_suite(suite, _WORKDIR.value, extend=_EXTEND.value)
   except (ConfigError, BudgetError, DatasetUnavailableError, WorkdirError,
           guard.NonFiniteError) as e:

@@ -14,6 +14,7 @@
 from __future__ import annotations
 
 import logging as py_logging
+import os
 import re
 import sys
 from typing import NoReturn, Sequence
@@ -116,6 +117,25 @@ def quiet_logs(level=logging.WARNING) -> None:
   logging.set_verbosity(level)
   for handler in py_logging.getLogger().handlers + [logging.get_absl_handler()]:
     handler.addFilter(_DropLibraryChatter())
+
+
+COMPILE_CACHE_DIR = "compile_cache"
+
+
+def compilation_cache(workdir: str) -> str:
+  """Turns on JAX's persistent compilation cache in ``workdir/compile_cache``; returns the dir.
+
+  A suite trains the same programs again and again (every seed of an arm
+  compiles the same train, evaluation and analysis steps; a resumed suite
+  compiles them once more): with the cache, each compiles once. A cache
+  named by ``JAX_COMPILATION_CACHE_DIR`` is used instead.
+  """
+  import jax  # pylint: disable=g-import-not-at-top
+  path = os.environ.get("JAX_COMPILATION_CACHE_DIR") or os.path.join(workdir, COMPILE_CACHE_DIR)
+  jax.config.update("jax_compilation_cache_dir", path)
+  if "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS" not in os.environ:
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
+  return path
 
 
 def run(main) -> None:

@@ -162,10 +162,12 @@ def test_print_config_shows_every_field_and_dry_run_writes_nothing(tmp_path, pre
 
 
 def test_ablate_print_config_and_dry_run(tmp_path):
-  shown = _run("ablate", "--config=configs/ablations/quick.py", "--print_config")
+  shown = _run("ablate", "--config=configs/ablations/quick.py", "--print_config",
+               "--config.scale=m")
   assert shown.returncode == 0, shown.stderr[-2000:]
   tree = json.loads(shown.stdout)
   assert tree["name"] == "quick" and tree["base"]["train"]["nan_at_step"] == -1
+  assert tree["scale"] == "m" and tree["base"]["model"]["d_model"] == 2 * 128  # the rung's
   arms = tree["arms (changes to base: field -> value)"]
   assert len(arms) == 2 and all(arms.values())
   workdir = str(tmp_path / "suite")
@@ -197,3 +199,17 @@ def test_preparing_a_dataset_in_a_log_prints_one_plain_line(tmp_path, capfd):
   assert "Downloading and preparing" not in out + err
   assert "\x1b[" not in out + err and "\r" not in out + err
   assert re.fullmatch(r"prepared python_stdlib \(.*\) in \S+\n", out), out
+
+
+def test_ablate_caches_compiled_programs_in_the_suite_directory(tmp_path, monkeypatch):
+  import jax  # pylint: disable=g-import-not-at-top
+  from experiments import cli  # pylint: disable=g-import-not-at-top
+  before = jax.config.jax_compilation_cache_dir
+  try:
+    monkeypatch.delenv("JAX_COMPILATION_CACHE_DIR", raising=False)
+    assert cli.compilation_cache(str(tmp_path)) == str(tmp_path / "compile_cache")
+    assert jax.config.jax_compilation_cache_dir == str(tmp_path / "compile_cache")
+    monkeypatch.setenv("JAX_COMPILATION_CACHE_DIR", str(tmp_path / "mine"))
+    assert cli.compilation_cache(str(tmp_path)) == str(tmp_path / "mine")
+  finally:
+    jax.config.update("jax_compilation_cache_dir", before)

@@ -46,6 +46,7 @@ from moejax.ablation.suite import Suite
 from moejax.train import checkpoint as ckpt_lib
 from moejax.train import lock as lock_lib
 from moejax.train import metrics_log
+from moejax.topology.accounting import human
 from moejax.train.config import ExperimentConfig, experiment_to_json
 
 RESULT_FILE = "result.json"
@@ -67,6 +68,26 @@ def check_suite(suite: Suite, out: TextIO = sys.stdout) -> dict[str, budget_lib.
   for line in notes:
     print(f"  ok  {line}", file=out)
   return b
+
+
+def ladder_table(tree) -> str:
+  """Markdown: the suite's baseline arm at every rung of the scale ladder (sizes, compute)."""
+  from moejax.ablation import suite as suite_lib  # pylint: disable=g-import-not-at-top
+  tree = suite_lib._plain(tree)  # pylint: disable=protected-access
+  rows = ["| scale | factors | d | layers | seq x batch x steps | params | active/token | "
+          "train tokens | train FLOPs | compute / s |", "|---|---|---:|---:|---|---:|---:|---:|"
+          "---:|---:|"]
+  first = None
+  for name, rung in scale_lib.SCALES.items():
+    suite = suite_lib.suite_from_dict(dict(tree, scale=name))
+    exp = suite.arm(suite.baseline).experiment
+    b = budget_lib.arm_budget(exp)
+    first = first or b.train_flops
+    rows.append(f"| {name} | {rung.describe()} | {exp.model.d_model} | {exp.model.n_layers} | "
+                f"{exp.data.seq_len} x {exp.data.batch_size} x {exp.train.steps} | "
+                f"{human(b.total)} | {human(b.active)} | {human(b.tokens)} | "
+                f"{human(b.train_flops)} | {b.train_flops / first:.1f} |")
+  return "\n".join(rows)
 
 
 def _seeded(exp: ExperimentConfig, seed: int) -> ExperimentConfig:

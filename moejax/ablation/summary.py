@@ -62,7 +62,8 @@ def find_results(root: str) -> list[dict]:
   """Every ``result.json`` under ``root`` (a suite dir, an arm dir or a parent of several)."""
   found = []
   for dirpath, dirnames, filenames in os.walk(root):
-    dirnames[:] = sorted(d for d in dirnames if d not in ("checkpoints", "tensorboard", "plots"))
+    dirnames[:] = sorted(d for d in dirnames if d not in ("checkpoints", "tensorboard", "plots",
+                                                      "compile_cache"))
     if "result.json" in filenames:
       with open(os.path.join(dirpath, "result.json"), encoding="utf-8") as f:
         res = json.load(f)

@@ -190,3 +190,13 @@ def test_scale_is_a_command_line_field_and_recorded():
   suite = suite_lib.suite_from_dict(tree)
   assert suite.scale == "m" and suite.arms[0].experiment.model.d_model == 256
   assert suite_lib.base_experiment(tree).model.d_model == 256
+
+
+def test_ladder_table_lists_every_rung_of_the_baseline_arm():
+  tree = suite_lib.load_suite_file(os.path.join(helpers.ROOT, "configs", "ablations",
+                                                "lossfree.py"))
+  lines = runner.ladder_table(tree).splitlines()
+  assert len(lines) == 2 + len(scale_lib.SCALES)
+  assert lines[2].startswith("| s | identity | 64 | 2 | 64 x 16 x 300 | 460.10K |")
+  assert lines[3].startswith("| m | width x2, depth x2, seq x2 | 128 | 4 | 128 x 16 x 300 |")
+  assert lines[2].endswith("| 1.0 |") and lines[3].endswith("| 14.8 |")
