@@ -87,33 +87,35 @@ def routing_pass(model, cfg: ExperimentConfig, batches, num_domains: int) -> dic
   ``ids`` keeps each layer's ``(expert_ids int[T, K], sent bool[T, K])`` of the
   pass for the communication accounting (not serialised).
   """
-  e_r = cfg.model.moe.num_routed
   fwd = _make_forward(model)
   out: dict = {}
-  ids_acc: dict = {}
   for batch in batches:
     _, routing = fwd(batch["inputs"])
-    mask = np.asarray(batch["mask"], bool)
-    labels = np.asarray(batch["labels"])
-    for name, (ids, valid) in routing.items():
-      ids, valid = np.asarray(ids), np.asarray(valid, bool) & mask[..., None]
-      hot = np.zeros(ids.shape[:2] + (e_r,), np.float64)                  # [B, S, E_r]
-      for k in range(ids.shape[-1]):
-        b_idx, s_idx = np.nonzero(valid[..., k])
-        np.add.at(hot, (b_idx, s_idx, ids[b_idx, s_idx, k]), 1.0)
-      flat = hot.reshape(-1, e_r)
-      lab = np.eye(num_domains)[labels.reshape(-1)] * mask.reshape(-1, 1)  # [T, D]
-      acc = out.setdefault(name, {"load": np.zeros(e_r), "joint": np.zeros((e_r, num_domains)),
-                                  "coact": np.zeros((e_r, e_r))})
-      acc["load"] += flat.sum(0)
-      acc["joint"] += flat.T @ lab
-      acc["coact"] += flat.T @ (flat > 0)
-      ids_acc.setdefault(name, []).append(
-          (ids.reshape(-1, ids.shape[-1]), (valid & (ids < cfg.model.moe.num_experts))
-           .reshape(-1, ids.shape[-1])))
-  for name, acc in out.items():
-    acc["ids"] = ids_acc[name]
+    add_routing(out, routing, batch, cfg, num_domains)
   return out
+
+
+def add_routing(out: dict, routing: dict, batch, cfg: ExperimentConfig,
+                num_domains: int) -> None:
+  """Adds one batch's ``{layer: (expert_ids, valid)}`` to the accumulators of :func:`routing_pass`."""
+  e_r = cfg.model.moe.num_routed
+  mask = np.asarray(batch["mask"], bool)
+  labels = np.asarray(batch["labels"])
+  for name, (ids, valid) in routing.items():
+    ids, valid = np.asarray(ids), np.asarray(valid, bool) & mask[..., None]
+    hot = np.zeros(ids.shape[:2] + (e_r,), np.float64)                  # [B, S, E_r]
+    for k in range(ids.shape[-1]):
+      b_idx, s_idx = np.nonzero(valid[..., k])
+      np.add.at(hot, (b_idx, s_idx, ids[b_idx, s_idx, k]), 1.0)
+    flat = hot.reshape(-1, e_r)
+    lab = np.eye(num_domains)[labels.reshape(-1)] * mask.reshape(-1, 1)  # [T, D]
+    acc = out.setdefault(name, {"load": np.zeros(e_r), "joint": np.zeros((e_r, num_domains)),
+                                "coact": np.zeros((e_r, e_r)), "ids": []})
+    acc["load"] += flat.sum(0)
+    acc["joint"] += flat.T @ lab
+    acc["coact"] += flat.T @ (flat > 0)
+    acc["ids"].append((ids.reshape(-1, ids.shape[-1]),
+                       (valid & (ids < cfg.model.moe.num_experts)).reshape(-1, ids.shape[-1])))
 
 
 def a2a_bytes(ids_per_batch, num_experts: int, devices: int, row_bytes: int) -> dict:

@@ -4,8 +4,10 @@ Legend: N validation documents, E_r routed columns, D domains.
 
 :func:`final_evaluation` restores a run's last checkpoint and evaluates it
 once over the whole validation split with
-:func:`moejax.evaluate.validation.make_eval_step` (``num_docs=N``), which
-gives in one pass:
+:func:`moejax.evaluate.validation.make_eval_step` (``num_docs=N``);
+:func:`evaluate_state` does the same for a state in memory (the runner hands
+it to the trainer, which then reads the split once, not twice: its own
+final evaluation row is this one). One pass gives:
 
 - the run's final metrics (validation loss, MaxVio_global, I(expert; domain)),
   the numbers of the suite summary;
@@ -15,7 +17,11 @@ gives in one pass:
 - per MoE layer the (expert, domain) counts f[E_r, D] and the load, written
   to ``routing.json`` (``layers.<layer>.joint`` / ``final_load``): the routing
   notebook draws P(domain | expert) from exactly the counts the summary's
-  specialisation number comes from.
+  specialisation number comes from;
+- each token's experts of the same forward, accumulated as
+  :func:`moejax.ablation.analysis.routing_pass` does (load, joint,
+  co-activation, the ids of the all-to-all accounting): the final
+  checkpoint's routing pass over the whole split, without a second forward.
 
 :func:`routing_sample` picks the validation batches of the per-checkpoint
 routing pass (load over training, co-activation): the whole split, or
@@ -29,6 +35,8 @@ import dataclasses
 import os
 from typing import Optional
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 
 from moejax import data as data_lib
@@ -48,24 +56,55 @@ class FinalEval:
   joints: dict             # {layer: f64[E_r, D]}
   loads: dict              # {layer: f64[E]}
   step: int
+  routing: Optional[dict] = None  # routing_pass(...) of the whole split, same forward
+
+
+def _graphdef(exp: ExperimentConfig):
+  from moejax.train.optim import make_optimizer  # pylint: disable=g-import-not-at-top
+  graphdef, _ = step_lib.abstract_state(exp, make_optimizer(exp.train, exp.model))
+  return graphdef
 
 
 def final_evaluation(exp: ExperimentConfig, run_path: str) -> FinalEval:
   """The whole-split evaluation of the run's last checkpoint (see the module doc)."""
   model, step = analysis_lib.load_model(exp, run_path)
   graphdef, params, router_state, other = step_lib.split_model(model)
+  return evaluate_state(exp, params, router_state, other, int(step), graphdef)
+
+
+def evaluate_state(exp: ExperimentConfig, params, router_state, other, step: int,
+                   graphdef=None) -> FinalEval:
+  """The whole-split evaluation of a state (pure-dict params, router state, other).
+
+  The state may live on any devices (the trainer's mesh): it is read to the
+  host first and evaluated with the single-device model of ``exp``.
+  """
+  if graphdef is None:
+    graphdef = _graphdef(exp)
+  params, router_state, other = jax.device_get((params, router_state, other))
   docs = data_lib.load_documents(exp.data, exp.data.eval_split)
   eval_step = validation.make_eval_step(graphdef, exp.model, len(docs.domain_names),
-                                        num_docs=len(docs))
+                                        num_docs=len(docs), with_routing=True)
   batches = data_lib.make_batch_iterator(docs, exp.data.seq_len, exp.data.batch_size,
                                          seed=exp.data.seed, train=False)
-  totals = validation.evaluate_totals(eval_step, params, router_state, other, batches)
+  totals, routing = None, {}
+  for batch in batches:
+    sums, ids = eval_step(params, router_state, other, batch)
+    totals = sums if totals is None else jax.tree.map(jnp.add, totals, sums)
+    if exp.model.moe is not None:
+      analysis_lib.add_routing(routing, jax.device_get(ids), batch, exp,
+                               len(docs.domain_names))
+  if totals is None:
+    raise ValueError("final evaluation: the validation split gave no batch; check "
+                     "data.eval_split and that the split holds at least one token")
+  totals = {k: np.asarray(v) for k, v in jax.device_get(totals).items()}
   layers = lambda prefix: {k.split("/", 1)[1]: np.asarray(v, np.float64)
                            for k, v in totals.items() if k.startswith(prefix)}
   return FinalEval(metrics=validation.summarise(totals),
                    doc_ce=np.asarray(totals["doc_ce"], np.float64),
                    doc_count=np.asarray(totals["doc_count"], np.float64),
-                   joints=layers("joint/"), loads=layers("load/"), step=int(step))
+                   joints=layers("joint/"), loads=layers("load/"), step=int(step),
+                   routing=routing)
 
 
 def write_per_doc(run_path: str, ev: FinalEval) -> str:

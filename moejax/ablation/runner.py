@@ -160,8 +160,26 @@ def train_metrics(run_path: str) -> dict:
   return out
 
 
-def analyse(exp: ExperimentConfig, run_path: str, options: dict, say) -> tuple[dict, dict]:
-  """(scalar analysis metrics, routing.json content) of a finished run."""
+class _FinalEvalHook:
+  """The trainer's final evaluation: :func:`final_eval.evaluate_state`, result kept for the runner."""
+
+  def __init__(self, exp: ExperimentConfig):
+    self.exp, self.result = exp, None
+
+  def __call__(self, params, router_state, other) -> dict:
+    self.result = final_eval.evaluate_state(self.exp, params, router_state, other,
+                                            self.exp.train.steps)
+    return self.result.metrics
+
+
+def analyse(exp: ExperimentConfig, run_path: str, options: dict, say,
+            final_routing: Optional[final_eval.FinalEval] = None) -> tuple[dict, dict]:
+  """(scalar analysis metrics, routing.json content) of a finished run.
+
+  ``final_routing``: the run's final evaluation; when the routing sample is
+  the whole split (the default), its routing of the final checkpoint stands
+  in for a second pass over the split.
+  """
   res: dict = {}
   routing: dict = {"steps": [], "layers": {}}
   moe = exp.model.moe
@@ -174,9 +192,14 @@ def analyse(exp: ExperimentConfig, run_path: str, options: dict, say) -> tuple[d
     res["a2a_note"] = "n/a: dense model, no expert parallelism"
     return res, routing
   final = None
+  reuse = (final_routing if n_batches is None and final_routing is not None
+           and final_routing.routing is not None else None)
   for step in ckpt_lib.checkpoint_steps(run_path):
     model, _ = analysis_lib.load_model(exp, run_path, step)
-    rp = analysis_lib.routing_pass(model, exp, batches, len(domains))
+    if reuse is not None and step == reuse.step:
+      rp = reuse.routing  # the same forward over the same batches, done once
+    else:
+      rp = analysis_lib.routing_pass(model, exp, batches, len(domains))
     routing["steps"].append(step)
     for name, acc in rp.items():
       layer = routing["layers"].setdefault(name, {"load_over_training": []})
@@ -233,12 +256,14 @@ def run_suite(suite: Suite, workdir: str, *, out: TextIO = sys.stdout,
   from moejax.ablation import summary as summary_lib  # pylint: disable=g-import-not-at-top
   if train_fn is None:
     from moejax.train import loop  # pylint: disable=g-import-not-at-top
-    # The trainer also shows the suite's ETA (the steps of the runs after this one).
-    train_fn = lambda exp, path, out, eta: loop.train(exp, path, out=out, extend=extend,
-                                                       then_steps=eta[0], then_seconds=eta[1])
+    # The trainer also shows the suite's ETA (the steps of the runs after this one), and
+    # its final evaluation is the runner's (final_eval.evaluate_state, kept in `hook`).
+    train_fn = lambda exp, path, out, eta, hook: loop.train(
+        exp, path, out=out, extend=extend, then_steps=eta[0], then_seconds=eta[1],
+        final_eval=hook)
   else:
     custom = train_fn
-    train_fn = lambda exp, path, out, eta: custom(exp, path, out=out)
+    train_fn = lambda exp, path, out, eta, hook: custom(exp, path, out=out)
   say = lambda text: print(text, file=out, flush=True)
   b = check_suite(suite, out)  # raises before anything is written
   plan = dict(plan_suite(suite, workdir, extend))  # likewise
@@ -290,16 +315,21 @@ def _train_runs(suite, workdir, b, plan, train_fn, analyse_runs, say, out, corpu
     left = (f", suite ETA {metrics_log.format_duration(np.mean(walls) * (len(after) + 1))}"
             if walls else "")
     say(f"{tag}: training ({arm.name}, seed {seed}); {len(after)} more run(s) after it{left}")
-    t0 = time.perf_counter()
-    summary = train_fn(exp, path, out, eta)
+    t0, c0 = time.perf_counter(), time.process_time()
+    hook = _FinalEvalHook(exp)
+    summary = train_fn(exp, path, out, eta, hook)
+    t_trained, c_trained = time.perf_counter(), time.process_time()
     res = {"suite": suite.name, "arm": arm.name, "seed": seed, "run": rel, "scale": suite.scale,
            "budget": b[arm.name].as_dict(), "train_summary": summary,
            **train_metrics(path)}
-    ev = final_eval.final_evaluation(exp, path)
+    # The trainer's final evaluation when it made one here; else (a run trained earlier, or
+    # a custom train_fn) the same evaluation of the final checkpoint.
+    ev = hook.result or final_eval.final_evaluation(exp, path)
     res.update(_final_metrics(ev, path))
     res["corpus"], res["provenance"] = corpus, prov
+    t_evaluated, c_evaluated = time.perf_counter(), time.process_time()
     if analyse_runs:
-      extra, routing = analyse(exp, path, dict(suite.analysis), say)
+      extra, routing = analyse(exp, path, dict(suite.analysis), say, final_routing=ev)
       res.update(extra)
       for name, layer in routing["layers"].items():  # the summary's counts, whole split
         if name not in ev.joints:
@@ -309,6 +339,13 @@ def _train_runs(suite, workdir, b, plan, train_fn, analyse_runs, say, out, corpu
       routing["joint_source"] = "final whole-split evaluation (moejax.ablation.final_eval)"
       _write_json(os.path.join(path, ROUTING_FILE), routing, indent=None)
     res["wall_seconds"] = time.perf_counter() - t0
+    # Where the run's time went (training includes its periodic evaluations and, with the
+    # hook, the final whole-split evaluation; final_eval is then only the fallback). The
+    # CPU seconds (all threads of this process) stay comparable on a shared machine.
+    res["phase_seconds"] = {"train": t_trained - t0, "final_eval": t_evaluated - t_trained,
+                            "analysis": time.perf_counter() - t_evaluated}
+    res["phase_cpu_seconds"] = {"train": c_trained - c0, "final_eval": c_evaluated - c_trained,
+                                "analysis": time.process_time() - c_evaluated}
     res["experiment"] = json.loads(experiment_to_json(exp))
     _write_json(os.path.join(path, RESULT_FILE), res)  # last: marks the run finished
     results[rel] = res

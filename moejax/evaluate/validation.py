@@ -52,13 +52,18 @@ Batch = dict[str, Any]
 
 
 def make_eval_step(graphdef, model_cfg: ModelConfig, num_domains: int,
-                   num_docs: Optional[int] = None) -> Callable:
+                   num_docs: Optional[int] = None, with_routing: bool = False) -> Callable:
   """jitted ``eval_step(params, router_state, other, batch) -> sums``.
 
   sums: ``ce_sum`` f32[], ``count`` f32[], ``bytes`` f32[], and per MoE layer
   with a routing decision ``load/<layer>`` f32[E] and ``joint/<layer>``
   f32[E_r, D]; with ``num_docs`` N also ``doc_ce`` and ``doc_count`` f32[N]
   (the batch must carry ``doc_ids``).
+
+  ``with_routing``: return ``(sums, routing)`` with ``routing`` =
+  ``{layer: (expert_ids int[B, S, K], valid bool[B, S, K])}`` of the same
+  forward, for analyses that need each token's experts (co-activation,
+  all-to-all volume) without a second pass over the split.
   """
   moe = model_cfg.moe
 
@@ -85,6 +90,9 @@ def make_eval_step(graphdef, model_cfg: ModelConfig, num_domains: int,
       joint = joint_counts(ids, valid, batch["labels"], mask, moe.num_routed, num_domains)
       out[f"joint/{name}"] = joint
       out[f"load/{name}"] = jnp.sum(joint[: moe.topology.num_experts], axis=1)
+    if with_routing:
+      return out, {name: (layer["expert_ids"], layer["valid"])
+                   for name, layer in aux["moe"].items() if "expert_ids" in layer}
     return out
 
   return jax.jit(eval_step)

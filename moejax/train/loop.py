@@ -164,7 +164,8 @@ def _mean_rows(rows: list[dict]) -> dict[str, float]:
 
 def train(cfg: ExperimentConfig, workdir: str, *, out: TextIO = sys.stdout,
           extend: bool = False, then_steps: int = 0,
-          then_seconds: Optional[float] = None) -> dict:
+          then_seconds: Optional[float] = None,
+          final_eval: Optional[Callable] = None) -> dict:
   """Trains (or resumes) the run in ``workdir``; returns a summary dict.
 
   Args:
@@ -176,6 +177,11 @@ def train(cfg: ExperimentConfig, workdir: str, *, out: TextIO = sys.stdout,
       step on: not the same run as a fresh longer one).
     then_steps / then_seconds: inside a suite, the steps of the runs after
       this one and their other time, for the progress line's suite ETA.
+    final_eval: ``(params, router_state, other) -> metrics`` replacing the
+      trainer's own whole-split evaluation at the last step (the metrics of
+      :func:`moejax.evaluate.validation.summarise` over the whole split): the
+      ablation runner passes its per-document evaluation, so the split is
+      read once per run instead of twice. None: the trainer's own.
 
   Returns:
     ``{"step", "train_loss", "val_loss", "unigram_baseline",
@@ -233,7 +239,7 @@ def train(cfg: ExperimentConfig, workdir: str, *, out: TextIO = sys.stdout,
                                     then_steps=then_steps, then_seconds=then_seconds)
     try:
       step = _run(cfg, workdir, graphdef, tx, restored, train_it, val_docs, ckpt, writer,
-                  progress, say, layout)
+                  progress, say, layout, final_eval)
     except guard.NonFiniteError as e:
       _history(workdir, "stopped", reason=str(e).split(":")[0],
                               train_seconds=progress.train_seconds)
@@ -320,7 +326,7 @@ def report(workdir: str, summary: dict, say) -> dict:
 
 
 def _run(cfg, workdir, graphdef, tx, restored, train_it, val_docs, ckpt, writer, progress, say,
-         layout) -> int:
+         layout, final_eval=None) -> int:
   """The steps; returns the last step done."""
   tc = cfg.train
   put_batch, put_state = layout.put_batch, layout.put_state
@@ -391,9 +397,12 @@ def _run(cfg, workdir, graphdef, tx, restored, train_it, val_docs, ckpt, writer,
     if eval_now:
       t_eval = time.perf_counter()
       final = step == tc.steps
-      result = evaluate(eval_step, state.params, state.router_state, state.other,
-                        _eval_batches(cfg, val_docs, put_batch),
-                        None if final else tc.eval_batches)
+      if final and final_eval is not None:
+        result = dict(final_eval(state.params, state.router_state, state.other))
+      else:
+        result = evaluate(eval_step, state.params, state.router_state, state.other,
+                          _eval_batches(cfg, val_docs, put_batch),
+                          None if final else tc.eval_batches)
       result["unigram_baseline"] = unigram
       writer.write(step, "eval", result)
       extra = "".join(f" | {name} {result[key]:.3f}" for key, name in

@@ -11,7 +11,7 @@ import shutil
 import numpy as np
 import pytest
 
-from moejax.ablation import final_eval, runner, suite as suite_lib
+from moejax.ablation import analysis, final_eval, runner, suite as suite_lib
 from moejax.ablation import summary
 from moejax.evaluate import validation
 from moejax.train import checkpoint as ckpt_lib
@@ -42,9 +42,11 @@ def test_tiny_suite_writes_results_table_and_plots(tiny_suite_dir):
     assert res["exposed_comm"] is None and res["exposed_comm_note"].startswith("n/a")
     # top-k routing is causal: the prefix-only loss equals the teacher-forced one.
     assert abs(res["probe_leak_gap"]) < 1e-3
-    # The final numbers are the runner's whole-split evaluation of the final checkpoint,
-    # the same as the trainer's own final evaluation up to float32 summation order.
-    assert res["val_loss"] == pytest.approx(res["train_summary"]["val_loss"], rel=1e-5)
+    # The final numbers are the runner's whole-split evaluation of the final state, which
+    # is also the trainer's final evaluation row (the split is read once per run).
+    assert res["val_loss"] == res["train_summary"]["val_loss"]
+    assert res["scale"] == "s" and set(res["phase_seconds"]) == {"train", "final_eval",
+                                                                  "analysis"}
     assert res["corpus"]["id"].startswith("python_stdlib/")
     assert res["corpus"]["python_version"] == platform.python_version()
     assert set(res["provenance"]) >= {"command", "commit", "date", "machine", "jax_version"}
@@ -72,7 +74,11 @@ def test_tiny_suite_writes_results_table_and_plots(tiny_suite_dir):
   assert rows[0]["val_loss_n"] == 2 and rows[0]["val_loss_lo"] < rows[0]["val_loss"]
   with open(os.path.join(workdir, "summary.json")) as f:
     summ = json.load(f)
-  assert summ["baseline"] == "aux" and summ["suite"] == "tiny"
+  assert summ["baseline"] == "aux" and summ["suite"] == "tiny" and summ["scale"] == "s"
+  with open(os.path.join(workdir, "suite.json")) as f:
+    assert json.load(f)["scale_factors"] == dict(width=1, depth=1, seq=1, batch=1, steps=1)
+  assert "- scale: s (identity; moejax.ablation.scale)" in open(
+      os.path.join(workdir, "summary.md")).read()
   comp = summ["comparisons"]["bias"]["val_loss"]
   assert comp["pairing"] == "paired" and comp["seeds"] == [0, 1]
   assert comp["documents"]["n"] >= 2 and comp["verdict"] in ("better", "worse", "unresolved")
@@ -87,6 +93,31 @@ def test_tiny_suite_writes_results_table_and_plots(tiny_suite_dir):
   for name in ("summary.md", "summary.json", "summary.csv", "metrics.png", "curves.png",
                "suite.json", "budget.json"):
     assert name in tail[tail.index(f"outputs in {workdir}:"):], name
+
+
+def test_final_evaluation_routing_is_the_routing_pass_of_the_whole_split(tiny_suite_dir):
+  """The final evaluation's routing (one forward) equals a separate routing pass over the
+  whole split, so the analysis of the final checkpoint reuses it instead of a second pass."""
+  workdir, _, _ = tiny_suite_dir
+  path = os.path.join(workdir, "bias", "seed_0")
+  exp = suite_lib.suite_from_dict(helpers.tiny_suite()).arm("bias").experiment
+  ev = final_eval.final_evaluation(exp, path)
+  batches, domains, what = final_eval.routing_sample(exp, None)
+  assert what.startswith("the whole validation split")
+  model, _ = analysis.load_model(exp, path)
+  rp = analysis.routing_pass(model, exp, batches, len(domains))
+  assert set(ev.routing) == set(rp) and rp
+  for name, acc in rp.items():
+    for key in ("load", "joint", "coact"):
+      np.testing.assert_array_equal(ev.routing[name][key], acc[key])
+    np.testing.assert_array_equal(ev.routing[name]["joint"], ev.joints[name])
+    for (ids_a, sent_a), (ids_b, sent_b) in zip(ev.routing[name]["ids"], acc["ids"]):
+      np.testing.assert_array_equal(ids_a, ids_b)
+      np.testing.assert_array_equal(sent_a, sent_b)
+  # analyse() takes it for the final checkpoint when the sample is the whole split.
+  res, routing = runner.analyse(exp, path, {"latency": False}, lambda _: None, final_routing=ev)
+  res2, routing2 = runner.analyse(exp, path, {"latency": False}, lambda _: None)
+  assert res == res2 and routing == routing2
 
 
 def _count_calls(calls):
