@@ -8,6 +8,7 @@ Usage:
   python -m experiments.bench --suite=ep --json_out=/tmp/ep.json  # experiments/bench_ep.py
   python -m experiments.bench --suite=serving --json_out=/tmp/serving.json \
       --serving_plot=/tmp/serving.png                # experiments/bench_serving.py
+  python -m experiments.bench --suite=step --step_scale=m   # experiments/bench_step.py
 
 ``--suite=layer`` times, side by side in one process, forward and
 forward+backward of
@@ -48,11 +49,12 @@ from absl import app, flags, logging
 
 from experiments import bench_ep  # the expert-parallel suite and its ep_* flags
 from experiments import bench_serving  # the serving suite and its serving_* flags
+from experiments import bench_step  # the training-step profile and its step_* flags
 from moejax.execution import experts as experts_lib
 from moejax.execution import gmm as gmm_lib
 from moejax.routing.types import RoutingResult
 
-_SUITE = flags.DEFINE_enum("suite", "layer", ["layer", "gmm", "ep", "serving"],
+_SUITE = flags.DEFINE_enum("suite", "layer", ["layer", "gmm", "ep", "serving", "step"],
                            "which benchmark")
 _JSON = flags.DEFINE_string("json_out", None, "write the results here as JSON")
 _REPEATS = flags.DEFINE_integer("repeats", 5, "timed runs per variant (median)")
@@ -373,6 +375,9 @@ def main(argv):
   elif _SUITE.value == "ep":
     res = bench_ep.ep_suite(_REPEATS.value)
     bench_ep.print_ep_table(res)
+  elif _SUITE.value == "step":
+    res = bench_step.step_suite(conditions())
+    bench_step.print_step_table(res)
   elif _SUITE.value == "serving":
     res = bench_serving.serving_suite(conditions())
     bench_serving.print_serving_table(res)
