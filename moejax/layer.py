@@ -91,9 +91,9 @@ def _routed_output(params: Params, x: jax.Array, result: RoutingResult,
                    cfg: MoEConfig) -> jax.Array:
   if cfg.backend == "reference":
     return _reference_routed(params["experts"], x, result.combine_weights(), cfg)
-  from moejax.execution import experts as exec_experts  # fast paths, by name
+  from moejax.execution import grouped_ffn  # fast paths, by name
   mask = experts_lib.width_mask(cfg) if cfg.expert_widths is not None else None
-  return exec_experts.routed_experts(
+  return grouped_ffn.routed_experts(
       params["experts"], x, result, num_experts=cfg.num_experts,
       activation=cfg.activation, backend=cfg.backend, width_mask=mask,
       interpret=cfg.backend_interpret)

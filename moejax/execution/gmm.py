@@ -53,9 +53,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from moejax.execution import tiling
+from moejax.execution import registry, tiling
 
-DEFAULT_BACKEND = "blocked"
+# The names live in moejax.execution.registry (importable without JAX, for
+# config validation); this module maps each to its implementation.
+BACKENDS = registry.GMM_BACKENDS
+DEFAULT_BACKEND = registry.DEFAULT_GMM_BACKEND
 
 # name -> module defining BACKEND; imported on first use so that the Pallas
 # modules are only loaded by the callers that pick them.
@@ -65,7 +68,8 @@ _MODULES = {
     "pallas_tpu": "moejax.execution.pallas_tpu",
     "pallas_gpu": "moejax.execution.pallas_gpu",
 }
-BACKENDS = tuple(_MODULES)
+if set(_MODULES) != set(BACKENDS):  # a name without a module, or the reverse
+  raise ImportError(f"gmm backends {sorted(_MODULES)} != registry {sorted(BACKENDS)}")
 
 FLOAT_DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16)
 
