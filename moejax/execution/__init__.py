@@ -38,8 +38,15 @@ _LAZY = {
 __all__ = ["BACKENDS", "DEFAULT_BACKEND", "GmmError", "routed_experts", "routed_ffn"]
 
 
+_SUBMODULES = ("blocked", "comm", "fused", "gmm", "grouped_ffn", "mesh", "pallas_gather",
+               "pallas_gpu", "pallas_tpu", "parallel", "permute", "placement", "registry",
+               "tiling")
+
+
 def __getattr__(name):
   if name in _LAZY:
     module, attr = _LAZY[name]
     return getattr(importlib.import_module(module), attr)
+  if name in _SUBMODULES:  # ``import moejax.execution as ex; ex.gmm`` works too
+    return importlib.import_module(f"moejax.execution.{name}")
   raise AttributeError(f"module 'moejax.execution' has no attribute {name!r}")

@@ -27,3 +27,5 @@ def test_package_exports_resolve_lazily():
   import moejax.execution as ex
   assert ex.BACKENDS == registry.GMM_BACKENDS
   assert ex.routed_experts.__module__ == "moejax.execution.grouped_ffn"
+  from moejax.execution import tiling
+  assert ex.tiling is tiling  # submodules resolve as attributes too
