@@ -238,19 +238,3 @@ def unpermute(ys: jax.Array, plan: Dispatch, weights: jax.Array, *,
     raise ValueError(f"weights {weights.shape} must be [T, K]={plan.dst.shape}")
   return _unpermute_vjp(ys, weights, plan.dst, plan.src_token, plan.src_slot,
                         backend, interpret)
-
-
-# --- Capacity buffers as [E, C, d]. -----------------------------------------
-
-def dispatch_to_buffers(x: jax.Array, plan: Dispatch, num_experts: int,
-                        **kw) -> jax.Array:
-  """x_buf[E, C, d] for a :func:`capacity_layout` plan (empty rows zero)."""
-  xs = permute(x, plan, **kw)
-  return xs.reshape(num_experts, plan.num_rows // num_experts, x.shape[-1])
-
-
-def combine_from_buffers(y_buf: jax.Array, plan: Dispatch, weights: jax.Array,
-                         **kw) -> jax.Array:
-  """y[T, d] from expert outputs y_buf[E, C, d]; dropped slots add 0."""
-  e, c, d = y_buf.shape
-  return unpermute(y_buf.reshape(e * c, d), plan, weights, **kw)
