@@ -1,5 +1,6 @@
 """experiments.device_check: the CPU dry run end to end, and its step runner."""
 
+import importlib.util
 import json
 import pathlib
 import subprocess
@@ -11,6 +12,7 @@ import pytest
 from experiments import device_check
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
+HAVE_TOKAMAX = importlib.util.find_spec("tokamax") is not None
 
 
 def _run(*args, timeout=600):
@@ -30,12 +32,16 @@ def test_dry_run_runs_every_step_and_every_check_passes(tmp_path):
   assert steps["lowering"]["all_lowered"] and len(steps["lowering"]["kernels"]) == 8
   corr = steps["gmm_correctness"]
   assert corr["all_kernels_passed"]
+  # tokamax is the optional ``kernels`` extra (CI does not install it): where it
+  # is missing the check records the ImportError instead of a result.
+  peers = ("megablox", "tokamax") if HAVE_TOKAMAX else ("megablox",)
   for case in ("ragged_empty_tail", "one_group", "all_empty"):
-    for name in ("pallas_gpu", "pallas_tpu", "pallas_gpu_tgmm", "pallas_tpu_tgmm",
-                 "megablox", "tokamax"):
+    for name in ("pallas_gpu", "pallas_tpu", "pallas_gpu_tgmm", "pallas_tpu_tgmm") + peers:
       assert corr["cases"][case]["variants"][name]["passed"], (case, name)
+    if not HAVE_TOKAMAX:
+      assert "tokamax" in corr["cases"][case]["variants"]["tokamax"]["error"]
   timing = steps["gmm_timing"]["variants"]
-  for name in ("dense", "ragged_dot", "pallas_gpu", "pallas_tpu", "megablox", "tokamax"):
+  for name in ("dense", "ragged_dot", "pallas_gpu", "pallas_tpu") + peers:
     assert timing[name]["fwd"]["tflops"] > 0, name
   assert steps["gather"]["all_exact"]
   layer = steps["layer"]["tiny"]["variants"]
