@@ -12,19 +12,21 @@ from its checkpoint.
 
 Overrides reach the suite tree: ``--config.base.train.steps=50`` (every arm),
 ``--config.seeds='(0,1)'``, ``--config.scale=m`` (the scale ladder,
-moejax.ablation.scale: every arm m times wider, deeper, longer). A changed config that would relabel results
-already in ``DIR`` (e.g. more steps on a finished suite) is refused before
-anything is written; ``--extend`` trains the extra steps instead. A ``DIR``
-in use by another ``experiments.ablate`` is refused (``DIR/run.lock``).
-Compiled programs are cached in ``DIR/compile_cache`` (JAX's persistent
-cache; ``JAX_COMPILATION_CACHE_DIR`` overrides), so the seeds of an arm and a
+moejax.ablation.scale: every arm wider, deeper, longer by the rung's
+factors). A changed config that would relabel results already in ``DIR``
+(e.g. more steps on a finished suite) is refused before anything is
+written; ``--extend`` trains the extra steps instead. A ``DIR`` in use by
+another ``experiments.ablate`` is refused (``DIR/run.lock``). Compiled
+programs are cached in ``DIR/compile_cache`` (JAX's persistent cache;
+``JAX_COMPILATION_CACHE_DIR`` overrides), so the seeds of an arm and a
 resumed suite do not compile again.
 
 ``--budget_only`` prints and checks the budget and exits; ``--ladder``
 prints the baseline arm's size and compute at every rung of the scale
-ladder and exits; ``--dry_run`` also checks every run's directory and says what would happen to it (new, resumed,
-finished), writing nothing; ``--print_config`` prints the suite with its
-resolved base experiment (every field) and each arm's changes to it, as JSON.
+ladder and exits; ``--dry_run`` also checks every run's directory and says
+what would happen to it (new, resumed, finished), writing nothing;
+``--print_config`` prints the suite with its resolved base experiment
+(every field) and each arm's changes to it, as JSON.
 """
 
 from __future__ import annotations

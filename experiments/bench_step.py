@@ -41,6 +41,8 @@ import jax.numpy as jnp
 import numpy as np
 from absl import flags
 
+from experiments import bench_lib
+
 _SUITE = flags.DEFINE_string("step_suite", "configs/ablations/lossfree.py",
                              "suite file whose arm --suite=step profiles")
 _ARM = flags.DEFINE_string("step_arm", None, "arm to profile (default: the suite's baseline)")
@@ -48,25 +50,14 @@ _SCALE = flags.DEFINE_string("step_scale", "m", "rung of the scale ladder: s, m 
 _STEP_REPEATS = flags.DEFINE_integer("step_repeats", 10, "timed runs per part (median)")
 
 
-def _cpu_wall(fn: Callable[[], object]) -> tuple[float, float]:
-  t, c = time.perf_counter(), time.process_time()
-  jax.block_until_ready(fn())
-  return time.perf_counter() - t, time.process_time() - c
-
-
 def time_parts(fns: dict[str, Callable[[], object]], repeats: int) -> dict[str, dict]:
-  """Median wall and CPU seconds per fn, round-robin; the first (compiling) run excluded."""
-  for fn in fns.values():
-    jax.block_until_ready(fn())
-  walls = {n: [] for n in fns}
-  cpus = {n: [] for n in fns}
-  for _ in range(repeats):
-    for name, fn in fns.items():
-      w, c = _cpu_wall(fn)
-      walls[name].append(w)
-      cpus[name].append(c)
-  return {n: {"wall_s": float(np.median(walls[n])), "cpu_s": float(np.median(cpus[n]))}
-          for n in fns}
+  """Median wall and CPU seconds per fn (``bench_lib.time_round_robin``: round-robin, the
+  compiling first run excluded); a part that fails stops the profile with its error."""
+  timed = bench_lib.time_round_robin(fns, repeats)
+  failed = {n: t["error"] for n, t in timed.items() if "error" in t}
+  if failed:
+    raise RuntimeError(f"step profile: parts failed: {failed}")
+  return {n: {"wall_s": t["median_s"], "cpu_s": t["cpu_s"]} for n, t in timed.items()}
 
 
 def _arm(path: str, arm: str | None, scale: str):

@@ -214,30 +214,3 @@ def test_ablate_caches_compiled_programs_in_the_suite_directory(tmp_path, monkey
   finally:
     jax.config.update("jax_compilation_cache_dir", before)
 
-
-def test_step_bench_times_each_part_after_its_compiling_run():
-  from experiments import bench_step  # pylint: disable=g-import-not-at-top
-  calls = {"a": 0, "b": 0}
-
-  def count(name):
-    def fn():
-      calls[name] += 1
-      return name
-    return fn
-
-  times = bench_step.time_parts({"a": count("a"), "b": count("b")}, repeats=3)
-  assert calls == {"a": 4, "b": 4}  # one untimed (compiling) run, then 3 timed
-  assert set(times) == {"a", "b"} and set(times["a"]) == {"wall_s", "cpu_s"}
-  assert all(t >= 0 for part in times.values() for t in part.values())
-
-
-@pytest.mark.slow
-def test_step_bench_smoke(tmp_path):
-  out = tmp_path / "step.json"
-  r = _run("bench", "--suite=step", "--step_scale=s", "--step_repeats=1", f"--json_out={out}")
-  assert r.returncode == 0, r.stderr[-2000:]
-  res = json.loads(out.read_text())
-  assert res["scale"] == "s" and res["shape"]["d_model"] == 64
-  assert res["times"]["attention"]["per_layer"] == res["shape"]["n_layers"] == 2
-  assert set(res["times"]) >= {"train step", "rest of the step", "compile train step"}
-  assert "| train step |" in r.stdout

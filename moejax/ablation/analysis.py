@@ -97,7 +97,7 @@ def routing_pass(model, cfg: ExperimentConfig, batches, num_domains: int) -> dic
 
 def add_routing(out: dict, routing: dict, batch, cfg: ExperimentConfig,
                 num_domains: int) -> None:
-  """Adds one batch's ``{layer: (expert_ids, valid)}`` to the accumulators of :func:`routing_pass`."""
+  """Adds one batch's ``{layer: (expert_ids, valid)}`` to :func:`routing_pass`'s accumulators."""
   e_r = cfg.model.moe.num_routed
   mask = np.asarray(batch["mask"], bool)
   labels = np.asarray(batch["labels"])

@@ -165,7 +165,7 @@ def train_metrics(run_path: str) -> dict:
 
 
 class _FinalEvalHook:
-  """The trainer's final evaluation: :func:`final_eval.evaluate_state`, result kept for the runner."""
+  """The trainer's final evaluation: :func:`final_eval.evaluate_state`, kept for the runner."""
 
   def __init__(self, exp: ExperimentConfig):
     self.exp, self.result = exp, None
