@@ -128,25 +128,35 @@ def group_topology():
   params, x, ids = H.inputs(cfg)
   state = L.init_router_state(cfg)
   comm, routing = {}, {}
-  for limit, m in (("none", 1), ("nodes", 2), ("devices", 3)):
+  # Default unit (token) for every limit; node-limited routing also with the
+  # node unit (once per node across nodes, then forwarded) and per copy.
+  for limit, m, unit in (("none", 1, "token"), ("nodes", 2, "token"), ("devices", 3, "token"),
+                         ("nodes", 2, "node"), ("nodes", 2, "copy")):
     pcfg = C.ParallelConfig(data=1, expert=8, devices_per_node=2, route_limit=limit,
-                            route_limit_count=m)
+                            route_limit_count=m, dispatch_unit=unit)
     mesh = mesh_lib.make_mesh(pcfg, cfg=cfg)
     # The limit is resolved into the routing config (as ExperimentConfig does);
     # the single-device layer with that config routes identically.
     lcfg = C.resolve_route_limit(cfg, pcfg)
     y, _, aux, g = H.ep_fn(lcfg, mesh, pcfg)(params, x, ids, state)
     y0, _, aux0, g0 = H.full_fn(lcfg)(params, x, ids, state)
-    H.close(y, y0, f"{limit} y")
-    H.close_tree(g, g0, f"{limit} grad")
-    comm[limit], routing[limit] = aux["execution"]["comm"], aux["routing"]
+    H.close(y, y0, f"{limit} {unit} y")
+    H.close_tree(g, g0, f"{limit} {unit} grad")
+    got = aux["execution"]["comm"]
+    assert int(got["transport_dropped"]) == 0, (limit, unit)
+    if unit == "token":
+      comm[limit], routing[limit] = got, aux["routing"]
     # Bytes against the host-side analytic count from the routing actually made.
     r = aux["routing"]
     dest = (np.asarray(r.expert_ids) // 2).reshape(1, 8, -1, 4)
     want = comm_lib.analytic_bytes(dest, np.asarray(r.valid).reshape(dest.shape),
-                                   np.arange(8) // 2, H.DM * 4)
+                                   np.arange(8) // 2, H.DM * 4, unit=unit)
     for key, value in want.items():
-      H.close(aux["execution"]["comm"][key], value, f"{limit} comm {key}")
+      H.close(got[key], value, f"{limit} {unit} comm {key}")
+    if unit == "node":  # cross-node rows at the once-per-node minimum
+      H.close(got["copies_cross_node"], got["min_node"], "node unit cross-node")
+    if unit == "token":
+      H.close(got["copies"], got["min_device"], "token unit copies")
   nodes = _nodes_per_token(routing["nodes"].expert_ids, routing["nodes"].valid, 4)
   assert nodes.max() <= 2, nodes.max()
   devs = _nodes_per_token(routing["devices"].expert_ids, routing["devices"].valid, 2)
