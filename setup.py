@@ -32,6 +32,8 @@ setup(
         "matplotlib>=3.8",
         # data.tokenizer='bpe': byte-level BPE trained on the corpus (moejax/data/bpe.py).
         "tokenizers>=0.21",
+        # Weight-only int8 / int4 expert quantisation for serving (moejax.serve.quantize).
+        "qwix>=0.1.8",
     ],
     extras_require={
         "test": ["pytest>=8.0", "pytest-xdist>=3.5", "hypothesis>=6.100",
@@ -43,5 +45,9 @@ setup(
         # Qwen2-MoE, Qwen3-MoE and DeepSeek-V3 blocks the parity tests use.
         "interop": ["torch==2.13.0", "transformers>=5.24,<6", "safetensors>=0.6",
                     "matplotlib>=3.8"],
+        # The grouped-matmul peer of experiments.device_check (tokamax's ragged
+        # dot; on CPU it falls back to XLA). 0.0.12 is the last release for
+        # Python 3.11.
+        "kernels": ["tokamax>=0.0.12"],
     },
 )

@@ -44,3 +44,25 @@ def test_all_presets_one_table():
   assert sorted(line.split()[0] for line in summary) == [
       "deepseek_v3", "gpt_oss_120b", "kimi_k2", "mixtral_8x22b", "mixtral_8x7b",
       "qwen3_235b_a22b", "switch_base_128"]
+
+
+def test_memory_table_reproduces_the_seed_figures():
+  r = _run("--preset=mixtral_8x22b", "--device_gb=80")
+  assert r.returncode == 0, r.stderr
+  row = next(line for line in r.stdout.splitlines()
+             if line.startswith("mixtral_8x22b") and "(" in line)
+  assert "281.24 (4)" in row  # bf16 weights: 281 GB, four 80 GB GPUs
+  r = _run("--preset=mixtral_8x7b", "--memory=false")
+  assert r.returncode == 0 and "KV/token" not in r.stdout
+  bad = _run("--preset=mixtral_8x7b", "--group_size=-1")
+  assert bad.returncode != 0 and "--group_size=-1" in bad.stderr
+
+
+def test_memory_table_quantizes_only_the_named_components():
+  # gpt-oss-120b as released: MXFP4 experts (4 bits, one 8-bit scale per 32), the rest bf16.
+  r = _run("--preset=gpt_oss_120b", "--quantized=routed_experts", "--group_size=32",
+           "--scale_bits=8")
+  assert r.returncode == 0, r.stderr
+  assert "65.17 (1)" in r.stdout and "routed_experts matrices" in r.stdout
+  bad = _run("--preset=gpt_oss_120b", "--quantized=embedding")
+  assert bad.returncode != 0 and "cannot quantise" in bad.stderr

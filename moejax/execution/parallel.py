@@ -61,8 +61,7 @@ from moejax.balance import stats
 from moejax.config import MoEConfig, ParallelConfig, check_experts, check_route_limit
 from moejax.execution import comm as comm_lib
 from moejax.execution import dedup as dedup_lib
-from moejax.execution import experts as exec_experts
-from moejax.execution import fused as fused_lib
+from moejax.execution import grouped_ffn
 from moejax.execution import mesh as mesh_lib
 from moejax.execution import permute as permute_lib
 from moejax.execution import placement as placement_lib
@@ -121,17 +120,10 @@ def local_experts(params: dict, rows: jax.Array, slot: jax.Array, filled: jax.Ar
   if slot.ndim == 1:
     slot, filled = slot[:, None], filled[:, None]
     weights = None if weights is None else weights[:, None]
-  plan = permute_lib.sort_by_expert(slot.astype(jnp.int32), filled, num_slots)
-  w = filled.astype(jnp.float32) if weights is None else jnp.where(filled, weights, 0.0)
-  if backend == "blocked":
-    p = dict(params)
-    if width_mask is not None:
-      p["w_down"] = p["w_down"] * width_mask[:, :, None].astype(p["w_down"].dtype)
-    return fused_lib.blocked_ffn(p, rows, w, plan, activation=activation).astype(rows.dtype)
-  xs = permute_lib.permute(rows, plan)
-  ys = exec_experts.expert_ffn_rows(params, xs, plan.group_sizes, activation=activation,
-                                    backend=backend, width_mask=width_mask)
-  return permute_lib.unpermute(ys, plan, w.astype(ys.dtype)).astype(rows.dtype)
+  w = filled.astype(jnp.float32) if weights is None else weights
+  return grouped_ffn.routed_ffn(params, rows, slot.astype(jnp.int32), filled, w,
+                                num_experts=num_slots, activation=activation,
+                                backend=backend, width_mask=width_mask)
 
 
 # The emulated collective lives in moejax.execution.transport (kept importable here).

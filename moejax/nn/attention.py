@@ -1,14 +1,53 @@
-"""Rotary causal self-attention (MHA, GQA and MQA through n_kv_heads).
+"""Rotary causal self-attention (MHA, GQA and MQA through n_kv_heads), with a KV cache.
 
-Legend: B batch, S sequence length, d model width, N query heads, M key/value
-heads (M divides N), H head width.
+Legend: B batch, S sequence length (new tokens of a call), C cache slots, d
+model width, N query heads, M key/value heads (M divides N), H head width.
+
+Two calls, the same weights:
+
+- ``attn(x, positions)``: the full-sequence causal attention of training and
+  evaluation;
+- ``attn.extend(x, positions, cache, index, write)``: the serving call. The S
+  new tokens' keys and values are written into the cache at slots
+  ``[index, index + S)`` and the new queries attend over the whole cache:
+  a slot is visible to the query at slot ``index + i`` iff it is filled
+  (``cache.valid``) and not later (``<= index + i``). Prefill is one call
+  with S = prompt length, each decode step one call with S = 1.
+
+The cache holds keys *after* the rotary embedding, so a cached key is never
+rotated again; positions are explicit, so a left-padded prompt (pad slots
+never marked valid) sees exactly the keys, at exactly the positions, of the
+same prompt unpadded.
 """
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import jax
 import jax.numpy as jnp
 from flax import nnx
+
+
+class KVCache(NamedTuple):
+  """One attention layer's cache.
+
+  k, v: [B, C, M, H] keys (rotated) and values in the compute dtype.
+  valid: bool[B, C], True on slots holding a token that later queries may
+    attend to (False on padding, unwritten slots and tokens a
+    mixture-of-depths block skipped).
+  """
+
+  k: jax.Array
+  v: jax.Array
+  valid: jax.Array
+
+  @classmethod
+  def zeros(cls, batch: int, capacity: int, n_kv_heads: int, head_dim: int,
+            dtype=jnp.float32) -> "KVCache":
+    shape = (batch, capacity, n_kv_heads, head_dim)
+    return cls(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype),
+               jnp.zeros((batch, capacity), bool))
 
 
 def rope_angles(positions: jax.Array, head_dim: int, base: float) -> tuple[jax.Array, jax.Array]:
@@ -52,15 +91,56 @@ class CausalSelfAttention(nnx.Module):
     self.v_proj = lin(d_model, n_kv_heads * head_dim)
     self.o_proj = lin(n_heads * head_dim, d_model)
 
-  def __call__(self, x: jax.Array, positions: jax.Array) -> jax.Array:
-    """x[B, S, d], positions int[B, S] -> [B, S, d]."""
+  def _qkv(self, x: jax.Array, positions: jax.Array):
+    """q [B, S, N, H], k and v [B, S, M, H]; q and k rotated by position."""
     b, s, _ = x.shape
     q = self.q_proj(x).reshape(b, s, self.n_heads, self.head_dim)
     k = self.k_proj(x).reshape(b, s, self.n_kv_heads, self.head_dim)
     v = self.v_proj(x).reshape(b, s, self.n_kv_heads, self.head_dim)
-    q = apply_rope(q, positions, self.rope_base)
-    k = apply_rope(k, positions, self.rope_base)
+    return (apply_rope(q, positions, self.rope_base), apply_rope(k, positions, self.rope_base),
+            v)
+
+  def __call__(self, x: jax.Array, positions: jax.Array) -> jax.Array:
+    """x[B, S, d], positions int[B, S] -> [B, S, d]."""
+    b, s, _ = x.shape
+    q, k, v = self._qkv(x, positions)
     # jax.nn.dot_product_attention repeats the M key/value heads over the N
     # query heads itself (GQA) and scales by 1/sqrt(H).
     out = jax.nn.dot_product_attention(q, k, v, is_causal=True)  # [B, S, N, H]
     return self.o_proj(out.reshape(b, s, self.n_heads * self.head_dim))
+
+  def init_cache(self, batch: int, capacity: int, dtype=jnp.float32) -> KVCache:
+    """An empty cache of C = ``capacity`` slots for this layer."""
+    return KVCache.zeros(batch, capacity, self.n_kv_heads, self.head_dim, dtype)
+
+  def extend(self, x: jax.Array, positions: jax.Array, cache: KVCache, index: jax.Array,
+             write: jax.Array) -> tuple[jax.Array, KVCache]:
+    """Appends S tokens to the cache and attends over it: (y[B, S, d], new cache).
+
+    Args:
+      x: [B, S, d] the new tokens (normalized block input).
+      positions: int[B, S] their rotary positions.
+      cache: this layer's :class:`KVCache` (C slots, C >= index + S).
+      index: int32[] slot of the first new token (the same for every row:
+        prompts are left-padded, so all rows advance together).
+      write: bool[B, S] which new tokens become visible to later queries
+        (False: padding, or a token a mixture-of-depths block skipped).
+
+    A query attends to the filled slots up to its own; its own slot is
+    always visible, so padding rows (whose outputs are discarded) never see
+    an empty softmax.
+    """
+    b, s, _ = x.shape
+    q, k, v = self._qkv(x, positions)
+    c = cache.k.shape[1]
+    k_all = jax.lax.dynamic_update_slice_in_dim(cache.k, k.astype(cache.k.dtype), index, 1)
+    v_all = jax.lax.dynamic_update_slice_in_dim(cache.v, v.astype(cache.v.dtype), index, 1)
+    valid = jax.lax.dynamic_update_slice_in_dim(cache.valid, write.astype(bool), index, 1)
+    slot = jnp.arange(c, dtype=jnp.int32)                 # [C]
+    query_slot = index + jnp.arange(s, dtype=jnp.int32)   # [S]
+    mask = (valid[:, None, :] & (slot[None, None, :] <= query_slot[None, :, None])) \
+        | (slot[None, None, :] == query_slot[None, :, None])  # [B, S, C]
+    out = jax.nn.dot_product_attention(q, k_all.astype(q.dtype), v_all.astype(q.dtype),
+                                       mask=mask[:, None])  # [B, S, N, H]
+    y = self.o_proj(out.reshape(b, s, self.n_heads * self.head_dim))
+    return y, KVCache(k_all, v_all, valid)

@@ -1,18 +1,19 @@
 """Expert-choice routing (``kind='expert_choice'``), Zhou et al. 2202.09368.
 
-Legend: T tokens, d model width, E routed experts, C tokens per expert.
+Legend: T tokens, d model width, E_r router outputs (FFN plus zero-computation
+experts), C tokens per expert.
 
-S = score_fn(logits) [T, E] (the paper: softmax over experts). Each expert
+S = score_fn(logits) [T, E_r] (the paper: softmax over experts). Each expert
 takes its top C tokens by S[:, e], with
 
-    C = round(T * c / E),  c = moe.routing.expert_choice_capacity,
+    C = round(T * c / E_r),  c = moe.routing.expert_choice_capacity,
 
-rounded half up (floor(T c / E + 0.5)) and clipped to [1, T]. Every expert
+rounded half up (floor(T c / E_r + 0.5)) and clipped to [1, T]. Every expert
 therefore processes exactly C tokens (balanced by construction) while a token
-may get anywhere from 0 to E experts.
+may get anywhere from 0 to E_r experts.
 
 Output stays token-major so the execution plane needs nothing special:
-K = E slots per token, slot e is expert e, valid where expert e chose the
+K = E_r slots per token, slot e is expert e, valid where expert e chose the
 token, weight = S[t, e] (the paper's gating; ``moe.routing.gating`` does not
 apply), times routed_scaling_factor.
 
@@ -35,20 +36,20 @@ from moejax.routing.scores import probs_from_scores, scores
 
 
 def tokens_per_expert(num_tokens: int, num_experts: int, capacity: float) -> int:
-  """C = round-half-up(T * c / E), clipped to [1, T]."""
+  """C = round-half-up(T * c / E_r), clipped to [1, T]."""
   c = math.floor(num_tokens * capacity / num_experts + 0.5)
   return max(1, min(num_tokens, c))
 
 
 def select_expert_choice(logits: jax.Array, cfg: MoEConfig) -> RoutingResult:
-  """Expert-choice decision from logits f[T, E]; K = E slots per token."""
+  """Expert-choice decision from logits f[T, E_r]; K = E_r slots per token."""
   rc = cfg.routing
   t, e = logits.shape
   s = scores(logits, rc.score_fn)
   cap = tokens_per_expert(t, e, rc.expert_choice_capacity)
-  _, tok = jax.lax.top_k(s.T, cap)  # [E, C] tokens chosen by each expert
+  _, tok = jax.lax.top_k(s.T, cap)  # [E_r, C] tokens chosen by each expert
   chosen = jnp.zeros((e, t), bool).at[jnp.arange(e)[:, None], tok].set(True)
-  valid = chosen.T  # [T, E]
+  valid = chosen.T  # [T, E_r]
   ids = jnp.broadcast_to(jnp.arange(e, dtype=jnp.int32), (t, e))
   return make_result(ids, s * rc.routed_scaling_factor, valid,
                      probs_from_scores(s, rc.score_fn), logits)

@@ -1,6 +1,7 @@
 """Gate weights from a selection: the ``gating`` conventions of RoutingConfig.
 
-Legend: T tokens, E routed experts, K slots per token.
+Legend: T tokens, E_r router outputs (FFN plus zero-computation experts), K
+slots per token.
 
 Gates always come from the *unbiased* scores of the selected experts: the
 aux-loss-free bias (Wang et al. 2408.15664; DeepSeek-V3) only changes which
@@ -29,8 +30,8 @@ def gate_weights(s: jax.Array, logits: jax.Array, ids: jax.Array, valid: jax.Arr
   """Gates g[T, K] of the selected experts.
 
   Args:
-    s: [T, E] unbiased scores (softmax probabilities or sigmoid-family scores).
-    logits: [T, E] the logits behind ``s`` (used by ``topk_softmax`` only).
+    s: [T, E_r] unbiased scores (softmax probabilities or sigmoid-family scores).
+    logits: [T, E_r] the logits behind ``s`` (used by ``topk_softmax`` only).
     ids: int[T, K] selected experts.
     valid: bool[T, K] which slots are used.
     gating: ``topk_softmax`` | ``scores`` | ``normalized``.

@@ -1,9 +1,10 @@
 """Group-limited (node-limited) expert selection, DeepSeek-V2/V3.
 
-Legend: T tokens, E routed experts, G groups.
+Legend: T tokens, E_r router outputs (FFN plus zero-computation experts), G
+groups.
 
-Experts are contiguous in groups: expert e belongs to group e // (E / G)
-(a group is a node or device holding E / G experts). Each token ranks the
+Experts are contiguous in groups: expert e belongs to group e // (E_r / G)
+(a group is a node or device holding E_r / G experts). Each token ranks the
 groups by a group score computed from its selection scores, keeps the best
 ``topk_groups`` and masks every expert elsewhere, so a token's experts live
 on at most ``topk_groups`` nodes and the all-to-all fan-out is bounded.
@@ -30,7 +31,7 @@ def resolve_group_score(cfg: RoutingConfig) -> str:
 
 
 def group_scores(sel: jax.Array, n_groups: int, how: str) -> jax.Array:
-  """sel[T, E] selection scores -> [T, G] group scores."""
+  """sel[T, E_r] selection scores -> [T, G] group scores."""
   t, e = sel.shape
   grouped = sel.reshape(t, n_groups, e // n_groups)
   if how == "max":
@@ -42,7 +43,7 @@ def group_scores(sel: jax.Array, n_groups: int, how: str) -> jax.Array:
 
 
 def group_mask(sel: jax.Array, n_groups: int, topk_groups: int, how: str) -> jax.Array:
-  """bool[T, E]: True for experts inside each token's top ``topk_groups`` groups."""
+  """bool[T, E_r]: True for experts inside each token's top ``topk_groups`` groups."""
   t, e = sel.shape
   _, top = jax.lax.top_k(group_scores(sel, n_groups, how), topk_groups)  # [T, topk_groups]
   keep = jnp.zeros((t, n_groups), bool).at[jnp.arange(t)[:, None], top].set(True)
@@ -50,7 +51,7 @@ def group_mask(sel: jax.Array, n_groups: int, topk_groups: int, how: str) -> jax
 
 
 def limit_to_groups(sel: jax.Array, cfg: RoutingConfig) -> jax.Array:
-  """sel[T, E] with experts outside the chosen groups set to -inf.
+  """sel[T, E_r] with experts outside the chosen groups set to -inf.
 
   -inf rather than 0 (the HF DeepSeek-V3 code uses masked_fill(..., 0.0)):
   biased scores can be negative, and a masked expert at 0 would then beat

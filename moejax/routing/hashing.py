@@ -1,18 +1,19 @@
 """Hash routing (``kind='hash'``), Roller et al. 2106.04426.
 
-Legend: T tokens, E routed experts, K = top_k slots per token, V vocabulary.
+Legend: T tokens, E_r router outputs (FFN plus zero-computation experts), K =
+top_k slots per token, V vocabulary.
 
 No router parameters: the experts of a token are a fixed function of its id.
 We use a *balanced* random hash that needs no vocabulary size: ids are cut
-into blocks of E consecutive ids (block b = id // E, position r = id % E) and
-each block gets its own pseudo-random permutation pi_b of the E experts,
+into blocks of E_r consecutive ids (block b = id // E_r, position r = id % E_r) and
+each block gets its own pseudo-random permutation pi_b of the E_r experts,
 keyed by (hash_seed, b). Slot j of token id is
 
-    expert_j(id) = pi_b[(r + j) mod E],   j = 0..K-1.
+    expert_j(id) = pi_b[(r + j) mod E_r],   j = 0..K-1.
 
 For each slot j the map id -> expert is a bijection inside every full block,
-so over any vocabulary 0..V-1 each expert owns floor(V/E) or ceil(V/E) ids
-(exactly V/E when E divides V): the "random permutation of ids modulo E"
+so over any vocabulary 0..V-1 each expert owns floor(V/E_r) or ceil(V/E_r) ids
+(exactly V/E_r when E_r divides V): the "random permutation of ids modulo E_r"
 split, without knowing V. Using consecutive positions of one permutation
 (rather than K independent tables) keeps a token's K experts distinct while
 every slot's table stays balanced.
@@ -53,10 +54,10 @@ def hash_experts(token_ids: jax.Array, num_experts: int, top_k: int, seed: int) 
   # over (seed, block, expert): pure uint32 arithmetic, so the table does not
   # depend on JAX's PRNG implementation or version, and compiles instantly.
   h = _fmix32(_fmix32(jnp.uint32(seed & 0xFFFFFFFF)) ^ block.astype(jnp.uint32))  # [T]
-  keys = _fmix32(h[:, None] ^ jnp.arange(num_experts, dtype=jnp.uint32))  # [T, E]
+  keys = _fmix32(h[:, None] ^ jnp.arange(num_experts, dtype=jnp.uint32))  # [T, E_r]
   # argsort of any key vector is a permutation (ties included), so each
   # block's map stays a bijection.
-  perms = jnp.argsort(keys, axis=-1, stable=True)  # [T, E], row = pi_b of the block
+  perms = jnp.argsort(keys, axis=-1, stable=True)  # [T, E_r], row = pi_b of the block
   slots = (pos[:, None] + jnp.arange(top_k)) % num_experts  # [T, K]
   return jnp.take_along_axis(perms, slots, axis=-1).astype(jnp.int32)
 

@@ -1,15 +1,16 @@
 """Hierarchical routing (``kind='hierarchical'``): families, then experts.
 
-Legend: T tokens, d model width, E routed experts, F families, K = top_k.
+Legend: T tokens, d model width, E_r router outputs (FFN plus zero-computation
+experts), F families, K = top_k.
 
-Experts are split into F contiguous families of m = E / F (expert e is in
+Experts are split into F contiguous families of m = E_r / F (expert e is in
 family e // m). Two routers:
 
 - coarse, params 'w_family' [d, F]: P(f) = normalised score_fn(x w_family);
-- fine, params 'w' [d, E]: P(e | f) = score_fn of the fine logits normalised
+- fine, params 'w' [d, E_r]: P(e | f) = score_fn of the fine logits normalised
   *within* e's family (for softmax: a softmax over the m experts of f).
 
-probs[t, e] = P(f(e)) * P(e | f(e)) sums to 1 over E. A token keeps its
+probs[t, e] = P(f(e)) * P(e | f(e)) sums to 1 over E_r. A token keeps its
 ``top_k_families`` most probable families, then takes the top_k experts by
 that joint probability among the experts of the kept families.
 
@@ -34,7 +35,7 @@ from moejax.routing.scores import probs_from_scores, scores
 
 
 def joint_probs(family_logits: jax.Array, expert_logits: jax.Array, score_fn: str) -> jax.Array:
-  """[T, E] P(f(e)) * P(e | f(e]) from family logits [T, F] and expert logits [T, E]."""
+  """[T, E_r] P(f(e)) * P(e | f(e]) from family logits [T, F] and expert logits [T, E_r]."""
   t, e = expert_logits.shape
   f = family_logits.shape[-1]
   p_fam = probs_from_scores(scores(family_logits, score_fn), score_fn)  # [T, F]
@@ -46,7 +47,7 @@ def joint_probs(family_logits: jax.Array, expert_logits: jax.Array, score_fn: st
 
 def select_hierarchical(family_logits: jax.Array, expert_logits: jax.Array,
                         cfg: MoEConfig) -> RoutingResult:
-  """Hierarchical decision from family logits [T, F] and expert logits [T, E]."""
+  """Hierarchical decision from family logits [T, F] and expert logits [T, E_r]."""
   rc = cfg.routing
   t, e = expert_logits.shape
   f = family_logits.shape[-1]

@@ -1,6 +1,7 @@
 """Router logits with Switch-style training noise.
 
-Legend: T tokens, d model width, E routed experts.
+Legend: T tokens, d model width, E_r router outputs (FFN plus zero-computation
+experts).
 
 Two regularisers, both active only when ``train=True``:
 
@@ -50,7 +51,7 @@ def jitter_input(x: jax.Array, cfg: RoutingConfig, rng: Optional[jax.Array],
 
 def router_logits(w: jax.Array, x: jax.Array, cfg: RoutingConfig,
                   rng: Optional[jax.Array], train: bool) -> jax.Array:
-  """f[T, E] = x[T, d] @ w[d, E] in the router dtype, plus noise in training."""
+  """f[T, E_r] = x[T, d] @ w[d, E_r] in the router dtype, plus noise in training."""
   dt = router_dtype(cfg)
   logits = jnp.einsum("td,de->te", x.astype(dt), w.astype(dt), preferred_element_type=dt)
   if train and cfg.logit_noise > 0:

@@ -1,6 +1,6 @@
 """The routing plane's entry points: router parameters and ``route``.
 
-Legend: T tokens, d model width, E routed experts (moe.num_routed: FFN
+Legend: T tokens, d model width, E_r router outputs (moe.num_routed: FFN
 experts plus zero-computation experts), F families, K slots per token.
 
 ``route`` validates its inputs, applies router freezing (stop_gradient on
@@ -51,7 +51,7 @@ def init_router_params(key: jax.Array, d_model: int, cfg: MoEConfig) -> dict:
   """Router parameters for ``cfg.routing.kind``.
 
   Returns:
-    {'w': f32[d, E]} with E = cfg.num_routed; plus 'w_family': f32[d, F] for
+    {'w': f32[d, E_r]} with E_r = cfg.num_routed; plus 'w_family': f32[d, F] for
     ``hierarchical``; {} for ``hash`` (no parameters). Init: truncated normal
     with variance 0.1 / d (Switch).
   """
@@ -74,7 +74,7 @@ def route(params: dict, x: jax.Array, state: Optional[RouterState], cfg: MoEConf
   Args:
     params: from :func:`init_router_params`.
     x: token-major activations [T, d] (flatten [B, S, d] first).
-    state: RouterState; its bias f32[E] is read when cfg.routing.use_bias
+    state: RouterState; its bias f32[E_r] is read when cfg.routing.use_bias
       (may be None otherwise).
     cfg: the layer config (static).
     token_ids: int[T], required by ``hash`` routing.
@@ -83,7 +83,7 @@ def route(params: dict, x: jax.Array, state: Optional[RouterState], cfg: MoEConf
     train: enables jitter and noise.
 
   Returns:
-    RoutingResult (probs and logits f32[T, E]; router math in
+    RoutingResult (probs and logits f32[T, E_r]; router math in
     cfg.routing.router_dtype, float32 by default even for bf16 x).
   """
   _check_layer_kind(cfg)

@@ -1,9 +1,9 @@
 """Score functions and router probabilities.
 
-Legend: T tokens, d model width, E routed experts (FFN plus zero-computation
+Legend: T tokens, d model width, E_r router outputs (FFN plus zero-computation
 experts).
 
-A score function maps router logits f[T, E] to per-expert scores s[T, E]:
+A score function maps router logits f[T, E_r] to per-expert scores s[T, E_r]:
 ``softmax`` (Switch, Mixtral, Qwen), ``sigmoid`` (DeepSeek-V3) and
 ``sqrtsoftplus`` = sqrt(softplus(z)) (DeepSeek-V4). Balance losses and
 metrics need a distribution over experts, so :func:`probs_from_scores`
@@ -41,12 +41,12 @@ def router_dtype(cfg: RoutingConfig) -> jnp.dtype:
 
 
 def scores(logits: jax.Array, score_fn: str) -> jax.Array:
-  """f[T, E] -> s[T, E], computed in the dtype of ``logits``."""
+  """f[T, E_r] -> s[T, E_r], computed in the dtype of ``logits``."""
   return SCORE_FNS[score_fn](logits)
 
 
 def probs_from_scores(s: jax.Array, score_fn: str) -> jax.Array:
-  """s[T, E] -> p[T, E] summing to 1 over E (sigmoid-family: s / sum s)."""
+  """s[T, E_r] -> p[T, E_r] summing to 1 over E_r (sigmoid-family: s / sum s)."""
   if score_fn == "softmax":
     return s
   # sqrtsoftplus and sigmoid are strictly positive, so the sum is > 0 unless

@@ -1,6 +1,7 @@
 """Top-p (dynamic-k) routing (``kind='top_p'``), Huang et al. 2403.07652.
 
-Legend: T tokens, d model width, E routed experts, K = top_k (the max k).
+Legend: T tokens, d model width, E_r router outputs (FFN plus zero-computation
+experts), K = top_k (the max k).
 
 Experts are ranked by score (plus bias when ``use_bias``) and added in that
 order while the probability mass already included is below ``top_p``:
@@ -34,7 +35,7 @@ from moejax.routing.topk import selection_key
 
 
 def select_top_p(logits: jax.Array, bias: Optional[jax.Array], cfg: MoEConfig) -> RoutingResult:
-  """Top-p decision from logits f[T, E]; K = top_k slots, valid = included."""
+  """Top-p decision from logits f[T, E_r]; K = top_k slots, valid = included."""
   rc = cfg.routing
   s = scores(logits, rc.score_fn)
   p = probs_from_scores(s, rc.score_fn)

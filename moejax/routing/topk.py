@@ -1,12 +1,13 @@
 """Token-choice top-k routing (``kind='topk'``).
 
-Legend: T tokens, d model width, E routed experts, K = top_k slots per token.
+Legend: T tokens, d model width, E_r router outputs (FFN plus zero-computation
+experts), K = top_k slots per token.
 
 One rule covers Switch top-1, GShard/Mixtral top-2, Qwen-MoE, DeepSeek-V2/V3
 (group-limited, sigmoid + aux-loss-free bias) and DeepSeek-V4
 (sqrtsoftplus):
 
-1. s = score_fn(logits)                         [T, E]
+1. s = score_fn(logits)                         [T, E_r]
 2. selection key = s + bias if use_bias else s  (bias from RouterState)
 3. optional group limit: experts outside the top ``topk_groups`` groups -> -inf
 4. ids = top-K of the selection key              [T, K], descending
@@ -14,7 +15,7 @@ One rule covers Switch top-1, GShard/Mixtral top-2, Qwen-MoE, DeepSeek-V2/V3
    ``gating``, times ``routed_scaling_factor`` (see moejax.routing.gating).
 
 Switch top-1 is K=1, softmax, gating='scores'. Mixtral is softmax +
-gating='topk_softmax', which equals softmax over all E, take top-K,
+gating='topk_softmax', which equals softmax over all E_r, take top-K,
 renormalise (Qwen norm_topk_prob=True): the softmax normaliser cancels.
 Zero-computation experts are just extra columns of the logits.
 """
@@ -35,7 +36,7 @@ from moejax.routing.scores import probs_from_scores, scores
 
 
 def selection_key(s: jax.Array, bias: Optional[jax.Array], cfg: MoEConfig) -> jax.Array:
-  """[T, E] key the experts are ranked by: s (+ bias), group-limited.
+  """[T, E_r] key the experts are ranked by: s (+ bias), group-limited.
 
   The bias is router *state*: stop_gradient makes sure no gradient reaches it
   even if a caller passes it through a differentiated function.
@@ -48,7 +49,7 @@ def selection_key(s: jax.Array, bias: Optional[jax.Array], cfg: MoEConfig) -> ja
 
 
 def select_topk(logits: jax.Array, bias: Optional[jax.Array], cfg: MoEConfig) -> RoutingResult:
-  """Top-k routing decision from logits f[T, E] (and bias f32[E] if used)."""
+  """Top-k routing decision from logits f[T, E_r] (and bias f32[E_r] if used)."""
   rc = cfg.routing
   s = scores(logits, rc.score_fn)
   _, ids = jax.lax.top_k(selection_key(s, bias, cfg), rc.top_k)
