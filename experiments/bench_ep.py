@@ -9,17 +9,27 @@ medians), forward+backward of
   * ``single``: the single-device layer (``moejax.layer.moe_layer``,
     ``blocked`` backend) on the whole batch, on one device;
   * ``ep_capacity``: the expert-parallel layer on ``--ep_devices`` devices,
-    capacity-padded all_to_all, dropless (C = T per device);
-  * ``ep_capacity_cf``: the same with ``--ep_capacity_factor`` (drops counted);
-  * ``ep_ragged``: dropless exact-size segments (``ragged_all_to_all``; on
-    CPU the emulated fallback, which pads like the capacity path);
-  * ``ep_node_limited``: ``ep_ragged`` with each token limited to
-    ``--ep_limit_nodes`` nodes of ``--ep_devices_per_node`` devices;
+    dropless, with the default dispatch: each token once per destination
+    device (``dispatch_unit='token'``) through the padded all_to_all with
+    its per-step bucket (``capacity_buckets``);
+  * ``ep_capacity_copy``: one row per token copy, bucketed;
+  * ``ep_capacity_old``: one row per token copy, every buffer at the dropless
+    worst case C = T (the dispatch before deduplication and buckets);
+  * ``ep_capacity_cf`` / ``_cf_old``: the new / old dispatch with
+    ``--ep_capacity_factor`` (drops counted);
+  * ``ep_ragged`` / ``_old``: dropless exact-size segments
+    (``ragged_all_to_all``; on CPU the emulated fallback, padded to the
+    bucket / to the worst case), per token / per copy;
+  * ``ep_node_limited``: each token limited to ``--ep_limit_nodes`` nodes of
+    ``--ep_devices_per_node`` devices, dispatched once per node across nodes
+    and forwarded inside the node (``dispatch_unit='node'``);
+    ``ep_node_limited_old``: the same routing, per-copy ragged dispatch;
 and reports, from the layer's own accounting (``aux['comm']``, both
 directions of one forward pass, summed over devices): bytes on the wire,
 routed copies, the analytic minimum for the routing made (each token once
-per distinct remote device / node), their ratios, padding waste and the
-share crossing nodes.
+per distinct remote device / node), their ratios, padding waste, the
+share crossing nodes, cross-node rows over the once-per-node minimum and the
+expert ids and gate weights a deduplicating dispatch sends with its rows.
 
 Simulated devices share the host's cores, so EP step time here measures the
 layer's overhead (permutes, buffers, collectives), not a speedup.
@@ -48,7 +58,7 @@ _EP_D = flags.DEFINE_integer("ep_d_model", 256, "model width")
 SHAPES = {"coarse": dict(num_experts=16, top_k=2, expert_width=512),
           "fine": dict(num_experts=64, top_k=8, expert_width=128)}
 COMM_KEYS = ("wire", "copies", "min_device", "min_node", "wire_cross_node",
-             "copies_cross_node", "padding_waste", "wire_max_device")
+             "copies_cross_node", "padding_waste", "wire_max_device", "meta")
 
 
 def ensure_devices(n: int) -> None:
@@ -89,12 +99,21 @@ def _variants(shape: str):
              execution=dict(backend="blocked"), routing=dict(top_k=shape_["top_k"]))
   cfg = C.from_dict(C.MoEConfig, moe)
   cf = C.from_dict(C.MoEConfig, dict(moe, balance=dict(capacity_factor=_EP_CF.value)))
-  limited = C.ParallelConfig(**base, dispatch="ragged", route_limit="nodes",
-                             route_limit_count=_LIMIT.value)
+  # 'old': the dispatch before deduplication and buckets (one row per token
+  # copy, buffers at the worst case), in the same run for comparison.
+  old = dict(dispatch_unit="copy", capacity_buckets=1)
+  limit = dict(route_limit="nodes", route_limit_count=_LIMIT.value)
+  limited = C.ParallelConfig(**base, **limit, dispatch_unit="node")
+  limited_old = C.ParallelConfig(**base, **limit, **old, dispatch="ragged")
   return cfg, {
+      "ep_capacity_old": (cfg, C.ParallelConfig(**base, **old)),
+      "ep_capacity_copy": (cfg, C.ParallelConfig(**base, dispatch_unit="copy")),
       "ep_capacity": (cfg, C.ParallelConfig(**base)),
+      "ep_capacity_cf_old": (cf, C.ParallelConfig(**base, **old)),
       "ep_capacity_cf": (cf, C.ParallelConfig(**base)),
+      "ep_ragged_old": (cfg, C.ParallelConfig(**base, **old, dispatch="ragged")),
       "ep_ragged": (cfg, C.ParallelConfig(**base, dispatch="ragged")),
+      "ep_node_limited_old": (C.resolve_route_limit(cfg, limited_old), limited_old),
       "ep_node_limited": (C.resolve_route_limit(cfg, limited), limited),
   }
 
@@ -139,6 +158,8 @@ def run_shape(shape: str, repeats: int) -> dict:
       row["wire_over_min"] = m["wire"] / m["min_device"] if m["min_device"] else 0.0
       row["copies_over_min"] = m["copies"] / m["min_device"] if m["min_device"] else 0.0
       row["cross_node_share"] = m["wire_cross_node"] / m["wire"] if m["wire"] else 0.0
+      row["cross_copies_over_min_node"] = (m["copies_cross_node"] / m["min_node"]
+                                           if m["min_node"] else 0.0)
     rows[name] = row
   return {"B": b, "S": s, "d": dm, **SHAPES[shape], "devices": _DEVICES.value,
           "devices_per_node": _PER_NODE.value, "limit_nodes": _LIMIT.value,
@@ -169,13 +190,16 @@ def print_ep_table(res: dict) -> None:
     print(f"\n{shape}: B={s['B']} S={s['S']} d={s['d']} E={s['num_experts']} "
           f"K={s['top_k']} f={s['expert_width']}, {s['devices']} devices, "
           f"{s['devices_per_node']} per node; bytes = both directions, one forward")
-    print(f"{'variant':<17}{'step s':>8}{'x single':>9}{'wire MiB':>9}{'min MiB':>8}"
-          f"{'wire/min':>9}{'copy/min':>9}{'pad':>6}{'x-node':>7}{'minN MiB':>9}{'drops':>7}")
+    print(f"{'variant':<20}{'step s':>7}{'x single':>9}{'wire MiB':>9}{'min MiB':>8}"
+          f"{'wire/min':>9}{'copy/min':>9}{'pad':>6}{'x-node':>7}{'minN MiB':>9}"
+          f"{'xcp/minN':>9}{'meta MiB':>9}{'drops':>6}")
     for name, r in s["variants"].items():
       if name == "single":
-        print(f"{name:<17}{r['step_s']:>8.3f}{r['x_single']:>9.2f}")
+        print(f"{name:<20}{r['step_s']:>7.3f}{r['x_single']:>9.2f}")
         continue
-      print(f"{name:<17}{r['step_s']:>8.3f}{r['x_single']:>9.2f}{r['wire'] / mb:>9.2f}"
+      print(f"{name:<20}{r['step_s']:>7.3f}{r['x_single']:>9.2f}{r['wire'] / mb:>9.2f}"
             f"{r['min_device'] / mb:>8.2f}{r['wire_over_min']:>9.2f}"
             f"{r['copies_over_min']:>9.2f}{r['padding_waste']:>6.2f}"
-            f"{r['cross_node_share']:>7.2f}{r['min_node'] / mb:>9.2f}{r['num_dropped']:>7}")
+            f"{r['cross_node_share']:>7.2f}{r['min_node'] / mb:>9.2f}"
+            f"{r['cross_copies_over_min_node']:>9.2f}{r['meta'] / mb:>9.2f}"
+            f"{r['num_dropped']:>6}")

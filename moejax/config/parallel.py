@@ -37,6 +37,17 @@ class ParallelConfig:
     only; node-limited routing needs P).
   dispatch: ``capacity`` (padded all_to_all; runs everywhere) or ``ragged``
     (dropless, exact-size segments with ``jax.lax.ragged_all_to_all``).
+  dispatch_unit: what one row on the wire is. ``token`` (default): a token
+    once per destination device, expanded to its experts there and combined
+    (gate-weighted) before the way back; ``node``: once per destination
+    node across nodes, forwarded inside the node (DeepSeek-V3; cross-node
+    rows at the once-per-node minimum); ``copy``: one row per token copy
+    (the per-expert all_to_all, kept for comparison). Same results.
+  capacity_buckets: static buffer sizes the padded all_to_all (``capacity``
+    dispatch and the emulated ragged collective) picks from per step, by the
+    global maximum count: geometric, ratio 2^(1/3), the largest the worst
+    case (8 reach down to 1/5 of it). 1: always the worst case (a dropless layer then pads every buffer
+    to T rows per source).
   ragged_impl: for ``ragged``: ``native`` (the XLA collective; GPU/TPU),
     ``emulated`` (the same segments moved by a padded all_to_all; exact, for
     platforms without the collective, CPU among them) or ``auto`` (native on
@@ -52,6 +63,8 @@ class ParallelConfig:
   expert: int = 1
   devices_per_node: Optional[int] = None
   dispatch: str = "capacity"
+  dispatch_unit: str = "token"
+  capacity_buckets: int = 8
   ragged_impl: str = "auto"
   route_limit: str = "none"
   route_limit_count: int = 1
@@ -59,6 +72,7 @@ class ParallelConfig:
   def __post_init__(self):
     p = "parallel"
     check_choice(f"{p}.dispatch", self.dispatch, reg.DISPATCHES)
+    check_choice(f"{p}.dispatch_unit", self.dispatch_unit, reg.DISPATCH_UNITS)
     check_choice(f"{p}.ragged_impl", self.ragged_impl, reg.RAGGED_IMPLS)
     check_choice(f"{p}.route_limit", self.route_limit, reg.ROUTE_LIMITS)
     if self.data != -1:
@@ -66,6 +80,7 @@ class ParallelConfig:
     check_count(f"{p}.fsdp", self.fsdp)
     check_count(f"{p}.expert", self.expert)
     check_count(f"{p}.route_limit_count", self.route_limit_count)
+    check_count(f"{p}.capacity_buckets", self.capacity_buckets)
     if self.devices_per_node is not None:
       check_count(f"{p}.devices_per_node", self.devices_per_node)
       big, small = max(self.expert, self.devices_per_node), min(self.expert,

@@ -36,6 +36,7 @@ GMM_BACKEND_MODULES = {
 GMM_BACKENDS = tuple(GMM_BACKEND_MODULES)
 EXPERT_BACKENDS = ("reference",) + GMM_BACKENDS
 DISPATCHES = ("capacity", "ragged")
+DISPATCH_UNITS = ("token", "copy", "node")
 RAGGED_IMPLS = ("auto", "native", "emulated")
 ROUTE_LIMITS = ("none", "nodes", "devices")
 

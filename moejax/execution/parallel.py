@@ -60,10 +60,12 @@ from jax.sharding import Mesh, PartitionSpec as P
 from moejax.balance import stats
 from moejax.config import MoEConfig, ParallelConfig, check_experts, check_route_limit
 from moejax.execution import comm as comm_lib
+from moejax.execution import dedup as dedup_lib
 from moejax.execution import grouped_ffn
 from moejax.execution import mesh as mesh_lib
 from moejax.execution import permute as permute_lib
 from moejax.execution import placement as placement_lib
+from moejax.execution import transport
 from moejax.execution.mesh import EXPERT, FSDP
 from moejax.routing.types import RoutingResult
 
@@ -99,47 +101,33 @@ def gmm_backend_for(cfg: MoEConfig) -> str:
 
 def _a2a(x: jax.Array) -> jax.Array:
   """all_to_all over 'expert' of [D * n, ...]: chunk j goes to device j."""
-  return jax.lax.all_to_all(x, EXPERT, 0, 0, tiled=True)
+  return transport.all_to_all(x)
 
 
 def local_experts(params: dict, rows: jax.Array, slot: jax.Array, filled: jax.Array,
                   num_slots: int, *, activation: str, backend: str,
-                  width_mask: Optional[jax.Array] = None) -> jax.Array:
-  """ys[R, d] = FFN_{slot[r]}(rows[r]) where filled, else 0 (grouped matmul).
+                  width_mask: Optional[jax.Array] = None,
+                  weights: Optional[jax.Array] = None) -> jax.Array:
+  """ys[R, d] = sum_k weights[r, k] FFN_{slot[r, k]}(rows[r]) over filled slots (grouped matmul).
 
-  rows[R, d] arrive in any order (by source device); a dropless sort by
-  local expert gives the grouped-matmul layout, so empty buffer rows cost
-  nothing in backends that skip rows past the groups (``blocked``).
+  ``slot`` / ``filled`` / ``weights`` are [R, Kc] (a deduplicating dispatch:
+  a row names its experts on this device) or [R] (per-copy: one expert per
+  row, weight 1). rows[R, d] arrive in any order (by source device); a
+  dropless sort by local expert gives the grouped-matmul layout, so empty
+  buffer rows cost nothing in backends that skip rows past the groups
+  (``blocked``).
   """
-  return grouped_ffn.routed_ffn(params, rows, slot[:, None].astype(jnp.int32),
-                                filled[:, None], filled.astype(jnp.float32)[:, None],
+  if slot.ndim == 1:
+    slot, filled = slot[:, None], filled[:, None]
+    weights = None if weights is None else weights[:, None]
+  w = filled.astype(jnp.float32) if weights is None else weights
+  return grouped_ffn.routed_ffn(params, rows, slot.astype(jnp.int32), filled, w,
                                 num_experts=num_slots, activation=activation,
                                 backend=backend, width_mask=width_mask)
 
 
-def emulated_ragged_all_to_all(operand, output, input_offsets, send_sizes,
-                               output_offsets, recv_sizes, *, max_rows: int):
-  """``jax.lax.ragged_all_to_all`` over 'expert' built from a padded all_to_all.
-
-  Same arguments and result as the native collective (``output`` with the
-  received segments written at the senders' ``output_offsets``), for
-  segments of at most ``max_rows`` rows. Differentiable (gather / scatter).
-  """
-  p = jnp.arange(max_rows, dtype=jnp.int32)
-  take = jnp.where(p[None, :] < send_sizes[:, None], input_offsets[:, None] + p[None, :],
-                   operand.shape[0])
-  buf = jnp.take(operand, take.reshape(-1), axis=0, mode="fill", fill_value=0)
-  got = _a2a(buf)                                                # [D * max_rows, ...]
-  at = _a2a(output_offsets)                                      # where source i writes here
-  pos = jnp.where(p[None, :] < recv_sizes[:, None], at[:, None] + p[None, :],
-                  output.shape[0])
-  return output.at[pos.reshape(-1)].set(got.astype(output.dtype), mode="drop")
-
-
-def _ragged(impl: str, max_rows: int):
-  if impl == "ragged_native":
-    return lambda *a: jax.lax.ragged_all_to_all(*a, axis_name=EXPERT)
-  return functools.partial(emulated_ragged_all_to_all, max_rows=max_rows)
+# The emulated collective lives in moejax.execution.transport (kept importable here).
+emulated_ragged_all_to_all = transport.emulated_ragged_all_to_all
 
 
 def _physical_ids(result: RoutingResult, sent: jax.Array, plc: placement_lib.Placement):
@@ -153,63 +141,87 @@ def _physical_ids(result: RoutingResult, sent: jax.Array, plc: placement_lib.Pla
   return reps[logical, tok % n]
 
 
-def _dispatch_combine(experts, width_mask, x, result, *, num_experts, activation, impl, plc,
-                      cap, backend, node_of):
-  """Routed-expert output y[T, d] plus (comm bytes, per-physical-expert rows, transport drops)."""
+def _copy_dispatch(x, phys, weights, sent, ffn, *, plc, impl, cap, buckets, axes):
+  """The per-copy dispatch: one row per token copy. (y, wire_rows int32[D], plan)."""
   t, dm = x.shape
-  k = result.k
-  e, s = num_experts, plc.slots_per_device
-  d = plc.num_devices
-  sent = result.valid & (result.expert_ids >= 0) & (result.expert_ids < e)
-  phys = _physical_ids(result, sent, plc)
-  weights = jnp.where(result.valid, result.weights, 0)
-  ffn = functools.partial(local_experts, num_slots=s, activation=activation,
-                          backend=backend, width_mask=width_mask)
+  k = phys.shape[1]
+  s, d = plc.slots_per_device, plc.num_devices
   if impl == "capacity":
     c = t if cap is None else cap
     plan = permute_lib.capacity_layout(phys, sent, d * s, c)
-    xs = permute_lib.permute(x, plan)                        # [E_p * C, d]
-    recv = _a2a(xs)                                          # [D(src) * S_p * C, d]
+    xs = permute_lib.permute(x, plan).reshape(d, s, c, dm)   # [E_p * C, d] by device
+    sizes = transport.bucket_sizes(c, buckets)
+    index = transport.choose_bucket(jnp.max(plan.group_sizes), sizes, axes)
+    (recv,) = transport.bucketed_all_to_all((xs,), index, sizes, axis=2)  # [D(src), S_p, C, d]
     counts = _a2a(plan.group_sizes.reshape(d, s))            # [D(src), S_p]
     p = jnp.arange(c, dtype=jnp.int32)
     filled = p[None, None, :] < counts[:, :, None]           # [D, S_p, C]
     slot = jnp.broadcast_to(jnp.arange(s, dtype=jnp.int32)[None, :, None], filled.shape)
-    ys = ffn(experts, recv, slot.reshape(-1), filled.reshape(-1))
-    back = _a2a(ys)                                          # [E_p * C, d]
-    wire_rows = jnp.full((d,), s * c, jnp.int32)
+    ys = ffn(recv.reshape(-1, dm), slot.reshape(-1), filled.reshape(-1))
+    (back,) = transport.bucketed_all_to_all((ys.reshape(d, s, c, dm),), index, sizes, axis=2)
+    back = back.reshape(-1, dm)                              # [E_p * C, d]
+    wire_rows = jnp.full((d,), s, jnp.int32) * jnp.asarray(sizes, jnp.int32)[index]
   else:
     max_rows = t * min(k, s)
-    move = _ragged(impl, max_rows)
     plan = permute_lib.sort_by_expert(phys, sent, d * s)
     xs = permute_lib.permute(x, plan)                        # [T K, d] by physical expert
     gs = plan.group_sizes.reshape(d, s)
     send_sizes = jnp.sum(gs, axis=1).astype(jnp.int32)
+    sizes = transport.bucket_sizes(max_rows, buckets)
+    index = transport.choose_bucket(jnp.max(send_sizes), sizes, axes)
+    move = transport.ragged_move(impl, sizes, index)
     in_off = (jnp.cumsum(send_sizes) - send_sizes).astype(jnp.int32)
     counts = _a2a(gs)                                        # [D(src), S_p]
     recv_sizes = jnp.sum(counts, axis=1).astype(jnp.int32)
     recv_off = (jnp.cumsum(recv_sizes) - recv_sizes).astype(jnp.int32)
     out_off = _a2a(recv_off)                                 # my segment's place on device j
     n_out = d * max_rows
-    recv = move(xs, jnp.zeros((n_out, dm), x.dtype), in_off, send_sizes, out_off,
-                recv_sizes)
+    (recv,) = move((xs,), (jnp.zeros((n_out, dm), x.dtype),), in_off, send_sizes, out_off,
+                   recv_sizes)
     # Received rows: by source, then by local slot. Row r's slot comes from
     # the (source, slot) segment ends, which never decrease in r.
     ends = (recv_off[:, None] + jnp.cumsum(counts, axis=1)).reshape(-1)
     seg = jnp.searchsorted(ends, jnp.arange(n_out, dtype=jnp.int32), side="right")
     filled = seg < d * s
-    ys = ffn(experts, recv, jnp.where(filled, seg % s, 0), filled)
+    ys = ffn(recv, jnp.where(filled, seg % s, 0), filled)
     back_off = _a2a(in_off)                                  # my rows' place on each source
-    back = move(ys, jnp.zeros((t * k, dm), x.dtype), recv_off, recv_sizes, back_off,
-                send_sizes)
-    wire_rows = send_sizes if impl == "ragged_native" else jnp.full((d,), max_rows,
-                                                                     jnp.int32)
-  y = permute_lib.unpermute(back, plan, weights).astype(x.dtype)
-  dispatched = plan.dispatched()
+    (back,) = move((ys,), (jnp.zeros((t * k, dm), x.dtype),), recv_off, recv_sizes, back_off,
+                   send_sizes)
+    wire_rows = send_sizes if impl == "ragged_native" else jnp.full(
+        (d,), jnp.asarray(sizes, jnp.int32)[index])
+  return permute_lib.unpermute(back, plan, weights).astype(x.dtype), wire_rows, plan
+
+
+def _dispatch_combine(experts, width_mask, x, result, *, ex: "ExpertParallelExecutor", cap):
+  """Routed-expert output y[T, d] plus (comm bytes, per-physical-expert rows, transport drops)."""
+  plc = ex.placement
+  e, s, d = ex.num_experts, plc.slots_per_device, plc.num_devices
+  sent = result.valid & (result.expert_ids >= 0) & (result.expert_ids < e)
+  phys = _physical_ids(result, sent, plc)
+  weights = jnp.where(result.valid, result.weights, 0)
+  ffn = functools.partial(local_experts, experts, num_slots=s, activation=ex.activation,
+                          backend=ex.backend, width_mask=width_mask)
   me = jax.lax.axis_index(EXPERT)
-  bytes_local = comm_lib.local_dispatch_bytes(phys // s, dispatched, wire_rows, me,
-                                              node_of, dm * x.dtype.itemsize)
-  lost = jnp.sum(sent & ~dispatched, dtype=jnp.int32)
-  return y, bytes_local, plan.group_sizes, lost
+  row_bytes = x.shape[-1] * x.dtype.itemsize
+  if ex.unit == "copy":
+    y, wire_rows, plan = _copy_dispatch(x, phys, weights, sent, ffn, plc=plc, impl=ex.impl,
+                                        cap=cap, buckets=ex.buckets, axes=ex.axes)
+    dispatched = plan.dispatched()
+    bytes_local = comm_lib.local_dispatch_bytes(phys // s, dispatched, wire_rows, me,
+                                                ex.node_of, row_bytes)
+    lost = jnp.sum(sent & ~dispatched, dtype=jnp.int32)
+  else:
+    hops = dedup_lib.make_hops(ex.unit, d, s, ex.per_node, x.shape[0], cap)
+    tally = dedup_lib.Tally(row_bytes, ex.node_of, me)
+    local = lambda rows, ids, w, valid: ffn(rows, ids, valid, weights=w)
+    y = dedup_lib.dispatch_combine(x, phys, weights, sent, hops, local, impl=ex.impl,
+                                   buckets=ex.buckets, axes=ex.axes, tally=tally)
+    bytes_local = dict(tally.bytes)
+    bytes_local.update(comm_lib.minimum_bytes(phys // s, sent, me, ex.node_of, row_bytes))
+    lost, dispatched = tally.lost, sent
+  rows = jnp.bincount(jnp.where(dispatched & sent, phys, d * s).reshape(-1),
+                      length=d * s + 1)[: d * s]
+  return y, bytes_local, rows, lost
 
 
 def _gather_fsdp(experts: dict, has_fsdp: bool) -> dict:
@@ -221,6 +233,21 @@ def _gather_fsdp(experts: dict, has_fsdp: bool) -> dict:
           for k, v in experts.items()}
 
 
+
+
+def node_size(node_of: np.ndarray) -> int:
+  """P when the expert axis is N nodes of P consecutive positions; ValueError otherwise.
+
+  The node dispatch exchanges among one device per node, then inside each
+  node, which needs equal, contiguous nodes.
+  """
+  node_of = np.asarray(node_of)
+  p = int(np.sum(node_of == node_of[0]))
+  if len(node_of) % p or not np.array_equal(node_of, np.arange(len(node_of)) // p):
+    raise ValueError(f"parallel.dispatch_unit='node' needs the expert axis split into equal "
+                     f"nodes of consecutive devices; its nodes are {node_of.tolist()}. Fix: "
+                     "set parallel.devices_per_node, or dispatch_unit='token'")
+  return p
 
 
 def device_index(axes) -> jax.Array:
@@ -250,13 +277,14 @@ class ExpertParallelExecutor:
   node_of: np.ndarray            # int[D] node of each expert-axis position
   axes: tuple                    # every mesh axis (the global statistics' scope)
   has_fsdp: bool
+  unit: str = "token"            # copy | token | node (ParallelConfig.dispatch_unit)
+  buckets: int = 8               # ParallelConfig.capacity_buckets
+  per_node: Optional[int] = None  # P when the node unit runs two hops
 
   def __call__(self, experts, x, result, *, width_mask=None, capacity=None):
     experts = _gather_fsdp(experts, self.has_fsdp)
-    y, bytes_local, phys_rows, lost = _dispatch_combine(
-        experts, width_mask, x, result, num_experts=self.num_experts,
-        activation=self.activation, impl=self.impl, plc=self.placement, cap=capacity,
-        backend=self.backend, node_of=self.node_of)
+    y, bytes_local, phys_rows, lost = _dispatch_combine(experts, width_mask, x, result,
+                                                        ex=self, cap=capacity)
     d, sp = self.placement.num_devices, self.placement.slots_per_device
     comm = comm_lib.summarize(bytes_local, self.axes)
     comm["transport_dropped"] = stats.psum(lost, self.axes)
@@ -345,6 +373,7 @@ def prepare(params: dict, cfg: MoEConfig, mesh: Mesh, pcfg: ParallelConfig, batc
   executor = ExpertParallelExecutor(
       num_experts=cfg.num_experts, activation=cfg.topology.activation, impl=impl,
       placement=plc, backend=gmm_backend_for(cfg), node_of=node_of, axes=axes,
-      has_fsdp=has_fsdp)
+      has_fsdp=has_fsdp, unit=pcfg.dispatch_unit, buckets=pcfg.capacity_buckets,
+      per_node=node_size(node_of) if pcfg.dispatch_unit == "node" else None)
   return Prepared(params, mesh_lib.param_specs(params, mesh), mesh_lib.batch_spec(mesh),
                   width_mask, executor)

@@ -257,6 +257,17 @@ def _shapes(tree: Any) -> dict[str, tuple]:
   return {"/".join(_key_name(k) for k in p): tuple(getattr(v, "shape", ())) for p, v in flat}
 
 
+def _placed(abstract_state: Any) -> Any:
+  """``abstract_state`` with a single-device sharding on every leaf that has none."""
+  here = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
+
+  def place(leaf):
+    if isinstance(leaf, jax.ShapeDtypeStruct) and leaf.sharding is None:
+      return jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=here)
+    return leaf
+  return jax.tree.map(place, abstract_state)
+
+
 class Checkpointer:
   """Orbax CheckpointManager over ``WORKDIR/checkpoints``: a TrainState plus the data state."""
 
@@ -291,8 +302,15 @@ class Checkpointer:
                                                     data=ocp.args.JsonSave(data_state)))
 
   def restore(self, step: int, abstract_state: Any) -> tuple[Any, dict]:
+    """(state tree, data state) at ``step``, placed by ``abstract_state``'s shardings.
+
+    A leaf without a sharding goes to this process's first device: orbax
+    refuses to guess one for a checkpoint written on other devices (another
+    process count or mesh), and the leaf's saved sharding names devices that
+    may not exist here.
+    """
     out = self.manager.restore(step, args=ocp.args.Composite(
-        state=ocp.args.StandardRestore(abstract_state), data=ocp.args.JsonRestore()))
+        state=ocp.args.StandardRestore(_placed(abstract_state)), data=ocp.args.JsonRestore()))
     return out["state"], dict(out["data"])
 
   def wait(self) -> None:

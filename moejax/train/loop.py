@@ -37,6 +37,7 @@ from typing import Callable, NamedTuple, Optional, TextIO
 
 import jax
 import numpy as np
+from jax.experimental import multihost_utils
 from jax.sharding import NamedSharding, PartitionSpec
 
 from moejax import data as data_lib
@@ -92,11 +93,17 @@ def _eval_batches(cfg: ExperimentConfig, docs, put):
 
 
 class DeviceLayout(NamedTuple):
-  """Where the run's arrays live: the model's expert-parallel mesh (or None) and placement."""
+  """Where the run's arrays live: the model's expert-parallel mesh (or None) and placement.
+
+  ``shardings(tree)``: the NamedSharding of every leaf of a state tree (what
+  ``put_state`` places it with, and what a checkpoint is restored into, so
+  that every process reads only its own shards).
+  """
 
   expert_parallel: Optional[ExpertParallel]
   put_batch: Callable
   put_state: Callable
+  shardings: Callable
 
 
 def device_layout(cfg: ExperimentConfig) -> DeviceLayout:
@@ -128,8 +135,9 @@ def device_layout(cfg: ExperimentConfig) -> DeviceLayout:
     replicated = NamedSharding(mesh, PartitionSpec())
     put_batch = lambda batch: {k: jax.make_array_from_process_local_data(rows, v)
                                for k, v in batch.items()}
-    put_state = lambda state: jax.device_put(state, replicated)
-    return DeviceLayout(None, put_batch, put_state)
+    shardings = lambda tree: jax.tree.map(lambda _: replicated, tree)
+    put_state = lambda state: jax.device_put(state, shardings(state))
+    return DeviceLayout(None, put_batch, put_state, shardings)
 
   moe = cfg.model.moe
   mesh = mesh_lib.make_mesh(pcfg, cfg=moe)
@@ -137,8 +145,9 @@ def device_layout(cfg: ExperimentConfig) -> DeviceLayout:
   rows = NamedSharding(mesh, mesh_lib.batch_spec(mesh))
   put_batch = lambda batch: {k: jax.make_array_from_process_local_data(rows, v)
                              for k, v in batch.items()}
-  put_state = lambda state: jax.device_put(state, state_shardings(state, mesh))
-  return DeviceLayout(ExpertParallel(mesh, pcfg), put_batch, put_state)
+  shardings = lambda tree: state_shardings(tree, mesh)
+  put_state = lambda state: jax.device_put(state, shardings(state))
+  return DeviceLayout(ExpertParallel(mesh, pcfg), put_batch, put_state, shardings)
 
 
 def state_shardings(state, mesh):
@@ -200,11 +209,19 @@ def train(cfg: ExperimentConfig, workdir: str, *, out: TextIO = sys.stdout,
   # --- 1. Read-only checks. -------------------------------------------------
   check_runnable(cfg)
   layout = device_layout(cfg)
-  lock_lib.check_unlocked(workdir)
+  lead = jax.process_index() == 0   # writes the workdir for every process of the run
+  if lead:  # the other processes run under the lock process 0 takes
+    lock_lib.check_unlocked(workdir)
   plan = ckpt_lib.check_workdir(workdir, cfg, extend=extend)
   tx = make_optimizer(tc, cfg.model)
   graphdef, abstract = step_lib.abstract_state(cfg, tx, layout.expert_parallel)
+  # Restored straight into this run's layout: a checkpoint written under
+  # another layout (another process count or mesh) is resharded by orbax,
+  # and every process reads only the shards it holds.
   abstract_tree = abstract.checkpoint_tree()
+  abstract_tree = jax.tree.map(
+      lambda a, sh: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sh), abstract_tree,
+      layout.shardings(abstract_tree))
   restored = None
   if plan.step is not None:
     restored = ckpt_lib.restore_latest(workdir, plan.steps, abstract_tree)
@@ -214,10 +231,18 @@ def train(cfg: ExperimentConfig, workdir: str, *, out: TextIO = sys.stdout,
       for change in plan.changes:
         say(f"  (not recorded: {change})")
       return report(workdir, _summary(workdir), say)
+  # Process 0 first: a dataset prepared on first use is written once, then read
+  # by the others (a shared data_dir would otherwise be prepared concurrently).
+  # The barrier also orders every process's read-only checks above before
+  # process 0's first write below.
+  if not lead:
+    _sync("moejax_train_data")
   train_it = data_lib.make_batches(cfg.data, cfg.data.train_split,
                                    process_index=jax.process_index(),
                                    process_count=jax.process_count())
   val_docs = data_lib.load_documents(cfg.data, cfg.data.eval_split)
+  if lead:
+    _sync("moejax_train_data")
   if val_docs.num_tokens() == 0:
     raise data_lib.DatasetUnavailableError(
         f"{cfg.data.name}/{cfg.data.eval_split} is empty. Fix: pick another data.eval_split "
@@ -225,8 +250,7 @@ def train(cfg: ExperimentConfig, workdir: str, *, out: TextIO = sys.stdout,
 
   # --- 2. Write and compute, holding the workdir. ---------------------------
   # One process of a multi-process run holds the lock for all of them.
-  locked = (lock_lib.WorkdirLock(workdir, say) if jax.process_index() == 0
-            else contextlib.nullcontext())
+  locked = lock_lib.WorkdirLock(workdir, say) if lead else contextlib.nullcontext()
   with locked:
     if ckpt_lib.checkpoint_steps(workdir) != list(plan.steps):
       raise ckpt_lib.WorkdirError(
@@ -234,7 +258,7 @@ def train(cfg: ExperimentConfig, workdir: str, *, out: TextIO = sys.stdout,
           f"{ckpt_lib.checkpoint_steps(workdir)}). Fix: run the same command again")
     _record_start(workdir, cfg, plan, restored, say)
     ckpt = ckpt_lib.Checkpointer(workdir, tc.keep_checkpoints)
-    writer = metrics_log.MetricsWriter(workdir, restored.step if restored else 0)
+    writer = metrics_log.MetricsWriter(workdir, restored.step if restored else 0, enabled=lead)
     progress = metrics_log.Progress(tc.steps, out=out, enabled=tc.progress,
                                     then_steps=then_steps, then_seconds=then_seconds)
     try:
@@ -249,13 +273,26 @@ def train(cfg: ExperimentConfig, workdir: str, *, out: TextIO = sys.stdout,
       ckpt.close()
       writer.close()
     _history(workdir, "end", step=step, train_seconds=progress.train_seconds)
+  _sync("moejax_train_end")  # process 0 has written the last rows that report() reads
   return report(workdir, _summary(workdir), say)
 
 
+def _sync(name: str) -> None:
+  """A barrier of every process of a multi-process run (nothing on one process)."""
+  if jax.process_count() > 1:
+    multihost_utils.sync_global_devices(name)
+
+
 def _record_start(workdir, cfg, plan, restored, say) -> None:
-  """Moves damaged checkpoints aside, writes config.json and the history line of this start."""
+  """Moves damaged checkpoints aside, writes config.json and the history line of this start.
+
+  Files are written by process 0 only; every process says what happens.
+  """
+  lead = jax.process_index() == 0
   if restored is not None and restored.skipped:
-    moved = ckpt_lib.move_aside(workdir, [s for s, _ in restored.skipped])
+    skipped = [s for s, _ in restored.skipped]
+    moved = (ckpt_lib.move_aside(workdir, skipped) if lead else
+             [os.path.join(workdir, ckpt_lib.DAMAGED_DIR, str(s)) for s in skipped])
     for (s, why), dst in zip(restored.skipped, moved):
       say(f"{workdir}: checkpoint {s} is {why}; moved to {dst}")
     say(f"{workdir}: falling back to checkpoint {restored.step}, the newest that restores and "
@@ -264,7 +301,8 @@ def _record_start(workdir, cfg, plan, restored, say) -> None:
     if plan.saved is not None and plan.changes:
       say(f"{workdir}: no checkpoint was written before it stopped; starting the run again "
           f"with this config")
-    ckpt_lib.write_config(workdir, cfg)
+    if lead:
+      ckpt_lib.write_config(workdir, cfg)
     _history(workdir, "start", step=0, steps=cfg.train.steps)
     return
   for change in plan.changes:
@@ -273,7 +311,7 @@ def _record_start(workdir, cfg, plan, restored, say) -> None:
     say(f"{workdir}: extending the run from train.steps={plan.extend_from} to "
         f"{cfg.train.steps} (from step {restored.step}; the learning-rate schedule now decays "
         f"over {cfg.train.steps} steps)")
-  if plan.changes or plan.extend_from is not None:
+  if lead and (plan.changes or plan.extend_from is not None):
     ckpt_lib.write_config(workdir, cfg)  # not a finished run: it trains on under this config
   fields = {"step": restored.step, "changes": list(plan.changes)}
   if restored.skipped:

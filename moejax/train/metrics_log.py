@@ -53,10 +53,18 @@ def _jsonable(v):
 
 
 class MetricsWriter:
-  """Appends metrics to the JSONL file and TensorBoard."""
+  """Appends metrics to the JSONL file and TensorBoard.
 
-  def __init__(self, workdir: str, resume_step: int = 0):
+  ``enabled=False`` writes nothing (the processes other than 0 of a
+  multi-process run: one writer per workdir, or their rewrites and appends
+  would interleave).
+  """
+
+  def __init__(self, workdir: str, resume_step: int = 0, enabled: bool = True):
     self.workdir = workdir
+    self._file, self._tb = None, None
+    if not enabled:
+      return
     path = os.path.join(workdir, METRICS_FILE)
     if os.path.exists(path):
       keep = [r for r in read_metrics(workdir) if r.get("step", 0) <= resume_step]
@@ -75,6 +83,8 @@ class MetricsWriter:
             "(pip install tensorboardX)", file=sys.stderr)
 
   def write(self, step: int, split: str, metrics: Mapping[str, float]) -> None:
+    if self._file is None:
+      return
     row = {"step": int(step), "split": split, **{k: _jsonable(v) for k, v in metrics.items()}}
     self._file.write(json.dumps(row) + "\n")
     self._file.flush()
@@ -83,7 +93,8 @@ class MetricsWriter:
         self._tb.add_scalar(f"{split}/{k}", float(v), int(step))
 
   def close(self) -> None:
-    self._file.close()
+    if self._file is not None:
+      self._file.close()
     if self._tb is not None:
       self._tb.close()
 

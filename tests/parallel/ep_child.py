@@ -69,10 +69,63 @@ def check_case(name, pcfg):
 
 
 def group_routers():
+  """Every router with the default dispatch (each token once per device, bucketed)."""
   pcfg = C.ParallelConfig(data=2, expert=4)
   for name in sorted(H.CASES):
     check_case(name, pcfg)
     print("  ok", name, flush=True)
+
+
+def group_routers_node():
+  """Every router with the node dispatch (2 nodes of 2 devices), capacity and ragged transport."""
+  for i, name in enumerate(sorted(H.CASES)):
+    # Two buckets per exchange: the switch is exercised, compile time stays low.
+    pcfg = C.ParallelConfig(data=2, expert=4, devices_per_node=2, dispatch_unit="node",
+                            dispatch=("capacity", "ragged")[i % 2], capacity_buckets=2)
+    check_case(name, pcfg)
+    print("  ok", name, pcfg.dispatch, flush=True)
+
+
+def group_buckets():
+  """Dropless bucketed transport under a maximally skewed router, and the bucket it picks.
+
+  A selection bias of +5 on experts 0 and 1 sends every token of every
+  device to them (devices 0 and 1): each source sends its whole shard to one
+  device, the worst case, so the largest bucket must be chosen and nothing
+  may drop. Without the bias a smaller bucket carries the same result.
+  """
+  cfg = moe_config(num_experts=8, expert_width=8, backend="reference",
+                   routing=dict(top_k=2, score_fn="sigmoid", use_bias=True))
+  params, x, ids = H.inputs(cfg)
+  skewed = L.init_router_state(cfg).replace(bias=jnp.zeros(8).at[:2].set(5.0))
+  tokens = H.B * H.S // N                                  # per device
+  row = H.DM * 4
+  for state, label in ((skewed, "skewed"), (L.init_router_state(cfg), "balanced")):
+    y0, _, aux0, g0 = H.full_fn(cfg)(params, x, ids, state)
+    if label == "skewed":
+      assert set(np.unique(np.asarray(aux0["routing"].expert_ids)).tolist()) == {0, 1}
+    for kw in ((dict(), dict(dispatch="ragged"), dict(dispatch_unit="copy"),
+                dict(dispatch_unit="node", devices_per_node=2)) if label == "skewed" else
+               (dict(),)):
+      pcfg = C.ParallelConfig(data=1, expert=N, **kw)
+      y, _, aux, g = H.ep_fn(cfg, mesh_lib.make_mesh(pcfg, cfg=cfg), pcfg)(params, x, ids,
+                                                                          state)
+      what = f"{label} {kw}"
+      H.close(y, y0, f"{what} y")
+      H.close_tree(g, g0, f"{what} grad")
+      got = aux["execution"]["comm"]
+      assert int(aux["num_dropped"]) == 0 and int(got["transport_dropped"]) == 0, what
+      if not kw:
+        # Token unit: every device sends its shard to each of its remote peers
+        # in the largest bucket (T rows) when skewed, in a smaller one otherwise.
+        worst = 2.0 * N * (N - 1) * tokens * row
+        if label == "skewed":
+          H.close(got["wire"], worst, what)
+          H.close(got["copies"], got["min_device"], what)
+        else:
+          assert float(got["wire"]) < worst, (what, float(got["wire"]), worst)
+      print("  ok", what, {k: float(got[k]) for k in ("wire", "copies", "min_device")},
+            flush=True)
 
 
 def group_dispatch():
@@ -82,16 +135,22 @@ def group_dispatch():
   y0, _, aux0, g0 = H.full_fn(cfg)(params, x, ids, state)
   # Ragged (dropless, exact segments) through the emulated collective, expert axis of 8.
   # The local experts follow moe.execution.backend ('reference' -> ragged_dot there).
+  # The per-copy dispatch (one row per token copy) on both transports, the
+  # blocked backend with rows naming several local experts.
+  blocked = H.make_cfg("mixtral", backend="blocked")
   for pcfg, vcfg in ((C.ParallelConfig(data=1, expert=8, dispatch="ragged"), cfg),
                      (C.ParallelConfig(data=2, expert=4, dispatch="ragged",
-                                       ragged_impl="emulated"), H.make_cfg("mixtral",
-                                                                           backend="blocked"))):
+                                       ragged_impl="emulated"), blocked),
+                     (C.ParallelConfig(data=2, expert=4, dispatch_unit="copy"), blocked),
+                     (C.ParallelConfig(data=1, expert=8, dispatch="ragged",
+                                       dispatch_unit="copy"), cfg)):
     mesh = mesh_lib.make_mesh(pcfg, cfg=vcfg)
     y, _, aux, g = H.ep_fn(vcfg, mesh, pcfg)(params, x, ids, state)
-    H.close(y, y0, f"ragged {pcfg} y")
-    H.close_tree(g, g0, "ragged grad")
-    H.close(aux["load"], aux0["load"], "ragged load")
-    print("  ok ragged", pcfg.expert, vcfg.execution.backend, flush=True)
+    what = f"{pcfg.dispatch} {pcfg.dispatch_unit} {pcfg.expert} {vcfg.execution.backend}"
+    H.close(y, y0, f"{what} y")
+    H.close_tree(g, g0, f"{what} grad")
+    H.close(aux["load"], aux0["load"], f"{what} load")
+    print("  ok", what, flush=True)
   try:
     pcfg = C.ParallelConfig(expert=8, dispatch="ragged", ragged_impl="native")
     L.ep_moe_layer(params, x, state, cfg, mesh_lib.make_mesh(pcfg), pcfg)
@@ -128,25 +187,35 @@ def group_topology():
   params, x, ids = H.inputs(cfg)
   state = L.init_router_state(cfg)
   comm, routing = {}, {}
-  for limit, m in (("none", 1), ("nodes", 2), ("devices", 3)):
+  # Default unit (token) for every limit; node-limited routing also with the
+  # node unit (once per node across nodes, then forwarded) and per copy.
+  for limit, m, unit in (("none", 1, "token"), ("nodes", 2, "token"), ("devices", 3, "token"),
+                         ("nodes", 2, "node"), ("nodes", 2, "copy")):
     pcfg = C.ParallelConfig(data=1, expert=8, devices_per_node=2, route_limit=limit,
-                            route_limit_count=m)
+                            route_limit_count=m, dispatch_unit=unit)
     mesh = mesh_lib.make_mesh(pcfg, cfg=cfg)
     # The limit is resolved into the routing config (as ExperimentConfig does);
     # the single-device layer with that config routes identically.
     lcfg = C.resolve_route_limit(cfg, pcfg)
     y, _, aux, g = H.ep_fn(lcfg, mesh, pcfg)(params, x, ids, state)
     y0, _, aux0, g0 = H.full_fn(lcfg)(params, x, ids, state)
-    H.close(y, y0, f"{limit} y")
-    H.close_tree(g, g0, f"{limit} grad")
-    comm[limit], routing[limit] = aux["execution"]["comm"], aux["routing"]
+    H.close(y, y0, f"{limit} {unit} y")
+    H.close_tree(g, g0, f"{limit} {unit} grad")
+    got = aux["execution"]["comm"]
+    assert int(got["transport_dropped"]) == 0, (limit, unit)
+    if unit == "token":
+      comm[limit], routing[limit] = got, aux["routing"]
     # Bytes against the host-side analytic count from the routing actually made.
     r = aux["routing"]
     dest = (np.asarray(r.expert_ids) // 2).reshape(1, 8, -1, 4)
     want = comm_lib.analytic_bytes(dest, np.asarray(r.valid).reshape(dest.shape),
-                                   np.arange(8) // 2, H.DM * 4)
+                                   np.arange(8) // 2, H.DM * 4, unit=unit)
     for key, value in want.items():
-      H.close(aux["execution"]["comm"][key], value, f"{limit} comm {key}")
+      H.close(got[key], value, f"{limit} {unit} comm {key}")
+    if unit == "node":  # cross-node rows at the once-per-node minimum
+      H.close(got["copies_cross_node"], got["min_node"], "node unit cross-node")
+    if unit == "token":
+      H.close(got["copies"], got["min_device"], "token unit copies")
   nodes = _nodes_per_token(routing["nodes"].expert_ids, routing["nodes"].valid, 4)
   assert nodes.max() <= 2, nodes.max()
   devs = _nodes_per_token(routing["devices"].expert_ids, routing["devices"].valid, 2)
@@ -224,7 +293,8 @@ def group_scmoe():
   check_scmoe_model()
 
 
-GROUPS = {"routers": group_routers, "dispatch": group_dispatch, "topology": group_topology,
+GROUPS = {"routers": group_routers, "routers_node": group_routers_node,
+          "buckets": group_buckets, "dispatch": group_dispatch, "topology": group_topology,
           "scmoe": group_scmoe}
 
 

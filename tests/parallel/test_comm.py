@@ -49,3 +49,29 @@ def test_device_count_equals_host_count(seed, per_node):
       dev[key] += 2 * float(out[key])
   assert dev == host
   assert host["min_node"] <= host["min_device"] <= host["copies"]
+
+
+def test_transfer_bytes_counts_remote_and_cross_node_rows():
+  # Device 1 of 4 (nodes [0, 0, 1, 1]) sends rows (2, 0, 1, 3) in buckets of 4.
+  got = comm.transfer_bytes(jnp.arange(4), jnp.array([2, 0, 1, 3]), jnp.full(4, 4),
+                            jnp.int32(1), np.array([0, 0, 1, 1]), row_bytes=10)
+  assert {k: float(v) for k, v in got.items()} == {
+      "wire": 120, "copies": 60, "wire_cross_node": 80, "copies_cross_node": 40}
+
+
+def test_analytic_rows_of_each_dispatch_unit():
+  # 4 devices, 2 per node; source device 0 (node 0, index 0 in its node).
+  # t0 -> devices (1, 1): per copy 2 rows; per token 1; node unit: 1 forward in node 0.
+  # t1 -> devices (2, 3): per copy / per token 2 rows across nodes; node unit:
+  #   1 row across (lands on device 2, the peer) + 1 forward to device 3.
+  dest = np.array([[1, 1], [2, 3]])[None, None]
+  sent = np.ones_like(dest, bool)
+  node_of = np.array([0, 0, 1, 1])
+  one_way = lambda unit: {k: v / 2 for k, v in comm.analytic_bytes(dest, sent, node_of, 1,
+                                                                    unit).items()}
+  assert one_way("copy") == {"copies": 4, "min_device": 3, "min_node": 1,
+                             "copies_cross_node": 2}
+  assert one_way("token") == {"copies": 3, "min_device": 3, "min_node": 1,
+                              "copies_cross_node": 2}
+  assert one_way("node") == {"copies": 3, "min_device": 3, "min_node": 1,
+                             "copies_cross_node": 1}

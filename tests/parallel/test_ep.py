@@ -9,13 +9,22 @@ subprocess with JAX_NUM_CPU_DEVICES=8:
   with zero-computation experts, hierarchical, GELU with heterogeneous
   widths): outputs, gradients, loads, metrics, losses, controller state and
   drops against the single-device reference (whole batch, or per shard for
-  the per-group rules).
+  the per-group rules), with the default dispatch (each token once per
+  destination device, bucketed padded all_to_all).
+* ``routers_node``: every router again with the node dispatch (once per
+  node across nodes, forwarded inside the node), on the capacity and the
+  ragged transport.
+* ``buckets``: a maximally skewed router (every token to the experts of one
+  device) on every dispatch unit and transport: equal to the reference,
+  nothing dropped, the largest bucket on the wire; a balanced router picks
+  a smaller one.
 * ``dispatch``: the ragged path (emulated collective) on expert axes of 8
-  and 4, its refusal of the native collective on CPU, FSDP, and ragged vs
-  capacity dispatch with drops.
+  and 4, its refusal of the native collective on CPU, FSDP, ragged vs
+  capacity dispatch with drops, and the per-copy dispatch.
 * ``topology``: node- and device-limited routing (bounds, fewer cross-node
   bytes, equality with the single-device layer under the derived config,
-  byte counts against the host-side analytic count) and placement with
+  byte counts of every dispatch unit against the host-side analytic count,
+  the node unit's cross-node rows at the once-per-node minimum) and placement with
   replicas (equal outputs and gradients, lower max device load).
 * ``scmoe``: a ScMoE transformer (routed experts on the previous block's
   representation, shared experts on the current one) run expert-parallel
@@ -43,7 +52,8 @@ def run_child(script, *args, devices=8, timeout=600):
   return proc.stdout
 
 
-@pytest.mark.parametrize("group", ["routers", "dispatch", "topology", "scmoe"])
+@pytest.mark.parametrize("group", ["routers", "routers_node", "buckets", "dispatch",
+                                   "topology", "scmoe"])
 def test_expert_parallel_equals_single_device(group):
   out = run_child(CHILD, group)
   assert f"OK {group}" in out, out

@@ -44,6 +44,20 @@ def test_config_errors_name_field_value_and_fix():
     C.check_experts(C.ParallelConfig(), moe_config(kind="soft"))
   with pytest.raises(C.ConfigError, match="unknown key.*did you mean 'expert'"):
     C.from_dict(C.ParallelConfig, {"experts": 4})
+  with pytest.raises(C.ConfigError, match=r"parallel.dispatch_unit='tokens'.*'token'"):
+    C.ParallelConfig(dispatch_unit="tokens")
+  with pytest.raises(C.ConfigError, match=r"parallel.capacity_buckets=0"):
+    C.ParallelConfig(capacity_buckets=0)
+  assert C.ParallelConfig().dispatch_unit == "token"
+
+
+def test_node_dispatch_needs_equal_contiguous_nodes():
+  assert EP.node_size(np.array([0, 0, 1, 1])) == 2
+  assert EP.node_size(np.array([0, 0, 0, 0])) == 4
+  with pytest.raises(ValueError, match=r"dispatch_unit='node'.*\[0, 1, 0, 1\].*devices_per_node"):
+    EP.node_size(np.array([0, 1, 0, 1]))
+  with pytest.raises(ValueError, match=r"dispatch_unit='node'"):
+    EP.node_size(np.array([0, 0, 0, 1, 1, 2]))
 
 
 def test_make_mesh_on_this_process_devices():
