@@ -10,6 +10,7 @@ import pytest
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 
 
+@pytest.mark.slow  # imports torch and times both frameworks (~15 s on CI)
 def test_layer_suite_times_jax_and_torch_side_by_side(tmp_path):
   pytest.importorskip("transformers")
   out = tmp_path / "layer.json"

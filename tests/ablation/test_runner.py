@@ -203,6 +203,7 @@ def test_logging_changes_keep_a_finished_suite_finished(tiny_suite_dir):
   assert calls == [] and out.getvalue().count("finished earlier, not retrained") == 4
 
 
+@pytest.mark.slow  # ~30 s on CI; tests/train/test_resume.py covers --extend of one run in the default run
 def test_extend_trains_the_extra_steps_of_every_run(tiny_suite_dir):
   copy = _copy(tiny_suite_dir[0], "extend")
   tree = helpers.tiny_suite()

@@ -62,6 +62,7 @@ def test_quantize_cli(tiny_workdir, tmp_path):
   assert "| int8 |" in r.stdout
 
 
+@pytest.mark.slow  # a benchmark smoke (~25 s on CI); decode correctness is tests/serve/test_decode.py
 def test_serving_bench_smoke(tmp_path):
   out, png = tmp_path / "s.json", tmp_path / "s.png"
   r = _run("experiments.bench", "--suite=serving", "--serving_batches=1,2",

@@ -37,12 +37,24 @@ def test_left_pad_by_hand():
     left_pad([[1], []])
 
 
+_FULL_FORWARD = nnx.jit(lambda m, t: m(t)[0])
+_NAIVE_LENGTH = 16
+
+
 def _naive_greedy(model, prompt, n):
-  """Argmax continuation by re-running the full forward on the growing sequence."""
+  """Argmax continuation by re-running the full forward on the growing sequence.
+
+  The sequence is right-padded to one fixed length, so every step reuses one
+  compiled forward: attention is causal and this MoE routes each token on its
+  own (top-k, dropless), so the logits at the last real position do not see
+  the padding.
+  """
   seq = list(prompt)
-  fwd = nnx.jit(lambda m, t: m(t)[0])
+  assert len(seq) + n <= _NAIVE_LENGTH
   for _ in range(n):
-    seq.append(int(jnp.argmax(fwd(model, jnp.asarray([seq], jnp.int32))[0, -1])))
+    padded = seq + [0] * (_NAIVE_LENGTH - len(seq))
+    logits = _FULL_FORWARD(model, jnp.asarray([padded], jnp.int32))
+    seq.append(int(jnp.argmax(logits[0, len(seq) - 1])))
   return seq[len(prompt):]
 
 
