@@ -87,7 +87,8 @@ def _eval_batches(cfg: ExperimentConfig, docs, put):
   it = data_lib.make_batch_iterator(docs, cfg.data.seq_len, cfg.data.batch_size,
                                     seed=cfg.data.seed, train=False,
                                     process_index=jax.process_index(),
-                                    process_count=jax.process_count())
+                                    process_count=jax.process_count(),
+                                    loss_labels=data_lib.loss_labels(cfg.data, docs))
   return (put(batch) for batch in it)
 
 
@@ -357,7 +358,8 @@ def _run(cfg, workdir, graphdef, tx, restored, train_it, val_docs, ckpt, writer,
     step += 1
     pending.append(metrics)
     if compiled:
-      tokens += float(batch["mask"].sum()) * jax.process_count()  # local rows only
+      # Every non-padding target (data.loss_domains scores a subset of them).
+      tokens += float(batch.get("valid", batch["mask"]).sum()) * jax.process_count()
       timed_steps += 1
     else:
       # The first step compiles; keep it out of tokens/s and the ETA.
@@ -393,7 +395,7 @@ def _run(cfg, workdir, graphdef, tx, restored, train_it, val_docs, ckpt, writer,
       final = step == tc.steps
       result = evaluate(eval_step, state.params, state.router_state, state.other,
                         _eval_batches(cfg, val_docs, put_batch),
-                        None if final else tc.eval_batches)
+                        None if final else tc.eval_batches, val_docs.domain_names)
       result["unigram_baseline"] = unigram
       writer.write(step, "eval", result)
       extra = "".join(f" | {name} {result[key]:.3f}" for key, name in
