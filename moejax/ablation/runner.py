@@ -79,8 +79,9 @@ def is_finished(run_path: str, exp: ExperimentConfig) -> bool:
   with open(path, encoding="utf-8") as f:
     res = json.load(f)
   saved = res.get("experiment")
+  new = json.loads(experiment_to_json(exp))
   return isinstance(saved, dict) and not ckpt_lib.identity_changes(
-      saved, json.loads(experiment_to_json(exp)))
+      ckpt_lib.with_defaults(saved, new), new)
 
 
 def plan_suite(suite: Suite, workdir: str, extend: bool = False) -> list[tuple[str, str]]:

@@ -45,6 +45,8 @@ from moejax.evaluate.validation import evaluate, make_eval_step
 from moejax.execution import gmm
 from moejax.execution import mesh as mesh_lib
 from moejax.execution import parallel as parallel_lib
+from moejax.finetune import accounting as accounting_lib
+from moejax.finetune import source as source_lib
 from moejax.model import ExpertParallel
 from moejax.train import checkpoint as ckpt_lib
 from moejax.train import guard
@@ -197,7 +199,7 @@ def train(cfg: ExperimentConfig, workdir: str, *, out: TextIO = sys.stdout,
   layout = device_layout(cfg)
   lock_lib.check_unlocked(workdir)
   plan = ckpt_lib.check_workdir(workdir, cfg, extend=extend)
-  tx = make_optimizer(tc, cfg.model)
+  tx = make_optimizer(tc, cfg.model, cfg.finetune)
   graphdef, abstract = step_lib.abstract_state(cfg, tx, layout.expert_parallel)
   abstract_tree = abstract.checkpoint_tree()
   restored = None
@@ -209,6 +211,14 @@ def train(cfg: ExperimentConfig, workdir: str, *, out: TextIO = sys.stdout,
       for change in plan.changes:
         say(f"  (not recorded: {change})")
       return report(workdir, _summary(workdir), say)
+  source = None
+  if cfg.finetune.enabled:
+    if restored is None:  # a fine-tuning run starts from its source (checked here, read-only)
+      source = source_lib.open_source(cfg)
+      for note in source.notes:
+        say(f"note: this run's model differs from its source in {note}")
+    say(f"fine-tuning ({_options(cfg)}); accounting before training:")
+    say(accounting_lib.table({"this run": accounting_lib.accounting(cfg, abstract.params, tx)}))
   train_it = data_lib.make_batches(cfg.data, cfg.data.train_split,
                                    process_index=jax.process_index(),
                                    process_count=jax.process_count())
@@ -234,7 +244,7 @@ def train(cfg: ExperimentConfig, workdir: str, *, out: TextIO = sys.stdout,
                                     then_steps=then_steps, then_seconds=then_seconds)
     try:
       step = _run(cfg, workdir, graphdef, tx, restored, train_it, val_docs, ckpt, writer,
-                  progress, say, layout)
+                  progress, say, layout, source)
     except guard.NonFiniteError as e:
       _history(workdir, "stopped", reason=str(e).split(":")[0],
                               train_seconds=progress.train_seconds)
@@ -245,6 +255,18 @@ def train(cfg: ExperimentConfig, workdir: str, *, out: TextIO = sys.stdout,
       writer.close()
     _history(workdir, "end", step=step, train_seconds=progress.train_seconds)
   return report(workdir, _summary(workdir), say)
+
+
+def _options(cfg: ExperimentConfig) -> str:
+  ft = cfg.finetune
+  parts = [f"from {ft.source}"]
+  if ft.freeze:
+    parts.append(f"frozen: {', '.join(ft.freeze)}")
+  if ft.lora:
+    parts.append(f"LoRA rank {ft.lora_rank} (x{ft.lora_scale:g}) on {', '.join(ft.lora)}")
+  if ft.controller != "auto":
+    parts.append(f"bias controller {ft.controller}")
+  return "; ".join(parts)
 
 
 def _record_start(workdir, cfg, plan, restored, say) -> None:
@@ -321,7 +343,7 @@ def report(workdir: str, summary: dict, say) -> dict:
 
 
 def _run(cfg, workdir, graphdef, tx, restored, train_it, val_docs, ckpt, writer, progress, say,
-         layout) -> int:
+         layout, source=None) -> int:
   """The steps; returns the last step done."""
   tc = cfg.train
   put_batch, put_state = layout.put_batch, layout.put_state
@@ -334,6 +356,9 @@ def _run(cfg, workdir, graphdef, tx, restored, train_it, val_docs, ckpt, writer,
     say(f"{workdir}: new run, {n_params / 1e6:.2f}M params, {tc.steps} steps of "
         f"{cfg.data.batch_size}x{cfg.data.seq_len} tokens on {cfg.data.name}; "
         f"unigram baseline {unigram:.3f} nats/token")
+    if source is not None:
+      state = source.apply(state, tx)
+      say(f"{workdir}: initialised from {source.describe()}")
   else:
     state = step_lib.TrainState(**restored.tree)
     data_state = dict(restored.data_state)
