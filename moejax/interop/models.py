@@ -187,8 +187,13 @@ def _check_exportable(cfg: ModelConfig, model_type: str) -> None:
   bad = []
   if cfg.moe is None or cfg.moe.kind != "sparse":
     bad.append("a sparse MoE in every layer (model.moe)")
-  elif not all(cfg.is_moe_layer(i) for i in range(cfg.n_layers)):
-    bad.append(f"model.moe_layout={cfg.moe_layout!r} (every layer must be MoE)")
+  else:
+    if not all(cfg.is_moe_layer(i) for i in range(cfg.n_layers)):
+      bad.append(f"model.moe_layout={cfg.moe_layout!r} (every layer must be MoE)")
+    r = cfg.moe.routing
+    if r.score_fn != "softmax" or r.use_bias or r.kind != "topk":
+      bad.append(f"routing kind={r.kind!r}, score_fn={r.score_fn!r}, use_bias={r.use_bias} "
+                 f"(needs softmax top-k without a selection bias)")
   for field, ok, what in (("attention_bias", not cfg.attention_bias, "False"),
                           ("tie_embeddings", not cfg.tie_embeddings, "False (moejax scales a "
                            "tied head by d^-1/2)"),
