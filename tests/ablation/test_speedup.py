@@ -73,3 +73,32 @@ def test_add_speedups_pairs_by_seed_and_notes_misses(tmp_path):
   assert results[0]["speedup_steps"] == 1.0
   assert "steps_to_reference" not in results[1] and "never reached" in results[1]["speedup_note"]
   assert "speedup_note" not in results[2]   # no reference run of seed 1
+
+
+def test_suite_summary_reports_speedups_with_intervals_over_seeds(tmp_path):
+  from moejax.ablation import summary as summary_lib  # pylint: disable=g-import-not-at-top
+  from moejax.ablation import tables  # pylint: disable=g-import-not-at-top
+  suite_dir = tmp_path / "suite"
+  exp = {"data": {"batch_size": 2, "seq_len": 5}}
+  # The MoE reaches the dense model's final loss 2.0 at 150 steps (half way from 3.0 to 1.0),
+  # at its first evaluation (100, an upper bound) and at 100 + 0.5 / 1.5 * 100 (seeds 0-2).
+  curves = {"dense": [[(100, 3.0), (200, 2.5), (300, 2.0)]] * 3,
+            "moe": [[(100, 3.0), (200, 1.0), (300, 0.5)], [(100, 2.0), (200, 1.0), (300, 0.5)],
+                    [(100, 2.5), (200, 1.0), (300, 0.5)]]}
+  for arm, per_seed in curves.items():
+    for seed, evals in enumerate(per_seed):
+      path = _run(suite_dir / arm, f"seed_{seed}", evals, tps=100.0)
+      with open(os.path.join(path, "result.json"), "w") as f:
+        json.dump({"arm": arm, "seed": seed, "suite": "s", "val_loss": evals[-1][1],
+                   "experiment": exp, "budget": {"total": 1}}, f)
+  with open(suite_dir / "suite.json", "w") as f:
+    json.dump({"name": "s", "arm_order": ["dense", "moe"], "baseline": "dense",
+               "analysis": {"speedup_reference": "dense"}}, f)
+  summary = summary_lib.suite_summary(str(suite_dir))
+  steps = summary["arms"]["moe"]["metrics"]["steps_to_reference"]
+  assert steps["values"] == pytest.approx({"0": 150.0, "1": 100.0, "2": 400 / 3})
+  speed = summary["arms"]["moe"]["metrics"]["speedup_steps"]["interval"]
+  assert speed["mean"] == pytest.approx((2.0 + 3.0 + 2.25) / 3) and speed["lo"] is not None
+  assert summary["comparisons"]["moe"]["speedup_steps"]["verdict"] == "better"
+  assert summary["arms"]["dense"]["metrics"]["speedup_steps"]["interval"]["mean"] == 1.0
+  assert "| moe | 3 |" in tables.speedup_table(summary)
