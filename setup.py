@@ -45,5 +45,9 @@ setup(
         # Qwen2-MoE, Qwen3-MoE and DeepSeek-V3 blocks the parity tests use.
         "interop": ["torch==2.13.0", "transformers>=5.24,<6", "safetensors>=0.6",
                     "matplotlib>=3.8"],
+        # The grouped-matmul peer of experiments.device_check (tokamax's ragged
+        # dot; on CPU it falls back to XLA). 0.0.12 is the last release for
+        # Python 3.11.
+        "kernels": ["tokamax>=0.0.12"],
     },
 )

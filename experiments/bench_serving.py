@@ -184,7 +184,7 @@ def ffn_rows(models: dict, b: int, seed: int, repeats: int) -> dict:
     ffn = moe_model.blocks[0].ffn
     params, cfg = values(ffn.params), ffn.cfg
     for backend in ("blocked", "ragged_dot", "reference"):
-      c = dataclasses.replace(cfg, backend=backend)
+      c = dataclasses.replace(cfg, execution=dataclasses.replace(cfg.execution, backend=backend))
       fns[f"moe_{backend}"] = jax.jit(
           lambda x, c=c: layer_lib.moe_layer(params, x, None, c)[0])
     fns["moe_gather"] = jax.jit(lambda x: _gather_moe(params, x, cfg.routing.top_k))
@@ -249,8 +249,8 @@ def print_serving_table(res: dict) -> None:
   m = res["models"]
   for name in models:
     moe = m[name]["config"]["moe"]
-    ff = (f"E={moe['num_experts']} K={moe['router']['top_k']} f={moe['expert_width']}" if moe
-          else f"F={m[name]['ffn_width']}")
+    ff = (f"E={moe['topology']['num_experts']} K={moe['routing']['top_k']} "
+          f"f={moe['topology']['expert_width']}" if moe else f"F={m[name]['ffn_width']}")
     print(f"{name}: {m[name]['params'] / 1e6:.2f}M params, {ff}")
   print(f"\nprompt {res['prompt']} tokens, {res['steps']} decode steps, "
         f"{res['cache_slots']} cache slots")

@@ -48,6 +48,10 @@ from moejax.train import lock as lock_lib
 from moejax.train import metrics_log
 from moejax.train.config import ExperimentConfig, experiment_to_json
 
+# Training-log metrics of the layer kinds without a token -> expert decision
+# (moejax.train.step's summary): Soft MoE, PEER, mixture-of-depths.
+LAYER_KIND_METRICS = ("soft_dispatch_entropy", "soft_combine_entropy", "peer_experts_touched",
+                      "peer_key_max_vio", "mod_capacity_use", "mod_causal_agreement")
 RESULT_FILE = "result.json"
 ROUTING_FILE = "routing.json"
 
@@ -145,7 +149,7 @@ def train_metrics(run_path: str) -> dict:
     # The second half of training: the routing after the early transient.
     late = tr[len(tr) // 2:]
     for k in ("max_vio_batch", "drop_rate", "active_experts_mean", "active_experts_var",
-              "load_entropy", "tokens_per_s"):
+              "load_entropy", "tokens_per_s", *LAYER_KIND_METRICS):
       vals = [r[k] for r in late if isinstance(r.get(k), (int, float))]
       if vals:
         out[k] = float(np.mean(vals))

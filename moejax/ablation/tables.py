@@ -23,6 +23,8 @@ _HUMAN = ("total", "active", "flops_per_token", "tokens", "a2a_bytes_per_token")
 # Columns of the arms table, in order (a column no arm has is left out).
 ARM_COLUMNS = ("val_loss", "max_vio_batch", "max_vio_global", "drop_rate",
                "specialisation_mi_norm", "active_experts_mean", "active_experts_var",
+               "soft_dispatch_entropy", "soft_combine_entropy", "peer_experts_touched",
+               "peer_key_max_vio", "mod_capacity_use", "mod_causal_agreement",
                "a2a_bytes_per_token", "moe_latency_p99_ms", "probe_teacher_forced_loss",
                "probe_prefix_loss", "probe_leak_gap",
                # fine-tuning against the suite's source (moejax.ablation.sources)

@@ -2,9 +2,12 @@
 
 Entry points:
 
-* :func:`moejax.execution.experts.routed_experts`: the layer's routed-expert
-  output for a :class:`~moejax.routing.types.RoutingResult`, dropless, with
-  the grouped-matmul backend chosen by name.
+* :func:`moejax.execution.grouped_ffn.routed_ffn`: the FFN of token copies
+  grouped by expert, ``y[t] = sum_k w[t, k] FFN_{ids[t, k]}(x[t])``, with an
+  optional width mask and the grouped-matmul backend chosen by name; the
+  layer (:func:`~moejax.execution.grouped_ffn.routed_experts`, the same for
+  a :class:`~moejax.routing.types.RoutingResult`) and the expert-parallel
+  path both call it.
 * :func:`moejax.execution.gmm.gmm` / :func:`~moejax.execution.gmm.tgmm`: the
   grouped matmul and its weight-gradient form; backends ``ragged_dot``
   (reference), ``blocked`` (portable XLA, default), ``pallas_tpu``,
@@ -12,16 +15,38 @@ Entry points:
 * :mod:`moejax.execution.permute`: dropless sort-by-expert layout, [E, C]
   capacity buffers with the slot-major drop rule, permute / unpermute with
   gather-only custom VJPs.
+* :mod:`moejax.execution.registry`: the backend names, importable without
+  JAX (config validation).
 
 See docs/execution.md for the contracts and the measured benchmark.
 """
 
-# Submodules ``gmm`` and ``permute`` share their names with their main
-# functions, so the package exports the modules, not the functions:
+# Nothing is imported eagerly: ``moejax.execution.registry`` must stay
+# importable without JAX. Submodules ``gmm`` and ``permute`` share their
+# names with their main functions, so use the modules:
 # ``from moejax.execution import gmm; gmm.gmm(...)``.
-from moejax.execution import gmm, permute
-from moejax.execution.experts import routed_experts
-from moejax.execution.gmm import BACKENDS, DEFAULT_BACKEND, GmmError
+import importlib
 
-__all__ = ["BACKENDS", "DEFAULT_BACKEND", "GmmError", "gmm", "permute",
-           "routed_experts"]
+_LAZY = {
+    "BACKENDS": ("moejax.execution.registry", "GMM_BACKENDS"),
+    "DEFAULT_BACKEND": ("moejax.execution.registry", "DEFAULT_GMM_BACKEND"),
+    "GmmError": ("moejax.execution.gmm", "GmmError"),
+    "routed_experts": ("moejax.execution.grouped_ffn", "routed_experts"),
+    "routed_ffn": ("moejax.execution.grouped_ffn", "routed_ffn"),
+}
+
+__all__ = ["BACKENDS", "DEFAULT_BACKEND", "GmmError", "routed_experts", "routed_ffn"]
+
+
+_SUBMODULES = ("blocked", "comm", "fused", "gmm", "grouped_ffn", "mesh", "pallas_gather",
+               "pallas_gpu", "pallas_tpu", "parallel", "permute", "placement", "registry",
+               "tiling")
+
+
+def __getattr__(name):
+  if name in _LAZY:
+    module, attr = _LAZY[name]
+    return getattr(importlib.import_module(module), attr)
+  if name in _SUBMODULES:  # ``import moejax.execution as ex; ex.gmm`` works too
+    return importlib.import_module(f"moejax.execution.{name}")
+  raise AttributeError(f"module 'moejax.execution' has no attribute {name!r}")

@@ -16,8 +16,9 @@ written or accumulated. Dropless and exact; no shape depends on the
 routing.
 
 The loop carries the full output, which XLA updates in place
-(dynamic-update-slice on a loop carry). Defaults tm = 256, ts = 32
-(docs/execution.md has the measurements).
+(dynamic-update-slice on a loop carry). Tile defaults:
+``tiling.DEFAULT_TILE_M`` / ``tiling.DEFAULT_TILE_SMALL``, shared with the
+fused FFN (docs/execution.md has the measurements).
 """
 
 from __future__ import annotations
@@ -30,19 +31,14 @@ from jax import lax
 from moejax.execution import gmm as gmm_lib
 from moejax.execution import tiling
 
-DEFAULT_TILE_M = 256
-DEFAULT_TILE_SMALL = 32
 
-
-def _plans(group_sizes, m: int, tile_m: int, tile_small: int):
-  tm = max(1, min(int(tile_m), m))
-  ts = max(1, min(int(tile_small), tm))
-  return tiling.group_tiles(group_sizes, m, tm, ts)
+def _plans(group_sizes, m: int, tile_m, tile_small):
+  return tiling.group_tiles(group_sizes, m, *tiling.fit_tiles(m, tile_m, tile_small))
 
 
 def blocked_gmm(lhs, rhs, group_sizes, *, out_dtype, transpose_rhs=False,
-                interpret=False, tile_m: int = DEFAULT_TILE_M,
-                tile_small: int = DEFAULT_TILE_SMALL):
+                interpret=False, tile_m: int | None = None,
+                tile_small: int | None = None):
   """out[m, n] = lhs[rows_g] @ rhs[g] per group (rows past the groups: 0)."""
   del interpret
   m, k = lhs.shape
@@ -68,7 +64,7 @@ def blocked_gmm(lhs, rhs, group_sizes, *, out_dtype, transpose_rhs=False,
 
 
 def blocked_tgmm(lhs, grad, group_sizes, *, out_dtype, interpret=False,
-                 tile_m: int = DEFAULT_TILE_M, tile_small: int = DEFAULT_TILE_SMALL):
+                 tile_m: int | None = None, tile_small: int | None = None):
   """out[G, k, n] = lhs[rows_g]^T @ grad[rows_g] per group (empty: 0)."""
   del interpret
   m, k = lhs.shape

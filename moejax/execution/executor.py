@@ -34,7 +34,7 @@ import jax
 import jax.numpy as jnp
 
 from moejax.config import MoEConfig
-from moejax.execution import experts as exec_experts
+from moejax.execution import grouped_ffn
 from moejax.routing.types import RoutingResult
 from moejax.topology import experts as experts_lib
 
@@ -93,7 +93,7 @@ class LocalExecutor:
 
   def __call__(self, experts, x, result, *, width_mask=None, capacity=None):
     del capacity  # dropped slots are already invalid; the grouped matmul skips them
-    y = exec_experts.routed_experts(
+    y = grouped_ffn.routed_experts(
         experts, x, result, num_experts=self.num_experts, activation=self.activation,
         backend=self.backend, width_mask=width_mask, interpret=self.interpret)
     return y, {}

@@ -37,9 +37,6 @@ from jax import lax
 
 from moejax.execution import tiling
 
-DEFAULT_TILE_M = 256
-DEFAULT_TILE_SMALL = 64
-
 
 def _gather(a, idx):
   return jnp.take(a, idx, axis=0, mode="fill", fill_value=0)
@@ -59,47 +56,34 @@ def _act_fwd(activation, a, b):
 
 
 class _Tiles:
-  """Per-expert row tiles of the dropless layout, in two sizes.
+  """Expert g's row tiles of the dropless layout (``tiling.group_tiles``).
 
-  An expert's rows are covered by full tiles of ``tm`` rows, then its
-  remainder by tiles of ``ts`` rows, so the padding waste is < ts rows per
-  expert while the bulk runs at the efficiency of tm-row matmuls.
+  Full tm-row tiles, then the remainder in ts-row tiles, so the padding
+  waste is < ts rows per expert while the bulk runs in tm-row matmuls.
   """
 
   def __init__(self, src_token, group_sizes, num_tokens, tm, ts):
-    self.m = src_token.shape[0]
-    self.tm, self.ts = tm, ts
     self.src_token = src_token
     self.num_tokens = num_tokens
-    self.starts, self.ends = tiling.group_bounds(group_sizes)
-    self.big = group_sizes // tm
-    self.small = (group_sizes - self.big * tm + ts - 1) // ts
-
-  def _tile(self, g, lo, size):
-    """(first row, row mask, token per row with T where masked)."""
-    # The operand's last tile is clamped inside it and re-reads rows of the
-    # previous tile: own only [lo, end) so nothing is counted twice.
-    r0 = jnp.minimum(lo, self.m - size)
-    rows = r0 + jnp.arange(size, dtype=jnp.int32)
-    keep = (rows >= lo) & (rows < self.ends[g])
-    tok = jnp.where(keep, lax.dynamic_slice(self.src_token, (r0,), (size,)),
-                    self.num_tokens)
-    return r0, keep, tok
+    self.classes = tiling.group_tiles(group_sizes, src_token.shape[0], tm, ts)
 
   def loop(self, g, body, carry):
-    """carry = body(size, r0, keep, tok, carry) over expert g's tiles."""
-    start = self.starts[g]
+    """carry = body(size, r0, keep, tok, carry) over expert g's tiles.
 
-    def big(j, c):
-      return body(self.tm, *self._tile(g, start + j * self.tm, self.tm), c)
+    r0 is the tile's first row, keep bool[size] the rows it owns (a tile
+    clamped back inside the operand re-reads rows of the previous tile and
+    must not count them twice), tok the token of each row, T where not kept.
+    """
+    for size, tiles in self.classes:
+      def step(i, c, size=size, tiles=tiles):
+        r0 = tiles.row[i]
+        keep = tiles.owned(i, size)
+        tok = jnp.where(keep, lax.dynamic_slice(self.src_token, (r0,), (size,)),
+                        self.num_tokens)
+        return body(size, r0, keep, tok, c)
 
-    carry = lax.fori_loop(0, self.big[g], big, carry)
-    rest = start + self.big[g] * self.tm
-
-    def small(j, c):
-      return body(self.ts, *self._tile(g, rest + j * self.ts, self.ts), c)
-
-    return lax.fori_loop(0, self.small[g], small, carry)
+      carry = lax.fori_loop(tiles.offsets[g], tiles.offsets[g + 1], step, carry)
+    return carry
 
 
 def _merge_rows(buf, r0, keep, val):
@@ -238,17 +222,14 @@ _ffn.defvjp(_ffn_fwd, _ffn_bwd)
 
 
 def blocked_ffn(params, x, weights, plan, *, activation: str,
-                tile_m: int = DEFAULT_TILE_M,
-                tile_small: int = DEFAULT_TILE_SMALL) -> jax.Array:
+                tile_m: int | None = None, tile_small: int | None = None) -> jax.Array:
   """y[T, d] = sum_k weights[t, k] FFN_{expert}(x[t]) over dispatched slots.
 
   ``plan`` is a dropless :class:`moejax.execution.permute.Dispatch`;
   ``params`` holds the expert weights for ``activation`` (width mask already
   folded into ``w_down`` by the caller).
   """
-  m = plan.num_rows
-  tm = max(1, min(int(tile_m), m))
-  ts = max(1, min(int(tile_small), tm))
+  tm, ts = tiling.fit_tiles(plan.num_rows, tile_m, tile_small)
   keys = ("w_gate", "w_up", "w_down") if activation == "swiglu" else ("w_up", "w_down")
   params = {k: params[k] for k in keys}
   return _ffn(activation, tm, ts, params, x, weights, plan.src_token, plan.src_slot,

@@ -54,15 +54,17 @@ import jax.numpy as jnp
 import numpy as np
 
 from moejax.config import GMM_BACKEND_MODULES
-from moejax.execution import tiling
+from moejax.execution import registry, tiling
 
-DEFAULT_BACKEND = "blocked"
+# The names live in moejax.config.registry (importable without JAX, for
+# config validation), re-exported by moejax.execution.registry.
+BACKENDS = registry.GMM_BACKENDS
+DEFAULT_BACKEND = registry.DEFAULT_GMM_BACKEND
 
 # name -> module defining BACKEND, from the config registry (the one list of
-# backend names); imported on first use so that the Pallas modules are only
-# loaded by the callers that pick them.
+# backend names and where each lives); imported on first use so that the
+# Pallas modules are only loaded by the callers that pick them.
 _MODULES = dict(GMM_BACKEND_MODULES)
-BACKENDS = tuple(_MODULES)
 
 FLOAT_DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16)
 

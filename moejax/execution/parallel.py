@@ -60,8 +60,7 @@ from jax.sharding import Mesh, PartitionSpec as P
 from moejax.balance import stats
 from moejax.config import MoEConfig, ParallelConfig, check_experts, check_route_limit
 from moejax.execution import comm as comm_lib
-from moejax.execution import experts as exec_experts
-from moejax.execution import fused as fused_lib
+from moejax.execution import grouped_ffn
 from moejax.execution import mesh as mesh_lib
 from moejax.execution import permute as permute_lib
 from moejax.execution import placement as placement_lib
@@ -112,18 +111,10 @@ def local_experts(params: dict, rows: jax.Array, slot: jax.Array, filled: jax.Ar
   local expert gives the grouped-matmul layout, so empty buffer rows cost
   nothing in backends that skip rows past the groups (``blocked``).
   """
-  plan = permute_lib.sort_by_expert(slot[:, None].astype(jnp.int32), filled[:, None],
-                                    num_slots)
-  w = filled.astype(jnp.float32)[:, None]
-  if backend == "blocked":
-    p = dict(params)
-    if width_mask is not None:
-      p["w_down"] = p["w_down"] * width_mask[:, :, None].astype(p["w_down"].dtype)
-    return fused_lib.blocked_ffn(p, rows, w, plan, activation=activation).astype(rows.dtype)
-  xs = permute_lib.permute(rows, plan)
-  ys = exec_experts.expert_ffn_rows(params, xs, plan.group_sizes, activation=activation,
-                                    backend=backend, width_mask=width_mask)
-  return permute_lib.unpermute(ys, plan, w.astype(ys.dtype)).astype(rows.dtype)
+  return grouped_ffn.routed_ffn(params, rows, slot[:, None].astype(jnp.int32),
+                                filled[:, None], filled.astype(jnp.float32)[:, None],
+                                num_experts=num_slots, activation=activation,
+                                backend=backend, width_mask=width_mask)
 
 
 def emulated_ragged_all_to_all(operand, output, input_offsets, send_sizes,

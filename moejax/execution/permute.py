@@ -25,7 +25,8 @@ custom VJPs in which every backward pass is again a *gather* through the
 inverse map (src <-> dst), never a scatter-add: with each row fed by at most
 one slot, the transpose of a gather by ``src`` is a gather by ``dst``
 followed by a sum over K. The row gather itself has backends: ``xla``
-(``jnp.take``) and ``pallas_tpu`` (a Pallas kernel, interpretable on CPU).
+(``jnp.take``), ``pallas_tpu`` and ``pallas_gpu`` (Pallas kernels in
+:mod:`moejax.execution.pallas_gather`, interpretable on CPU).
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
-GATHER_BACKENDS = ("xla", "pallas_tpu")
+from moejax.execution.registry import GATHER_BACKENDS
 
 
 @struct.dataclass
@@ -145,6 +146,9 @@ def gather_rows(x: jax.Array, idx: jax.Array, *, backend: str = "xla",
   if backend == "pallas_tpu":
     from moejax.execution import pallas_gather
     return pallas_gather.gather_rows(x, idx, interpret=interpret)
+  if backend == "pallas_gpu":
+    from moejax.execution import pallas_gather
+    return pallas_gather.gather_rows_gpu(x, idx, interpret=interpret)
   raise ValueError(f"gather backend {backend!r} is unknown. Fix: use one of "
                    f"{', '.join(GATHER_BACKENDS)}")
 
@@ -153,10 +157,11 @@ def _check_gather_backend(backend: str, interpret: bool) -> None:
   if backend not in GATHER_BACKENDS:
     raise ValueError(f"gather backend {backend!r} is unknown. Fix: use one of "
                      f"{', '.join(GATHER_BACKENDS)}")
-  if backend == "pallas_tpu" and jax.default_backend() != "tpu" and not interpret:
-    raise ValueError(f"gather backend 'pallas_tpu' needs a TPU; this platform is "
-                     f"{jax.default_backend()!r}. Fix: use backend='xla' or pass "
-                     "interpret=True (slow, tests only)")
+  platform = {"pallas_tpu": "tpu", "pallas_gpu": "gpu"}.get(backend)
+  if platform and jax.default_backend() != platform and not interpret:
+    raise ValueError(f"gather backend {backend!r} needs a {platform.upper()}; this "
+                     f"platform is {jax.default_backend()!r}. Fix: use backend='xla' or "
+                     "pass interpret=True (slow, tests only)")
 
 
 def _permute_impl(x, src_token, dst, backend, interpret):
@@ -233,19 +238,3 @@ def unpermute(ys: jax.Array, plan: Dispatch, weights: jax.Array, *,
     raise ValueError(f"weights {weights.shape} must be [T, K]={plan.dst.shape}")
   return _unpermute_vjp(ys, weights, plan.dst, plan.src_token, plan.src_slot,
                         backend, interpret)
-
-
-# --- Capacity buffers as [E, C, d]. -----------------------------------------
-
-def dispatch_to_buffers(x: jax.Array, plan: Dispatch, num_experts: int,
-                        **kw) -> jax.Array:
-  """x_buf[E, C, d] for a :func:`capacity_layout` plan (empty rows zero)."""
-  xs = permute(x, plan, **kw)
-  return xs.reshape(num_experts, plan.num_rows // num_experts, x.shape[-1])
-
-
-def combine_from_buffers(y_buf: jax.Array, plan: Dispatch, weights: jax.Array,
-                         **kw) -> jax.Array:
-  """y[T, d] from expert outputs y_buf[E, C, d]; dropped slots add 0."""
-  e, c, d = y_buf.shape
-  return unpermute(y_buf.reshape(e * c, d), plan, weights, **kw)

@@ -23,6 +23,12 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
+# Row tiles of the XLA paths (blocked gmm and the fused FFN): full tm-row
+# tiles, then the remainder of each group in ts-row tiles. One pair of
+# defaults for both; docs/execution.md has the measurements.
+DEFAULT_TILE_M = 256
+DEFAULT_TILE_SMALL = 64
+
 
 def cdiv(a: int, b: int) -> int:
   return -(-a // b)
@@ -58,6 +64,8 @@ class GroupTiles:
       must skip them, so ownership is [lo, end of the group).
     num_tiles: int32[] tiles in use; sum_g ceil(size_g / tm) <= NT.
     ends: int32[G] end row of each group.
+    offsets: int32[G + 1] the tiles of group g are
+      ``[offsets[g], offsets[g + 1])`` (loops that walk one group at a time).
   """
 
   group: jax.Array
@@ -65,6 +73,7 @@ class GroupTiles:
   lo: jax.Array
   num_tiles: jax.Array
   ends: jax.Array
+  offsets: jax.Array
 
   def owned(self, i: jax.Array, tm: int) -> jax.Array:
     """bool[tm]: which rows read by tile i it owns."""
@@ -106,8 +115,18 @@ def _tiles(first, ends, per_group, m, t, bound) -> GroupTiles:
   i = jnp.arange(max(bound, 1), dtype=jnp.int32)
   g = jnp.minimum(jnp.searchsorted(tile_end, i, side="right"), num_groups - 1).astype(jnp.int32)
   lo = (first[g] + (i - tile_begin[g]) * t).astype(jnp.int32)
+  offsets = jnp.concatenate([jnp.zeros((1,), jnp.int32), tile_end])
   return GroupTiles(group=g, row=jnp.minimum(lo, m - t), lo=lo,
-                    num_tiles=tile_end[-1], ends=ends)
+                    num_tiles=tile_end[-1], ends=ends, offsets=offsets)
+
+
+def fit_tiles(m: int, tile_m: int | None = None,
+              tile_small: int | None = None) -> tuple[int, int]:
+  """(tm, ts) for an operand of m rows: the defaults or the given sizes,
+  clamped to 1 <= ts <= tm <= max(m, 1)."""
+  tm = max(1, min(int(DEFAULT_TILE_M if tile_m is None else tile_m), m))
+  ts = max(1, min(int(DEFAULT_TILE_SMALL if tile_small is None else tile_small), tm))
+  return tm, ts
 
 
 @struct.dataclass

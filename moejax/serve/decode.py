@@ -68,6 +68,7 @@ from flax import nnx
 
 from moejax.config import ConfigError, ModelConfig, apply_overrides
 from moejax.nn.mod import MoDBlock
+from moejax.nn.scmoe import shortcut_input
 from moejax.serve import quantize as quant_lib
 
 # Config paths this module reads and writes, in one place.
@@ -157,10 +158,10 @@ def _dense_block(block, x, positions, token_ids, cache, index, write, tap):
   h = block.ffn_norm(x)
   if block.is_moe:
     quant_lib.materialize(block.ffn)  # quantised experts -> compute dtype, this layer only
-  if block.scmoe:
-    out, aux = block.ffn(h, tap, token_ids, train=False)
-  elif block.is_moe:
-    out, aux = block.ffn(h, token_ids, train=False)
+  if block.is_moe:
+    # ScMoE: the routed experts read the previous block's FFN input (the tap).
+    out, aux = block.ffn(h, token_ids, train=False,
+                         routed_x=shortcut_input(h, tap) if block.scmoe else None)
   else:
     out, aux = block.ffn(h), None
   return x + out, cache, aux, h

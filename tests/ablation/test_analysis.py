@@ -30,3 +30,19 @@ def test_a2a_uneven_placement_and_one_device():
   assert out["copies"] == pytest.approx(2 * 2 * 1 / 2)
   assert analysis.a2a_bytes([(ids, sent)], 5, 1, 4)["copies"] == 0.0
   assert analysis.ep_devices(31, 8) == 8 and analysis.ep_devices(4, 8) == 4
+
+
+def test_layer_kind_metrics_reach_the_result_and_the_table(tmp_path):
+  """Soft MoE / PEER / MoD metrics logged in training are averaged into result.json
+  and get a column in the suite tables."""
+  from moejax.ablation import runner, tables
+  from moejax.train import metrics_log
+  writer = metrics_log.MetricsWriter(str(tmp_path))
+  for step, ent in ((1, 0.9), (2, 0.5), (3, 0.3), (4, 0.1)):
+    writer.write(step, "train", {"loss": 2.0, "soft_dispatch_entropy": ent,
+                                 "mod_capacity_use": 0.25})
+  writer.close()
+  out = runner.train_metrics(str(tmp_path))
+  assert out["soft_dispatch_entropy"] == pytest.approx((0.3 + 0.1) / 2)  # second half
+  assert out["mod_capacity_use"] == 0.25
+  assert {"soft_dispatch_entropy", "mod_capacity_use"} <= set(tables.ARM_COLUMNS)

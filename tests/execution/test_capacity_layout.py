@@ -31,12 +31,12 @@ def test_drops_follow_slot_major_priority():
 def test_buffers_and_combine():
   x = jnp.arange(1.0, 5.0)[:, None] * jnp.ones((1, 3))
   plan = P.capacity_layout(IDS, VALID, num_experts=2, capacity=3)
-  buf = P.dispatch_to_buffers(x, plan, num_experts=2)
-  assert buf.shape == (2, 3, 3)
+  # The expert-parallel executor's view of the plan: [E, C, d] buffers.
+  buf = P.permute(x, plan).reshape(2, 3, 3)
   # e0: (t0,k0) (t1,k0) (t3,k0) kept, (t2,k1) dropped; e1: (t2,k0) (t0,k1) (t1,k1).
   np.testing.assert_array_equal(buf[:, :, 0], [[1, 2, 4], [3, 1, 2]])
   w = jnp.array([[1.0, 10.0], [1.0, 10.0], [1.0, 10.0], [1.0, 10.0]])
-  y = P.combine_from_buffers(buf * 2, plan, w)
+  y = P.unpermute((buf * 2).reshape(6, 3), plan, w)
   # Kept weight per token: t0 11, t1 11, t2 1 (k1 dropped), t3 1 (k1 dropped).
   np.testing.assert_allclose(y[:, 0], 2 * np.array([1, 2, 3, 4]) * [11, 11, 1, 1])
 
@@ -45,7 +45,7 @@ def test_zero_capacity_drops_everything_and_empty_rows_are_zero():
   plan = P.capacity_layout(IDS, VALID, num_experts=2, capacity=0)
   assert plan.num_rows == 0 and not np.any(plan.dispatched())
   plan = P.capacity_layout(IDS, VALID.at[:, 1].set(False), num_experts=2, capacity=3)
-  buf = P.dispatch_to_buffers(jnp.ones((4, 2)), plan, num_experts=2)
+  buf = P.permute(jnp.ones((4, 2)), plan).reshape(2, 3, 2)
   np.testing.assert_array_equal(buf[:, :, 0], [[1, 1, 1], [1, 0, 0]])
 
 

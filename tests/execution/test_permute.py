@@ -52,7 +52,7 @@ def _naive(x, ys_fn, w, plan):
   return jnp.einsum("tk,tkr,rd->td", w, d, ys)
 
 
-@pytest.mark.parametrize("gather", ["xla", "pallas_tpu"])
+@pytest.mark.parametrize("gather", ["xla", "pallas_tpu", "pallas_gpu"])
 def test_gradients_match_one_hot_reference(gather):
   kx, kw = jax.random.split(jax.random.PRNGKey(1))
   x = jax.random.normal(kx, (4, 3))
@@ -95,6 +95,9 @@ def test_bad_inputs():
   if jax.default_backend() != "tpu":
     with pytest.raises(ValueError, match="needs a TPU.*interpret=True"):
       P.permute(jnp.ones((4, 3)), plan, backend="pallas_tpu")
+  if jax.default_backend() != "gpu":
+    with pytest.raises(ValueError, match="needs a GPU.*interpret=True"):
+      P.permute(jnp.ones((4, 3)), plan, backend="pallas_gpu")
 
 
 @hypothesis.settings(max_examples=25, deadline=None)

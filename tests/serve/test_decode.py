@@ -146,7 +146,7 @@ def test_dense_decode_equals_forward(kw):
                  marks=pytest.mark.slow),
 ])
 def test_moe_decode_equals_forward(name, moe_cfg):
-  _check(tiny(moe=moe_cfg), bias=moe_cfg.router.use_bias)
+  _check(tiny(moe=moe_cfg), bias=moe_cfg.routing.use_bias)
 
 
 def test_scmoe_and_peer_decode_equal_forward():
@@ -184,7 +184,8 @@ def test_capacity_model_decodes_its_dropless_twin():
   trained_fn, aux = nnx.jit(lambda m, t: m(t))(model, tokens)
   assert int(aux["moe"]["layer_0"]["num_dropped"]) > 0  # the full forward does drop
   twin = serving_model(model)
-  assert twin.cfg.moe.capacity_factor is None and model.cfg.moe.capacity_factor == 0.5
+  assert twin.cfg.moe.balance.capacity_factor is None
+  assert model.cfg.moe.balance.capacity_factor == 0.5
   dropless = np.asarray(_full(twin, tokens))
   got = decode_logits(Decoder(model), np.asarray(tokens), (3, 6))
   np.testing.assert_allclose(got, dropless, atol=ATOL, rtol=0)

@@ -4,15 +4,17 @@ from __future__ import annotations
 
 import pytest
 
-from moejax.config import ModelConfig, MoEConfig, RouterConfig
-from moejax.topology import accounting, memory, presets
+from moejax.config import ModelConfig, RoutingConfig
+from moejax.config import files as presets
+from moejax.topology import accounting, memory
+from tests.configs import moe_config
 
 
 def _tiny() -> ModelConfig:
   # d=4, V=8, one layer, 2 query heads of width 2, 1 KV head, 2 SwiGLU experts of width 4.
   return ModelConfig(vocab_size=8, d_model=4, n_layers=1, n_heads=2, n_kv_heads=1,
-                     dense_ff_width=4, moe=MoEConfig(num_experts=2, expert_width=4,
-                                                     router=RouterConfig(top_k=1)))
+                     dense_ff_width=4, moe=moe_config(num_experts=2, expert_width=4,
+                                                    routing=RoutingConfig(top_k=1)))
 
 
 def test_tiny_model_bytes_by_hand():
@@ -42,11 +44,11 @@ def test_kv_cache_mha_gqa_mla_and_mod():
   cfg = _tiny()
   assert memory.kv_numbers_per_token(cfg) == 2 * 1 * 2
   assert memory.kv_bytes(cfg, context=10, batch=3, bits=16) == 4 * 2 * 10 * 3
-  mixtral, _ = presets.load_preset("mixtral_8x7b")
+  mixtral = presets.load_preset("mixtral_8x7b").model
   assert memory.kv_bytes_per_token(mixtral) == 32 * 2 * 8 * 128 * 2  # 128 KiB
-  dsv3, _ = presets.load_preset("deepseek_v3")
+  dsv3, arch, _ = presets.load_preset("deepseek_v3")
   # MLA caches the 512-wide latent and the 64-wide rotary key: 61 * 576 * 2 bytes.
-  assert memory.kv_bytes_per_token(dsv3) == 61 * 576 * 2 == 70272
+  assert memory.kv_bytes_per_token(dsv3, arch=arch) == 61 * 576 * 2 == 70272
   mod = ModelConfig(vocab_size=8, d_model=4, n_layers=2, n_heads=2, moe=None, mod_every=2,
                     mod_capacity=0.25)
   assert memory.kv_numbers_per_token(mod) == 2 * 2 * 2 * (1 + 0.25)
@@ -61,7 +63,7 @@ def test_devices_needed():
 
 
 def test_seed_figures_mixtral_8x22b_bf16_needs_four_80gb_gpus():
-  cfg, _ = presets.load_preset("mixtral_8x22b")
+  cfg = presets.load_preset("mixtral_8x22b").model
   bf16 = memory.weight_memory(cfg, memory.standard_formats()["bf16"])
   assert bf16.params == pytest.approx(141e9, rel=0.03)
   assert bf16.total == pytest.approx(280e9, rel=0.03)
@@ -69,7 +71,7 @@ def test_seed_figures_mixtral_8x22b_bf16_needs_four_80gb_gpus():
 
 
 def test_seed_figures_mixtral_8x7b_int4_is_about_25gb():
-  cfg, _ = presets.load_preset("mixtral_8x7b")
+  cfg = presets.load_preset("mixtral_8x7b").model
   # Attention and expert matrices at 4 bits, groups of 128 with fp16 scales; embeddings,
   # LM head, norms and router at 16 bits (AutoGPTQ / AutoAWQ Mixtral checkpoints).
   int4 = memory.weight_memory(cfg, memory.standard_formats(group_size=128)["int4"])

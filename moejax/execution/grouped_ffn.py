@@ -1,4 +1,4 @@
-"""The routed-expert computation of an MoE layer: dispatch, FFN, combine.
+"""The FFN of token copies grouped by expert: dispatch, expert FFN, combine.
 
 Legend: T tokens, d model width, K slots per token, E FFN experts, f expert
 hidden width, M = T * K token copies.
@@ -20,6 +20,11 @@ topology contract (``moejax.topology.experts``):
 The width mask multiplies the rows of ``w_down`` instead of the [M, f] hidden
 activations: since h only feeds w_down, the output and every gradient are the
 same as masking h, at E*f*d instead of M*f work.
+
+:func:`routed_ffn` is the single entry point (the layer and the
+expert-parallel path call it): it folds the width mask, builds the dropless
+layout and chooses the fused tile loop (``blocked``) or permute -> three
+grouped matmuls -> unpermute (every other backend).
 """
 
 from __future__ import annotations
@@ -62,51 +67,68 @@ def _check_params(params: Mapping[str, Any], d: int, num_experts: int,
   return f
 
 
-def expert_ffn_rows(params: Mapping[str, jax.Array], xs: jax.Array,
-                    group_sizes: jax.Array, *, activation: str,
-                    backend: str = gmm_lib.DEFAULT_BACKEND,
-                    width_mask: Optional[jax.Array] = None,
-                    interpret: bool = False, **options) -> jax.Array:
+def fold_width_mask(params: Mapping[str, jax.Array],
+                    width_mask: Optional[jax.Array]) -> dict:
+  """The expert params with ``width_mask`` [E, f] folded into the rows of w_down.
+
+  h only feeds w_down, so zeroing w_down's rows of padded hidden units gives
+  the same outputs and gradients as masking h, at E*f*d instead of M*f work.
+  """
+  params = dict(params)
+  if width_mask is not None:
+    params["w_down"] = params["w_down"] * width_mask[:, :, None].astype(params["w_down"].dtype)
+  return params
+
+
+def _ffn_rows(params: Mapping[str, jax.Array], xs: jax.Array, group_sizes: jax.Array, *,
+              activation: str, backend: str, interpret: bool, **options) -> jax.Array:
   """ys[M, d] = FFN_e(xs[r]) for the rows of each expert group (rest 0).
 
-  xs[M, d] is sorted by expert with ``group_sizes`` int32[E] rows each.
+  xs[M, d] is sorted by expert with ``group_sizes`` int32[E] rows each; the
+  width mask is already folded into ``params``.
   """
   kw = dict(backend=backend, interpret=interpret, **options)
-  w_down = params["w_down"]
-  if width_mask is not None:
-    w_down = w_down * width_mask[:, :, None].astype(w_down.dtype)
   if activation == "swiglu":
     h = (jax.nn.silu(gmm_lib.gmm(xs, params["w_gate"], group_sizes, **kw))
          * gmm_lib.gmm(xs, params["w_up"], group_sizes, **kw))
   else:
     h = jax.nn.gelu(gmm_lib.gmm(xs, params["w_up"], group_sizes, **kw))
-  return gmm_lib.gmm(h.astype(xs.dtype), w_down, group_sizes, **kw)
+  return gmm_lib.gmm(h.astype(xs.dtype), params["w_down"], group_sizes, **kw)
 
 
-def routed_experts(expert_params: Mapping[str, jax.Array], x: jax.Array,
-                   result: RoutingResult, *, num_experts: int, activation: str,
-                   backend: str = gmm_lib.DEFAULT_BACKEND,
-                   width_mask: Optional[jax.Array] = None,
-                   interpret: bool = False, gather_backend: str = "xla",
-                   fused: bool = True, **options) -> jax.Array:
-  """y[T, d]: the gate-weighted sum of the routed FFN experts (dropless).
+def routed_ffn(expert_params: Mapping[str, jax.Array], x: jax.Array,
+               expert_ids: jax.Array, valid: jax.Array, weights: jax.Array, *,
+               num_experts: int, activation: str,
+               backend: str = gmm_lib.DEFAULT_BACKEND,
+               width_mask: Optional[jax.Array] = None,
+               interpret: bool = False, gather_backend: str = "xla",
+               fused: bool = True, **options) -> jax.Array:
+  """y[T, d] = sum_{k: valid, id < E} weights[t, k] FFN_{id[t, k]}(x[t]), dropless.
+
+  The one place that folds the width mask and picks the fused or the
+  composed path; the layer (through :func:`routed_experts`) and the
+  expert-parallel path (rows received from other devices, K = 1) both call
+  it.
 
   Args:
     expert_params: the topology's expert pytree (see module docstring).
-    x: [T, d] tokens.
-    result: the router's decision; ``expert_ids``/``weights``/``valid`` [T, K].
-    num_experts: E, the FFN experts (ids >= E are zero-computation experts,
-      excluded here).
+    x: [T, d] tokens (or received rows).
+    expert_ids: int32[T, K]; ids >= num_experts (zero-computation experts)
+      and slots with ``valid`` False get no row and contribute 0.
+    valid: bool[T, K].
+    weights: [T, K] gate weights (the combine weights of the slots).
+    num_experts: E, the FFN experts.
     activation: ``swiglu`` or ``gelu``.
-    backend: grouped-matmul backend (``moejax.execution.gmm.BACKENDS``);
+    backend: grouped-matmul backend (``moejax.execution.registry.GMM_BACKENDS``);
       ``blocked`` is the fast default.
     width_mask: optional f32[E, f] hidden-unit mask (heterogeneous widths).
     interpret: run Pallas backends in interpret mode (tests).
-    gather_backend: the permutation gather (``xla`` or ``pallas_tpu``).
-    fused: with ``backend='blocked'``, run the fused tile loop of
-      :mod:`moejax.execution.fused` (default); False composes permute, three
-      ``gmm`` calls and unpermute like the other backends.
-    **options: backend tiling knobs, passed to :func:`gmm_lib.gmm`.
+    gather_backend: the permutation gather (``registry.GATHER_BACKENDS``).
+    fused: with ``backend='blocked'`` and the ``xla`` gather, run the fused
+      tile loop of :mod:`moejax.execution.fused` (default); False composes
+      permute, three ``gmm`` calls and unpermute like the other backends.
+    **options: backend tiling knobs (``tile_m``, ``tile_small`` for blocked,
+      ``tiling`` for the Pallas kernels).
   """
   if backend == "reference":
     raise ValueError("backend='reference' is the layer's own per-expert loop "
@@ -115,21 +137,28 @@ def routed_experts(expert_params: Mapping[str, jax.Array], x: jax.Array,
   gmm_lib.check_available(backend, interpret)
   if x.ndim != 2:
     raise ValueError(f"x must be [T, d], got {x.shape}; flatten batch and sequence first")
-  if result.expert_ids.shape[0] != x.shape[0]:
-    raise ValueError(f"routing result covers {result.expert_ids.shape[0]} tokens but x "
-                     f"has {x.shape[0]}")
+  if expert_ids.shape[0] != x.shape[0]:
+    raise ValueError(f"routing covers {expert_ids.shape[0]} tokens but x has {x.shape[0]}")
+  if weights.shape != expert_ids.shape:
+    raise ValueError(f"weights {weights.shape} must match expert_ids {expert_ids.shape} "
+                     "([T, K])")
   _check_params(expert_params, x.shape[1], num_experts, activation, width_mask)
-  plan = permute_lib.sort_by_expert(result.expert_ids, result.valid, num_experts)
-  weights = jnp.where(result.valid, result.weights, 0)
+  plan = permute_lib.sort_by_expert(expert_ids, valid, num_experts)
+  weights = jnp.where(valid, weights, 0)
   if backend == "blocked" and fused and gather_backend == "xla":
-    params = dict(expert_params)
-    if width_mask is not None:
-      params["w_down"] = params["w_down"] * width_mask[:, :, None].astype(params["w_down"].dtype)
+    params = fold_width_mask(expert_params, width_mask)
     return fused_lib.blocked_ffn(params, x, weights.astype(jnp.float32), plan,
                                  activation=activation, **options).astype(x.dtype)
   gkw = dict(backend=gather_backend, interpret=interpret)
   xs = permute_lib.permute(x, plan, **gkw)
-  ys = expert_ffn_rows(expert_params, xs, plan.group_sizes, activation=activation,
-                       backend=backend, width_mask=width_mask, interpret=interpret,
-                       **options)
+  ys = _ffn_rows(fold_width_mask(expert_params, width_mask), xs, plan.group_sizes,
+                 activation=activation, backend=backend, interpret=interpret, **options)
   return permute_lib.unpermute(ys, plan, weights, **gkw).astype(x.dtype)
+
+
+def routed_experts(expert_params: Mapping[str, jax.Array], x: jax.Array,
+                   result: RoutingResult, **kwargs) -> jax.Array:
+  """:func:`routed_ffn` for a router's decision (``expert_ids``, ``valid``,
+  ``weights`` [T, K] of ``result``); same keyword arguments."""
+  return routed_ffn(expert_params, x, result.expert_ids, result.valid, result.weights,
+                    **kwargs)

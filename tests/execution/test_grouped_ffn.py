@@ -1,11 +1,11 @@
-"""routed_experts against a naive per-expert loop, for every backend."""
+"""routed_ffn / routed_experts against a naive per-expert loop, for every backend."""
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from moejax.execution import experts as X
+from moejax.execution import grouped_ffn as X
 from moejax.execution import gmm as gmm_lib
 from moejax.routing.types import RoutingResult
 
