@@ -61,12 +61,13 @@ def source_run(tmp_path_factory, ft_data_dir):
 @pytest.fixture(scope="session")
 def ft_run(tmp_path_factory, ft_data_dir, source_run):
   """(cfg, workdir, output) of a 6-step fine-tune of the source on comments and docstrings:
-  router and experts frozen, LoRA rank 4 on attention."""
+  router and experts frozen, LoRA rank 4 on attention and on the experts."""
   _, source = source_run
   workdir = str(tmp_path_factory.mktemp("ft_run") / "ft")
   cfg = finetune_experiment(ft_data_dir, source, data__loss_domains=("comment", "docstring"),
                             finetune__freeze=("router", "experts"),
-                            finetune__lora=("attention",), finetune__lora_rank=4)
+                            finetune__lora=("attention", "experts"),
+                            finetune__lora_rank=4)
   out = io.StringIO()
   loop.train(cfg, workdir, out=out)
   return cfg, workdir, out.getvalue()

@@ -1,8 +1,10 @@
 """experiments.finetune and experiments.export_hf from the outside: one error line per mistake,
-the accounting table, and (slow) HF Mixtral -> fine-tune -> HF Mixtral end to end."""
+the accounting table, the dry run and printed config, and (slow) HF Mixtral -> fine-tune -> HF
+Mixtral end to end."""
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -31,10 +33,10 @@ def _one_error_line(proc) -> str:
 @pytest.mark.parametrize("args, want", [
     (("--config.finetune.lora=('experts',)",),
      "error: ConfigError: finetune.lora_rank=0: LoRA adapters on ('experts',) need a rank"),
-    (("--config.finetune.lora_rnak=3",), '"lora_rank"'),
-    (("--config.finetune.freeze=('router', 'mod')",),
-     "error: ConfigError: finetune.freeze=('router', 'mod'): freezes the mod, but the model has "
-     "no mixture-of-depths block"),
+    pytest.param(("--config.finetune.lora_rnak=3",), '"lora_rank"', marks=pytest.mark.slow),
+    pytest.param(("--config.finetune.freeze=('router', 'mod')",),
+                 "error: ConfigError: finetune.freeze=('router', 'mod'): freezes the mod, but the "
+                 "model has no mixture-of-depths block", marks=pytest.mark.slow),
 ])
 def test_bad_options_are_one_error_line_before_any_write(source_run, tmp_path, args, want):
   _, source = source_run
@@ -44,14 +46,37 @@ def test_bad_options_are_one_error_line_before_any_write(source_run, tmp_path, a
   assert not os.path.exists(workdir)
 
 
+def _lists_every_option(stdout):
+  for option in ("full", "router frozen", "experts frozen", "LoRA attention+dense",
+                 "LoRA experts", "this run"):
+    assert f"\n{option} " in stdout
+  assert "optimizer bytes are exact" in stdout
+
+
+@pytest.mark.slow  # the same table as the dry run's, below
 def test_accounting_lists_every_option(source_run):
   _, source = source_run
   proc = _run("finetune", f"--source={source}", "--accounting")
   assert proc.returncode == 0, proc.stderr[-3000:]
-  for option in ("full", "router frozen", "experts frozen", "LoRA attention+dense",
-                 "LoRA experts", "this run"):
-    assert f"\n{option} " in proc.stdout
-  assert "optimizer bytes are exact" in proc.stdout
+  _lists_every_option(proc.stdout)
+
+
+def test_dry_run_and_print_config_read_the_source_and_write_nothing(source_run, tmp_path):
+  src_cfg, source = source_run
+  workdir = str(tmp_path / "ft")
+  proc = _run("finetune", f"--source={source}", f"--workdir={workdir}", "--dry_run",
+              "--config.finetune.freeze=('router',)")
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  assert f"workdir {workdir}: new run" in proc.stdout
+  assert "source: " in proc.stdout and "dry run: the config is valid" in proc.stdout
+  _lists_every_option(proc.stdout)
+  shown = _run("finetune", f"--source={source}", "--print_config")
+  assert shown.returncode == 0, shown.stderr[-3000:]
+  tree = json.loads(shown.stdout)
+  assert tree["finetune"]["source"] == source and tree["finetune"]["source_format"] == "moejax"
+  assert tree["model"]["d_model"] == src_cfg.model.d_model   # the model is the source's
+  assert tree["data"]["loss_domains"] == ["comment", "docstring"]  # configs/finetune.py
+  assert not os.path.exists(workdir)
 
 
 def test_export_of_a_model_mixtral_cannot_hold_is_one_error_line(source_run, tmp_path):

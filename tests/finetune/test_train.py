@@ -53,11 +53,14 @@ def test_frozen_router_experts_and_adapted_base_stay_bit_exact(source_run, ft_ru
   assert {"embed", "lm_head", "blocks"} <= changed  # what is not frozen trained
   for path, value in _leaves(router):   # the bias and its step counter: untouched
     np.testing.assert_array_equal(value, dict(_leaves(src_router))[path])
-  assert any(np.any(v) for p, v in _leaves(adapters) if p[-1] == "lora_b")  # adapters trained
+  # Adapters trained (B starts at 0): on attention (nnx.LoRALinear) and on the experts.
+  assert any(np.any(v) for p, v in _leaves(adapters) if p[-1] == "lora_b")
+  assert any(np.any(v) for p, v in _leaves(adapters) if p[-1] == "b" and "experts" in p)
   assert "accounting before training" in out and "initialised from checkpoint 12" in out
-  assert "LoRA rank 4 (x1) on attention" in out
+  assert "LoRA rank 4 (x1) on attention, experts" in out
 
 
+@pytest.mark.slow  # the default run checks the start through the bit-exact frozen parts
 def test_the_fine_tune_starts_from_the_source_logits(source_run, ft_data_dir):
   _, source = source_run
   cfg = finetune_experiment(ft_data_dir, source, finetune__lora=("attention", "experts"),
@@ -72,6 +75,7 @@ def test_the_fine_tune_starts_from_the_source_logits(source_run, ft_data_dir):
   np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
 
 
+@pytest.mark.slow  # the default run checks the resolution (test_config.py); this trains
 @pytest.mark.parametrize("controller, bias_moves", [("frozen", False), ("on", True)])
 def test_bias_controller_frozen_or_on_while_the_router_trains(source_run, ft_data_dir,
                                                                controller, bias_moves):
