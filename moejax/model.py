@@ -75,7 +75,7 @@ class Block(nnx.Module):
                shared_experts: Optional[dict] = None,
                expert_parallel: Optional[ExpertParallel] = None):
     dtype, d = _DTYPES[cfg.compute_dtype], cfg.d_model
-    norm = lambda: nnx.RMSNorm(d, epsilon=1e-6, dtype=dtype, param_dtype=jnp.float32,
+    norm = lambda: nnx.RMSNorm(d, epsilon=cfg.norm_eps, dtype=dtype, param_dtype=jnp.float32,
                                rngs=rngs)
     self.attn_norm = norm()
     self.attn = CausalSelfAttention(d, cfg.n_heads, cfg.kv_heads, cfg.attn_head_dim,
@@ -143,8 +143,8 @@ class Transformer(nnx.Module):
                          aux_loss_coef=cfg.mod_aux_loss_coef, rngs=rngs)
       blocks.append(block)
     self.blocks = nnx.List(blocks)
-    self.final_norm = nnx.RMSNorm(d, epsilon=1e-6, dtype=dtype, param_dtype=jnp.float32,
-                                  rngs=rngs)
+    self.final_norm = nnx.RMSNorm(d, epsilon=cfg.norm_eps, dtype=dtype,
+                                  param_dtype=jnp.float32, rngs=rngs)
     if not cfg.tie_embeddings:
       # The head runs in float32 whatever the compute dtype: logits feed a
       # softmax over V, where bf16 rounding is a visible loss error.

@@ -137,7 +137,8 @@ def test_print_config_shows_every_field_and_dry_run_writes_nothing(tmp_path, pre
   assert shown.returncode == 0, shown.stderr[-2000:]
   tree = json.loads(shown.stdout)
   assert tree["train"]["steps"] == 7 and tree["train"]["nan_at_step"] == -1  # a default
-  assert set(tree) == {"model", "data", "train", "parallel"}
+  assert set(tree) == {"model", "data", "train", "parallel", "finetune"}
+  assert tree["finetune"]["source"] == ""  # a training run is no fine-tune unless told
   assert tree["model"]["moe"]["routing"]["top_k"] == 2
   # Knobs are printed resolved: the numbers that run, and what produced them.
   fine = _run("train", "--config=configs/tiny.py", "--print_config",

@@ -11,7 +11,18 @@ Per arm (from :func:`moejax.topology.accounting.budget` at the run's
   training compute (backward ~ 2 forwards), the column that compares rungs
   of the scale ladder;
 - ``optimizer``: a canonical string of every optimisation setting (peak LR,
-  schedule, AdamW moments, weight decay, clipping, steps), compared exactly.
+  schedule, AdamW moments, weight decay, clipping, steps), compared exactly;
+- ``trainable``: the parameters the optimizer updates (``total`` unless
+  something is frozen: a fine-tuning run's frozen components, a frozen
+  router; LoRA adapters count in both), from
+  :mod:`moejax.finetune.accounting`.
+
+A suite may exempt reference arms from fixed quantities (``suite.exempt``:
+a dense model with the MoE's total parameters has more active FLOPs by
+construction); the check leaves them out of that quantity's spread and
+says so. The data configs must be equal except ``data.loss_domains`` (the
+data mixture a fine-tuning suite varies: same corpus, same order, other
+targets scored), which is reported.
 
 :func:`check` compares the arms on the quantities a suite holds fixed: the
 relative spread (max - min) / max of a number must be <= its tolerance, the
@@ -28,7 +39,7 @@ library, another tokenizer) are flagged: their numbers are not comparable.
 from __future__ import annotations
 
 import dataclasses
-from typing import Mapping, Sequence
+from typing import Mapping, Optional, Sequence
 
 from moejax.topology.accounting import budget as model_budget
 from moejax.topology.accounting import human
@@ -57,6 +68,9 @@ class ArmBudget:
   def as_dict(self) -> dict:
     return dataclasses.asdict(self)
 
+  # Declared last, with a default: the field list above is what older budget.json files hold.
+  trainable: Optional[int] = None
+
 
 def optimizer_string(exp: ExperimentConfig) -> str:
   t = exp.train
@@ -68,9 +82,21 @@ def optimizer_string(exp: ExperimentConfig) -> str:
 def arm_budget(exp: ExperimentConfig) -> ArmBudget:
   b = model_budget(exp.model, exp.data.seq_len)
   tokens = exp.train.steps * exp.data.batch_size * exp.data.seq_len
-  return ArmBudget(total=int(b.total), active=float(b.active), active_max=float(b.active_max),
+  total, trainable = int(b.total), int(b.total)
+  if exp.finetune.enabled or (exp.model.moe is not None and exp.model.moe.routing.freeze):
+    # Imported here: the accounting builds the model's shapes (jax), the rest needs no model.
+    from moejax.finetune import accounting  # pylint: disable=g-import-not-at-top
+    from moejax.finetune.adapters import lora_param_count  # pylint: disable=g-import-not-at-top
+    from moejax.train import step as step_lib  # pylint: disable=g-import-not-at-top
+    from moejax.train.optim import make_optimizer  # pylint: disable=g-import-not-at-top
+    tx = make_optimizer(exp.train, exp.model, exp.finetune)
+    acc = accounting.accounting(exp, step_lib.abstract_state(exp, tx)[1].params, tx)
+    ft = exp.finetune
+    total += lora_param_count(exp.model, ft.lora, ft.lora_rank) if ft.lora else 0
+    trainable = acc.trainable
+  return ArmBudget(total=total, active=float(b.active), active_max=float(b.active_max),
                    flops_per_token=float(b.flops_per_token), tokens=int(tokens),
-                   optimizer=optimizer_string(exp))
+                   optimizer=optimizer_string(exp), trainable=trainable)
 
 
 def spread(values: Sequence[float]) -> float:
@@ -80,11 +106,27 @@ def spread(values: Sequence[float]) -> float:
 
 
 def check(budgets: Mapping[str, ArmBudget], fixed: Mapping[str, float],
-          experiments: Mapping[str, ExperimentConfig] | None = None) -> list[str]:
-  """Raises BudgetError listing every violation; returns the lines of what was checked."""
+          experiments: Mapping[str, ExperimentConfig] | None = None,
+          exempt: Mapping[str, Sequence[str]] | None = None) -> list[str]:
+  """Raises BudgetError listing every violation; returns the lines of what was checked.
+
+  ``exempt``: ``{arm: quantities}`` left out of those quantities' check (reported).
+  """
   errors, notes = [], []
-  names = list(budgets)
+  exempt = {a: tuple(qs) for a, qs in (exempt or {}).items()}
+  held = [q for q in fixed]
+  notes.append("held equal: " + (", ".join(held) if held else "nothing") +
+               "; not held: " + (", ".join(q for q in ("total", "active", "flops_per_token",
+                                                       "tokens", "trainable", "optimizer")
+                                           if q not in fixed) or "nothing"))
   for q, tol in fixed.items():
+    names = [n for n in budgets if q not in exempt.get(n, ())]
+    out = [n for n in budgets if q in exempt.get(n, ())]
+    if out and q != "optimizer":
+      notes.append(f"{q}: exempt (reference arm{'s' if len(out) > 1 else ''}, not held equal): "
+                   + ", ".join(f"{n} {human(float(getattr(budgets[n], q) or 0))}" for n in out))
+    if len(names) < 2:
+      continue
     if q == "optimizer":
       distinct = {budgets[n].optimizer for n in names}
       if len(distinct) > 1:
@@ -93,6 +135,9 @@ def check(budgets: Mapping[str, ArmBudget], fixed: Mapping[str, float],
       else:
         notes.append("optimizer: identical")
       continue
+    if any(getattr(budgets[n], q) is None for n in names):
+      errors.append(f"{q}: not known for every arm")
+      continue
     vals = {n: float(getattr(budgets[n], q)) for n in names}
     s = spread(list(vals.values()))
     lo = min(vals, key=vals.get)
@@ -100,14 +145,27 @@ def check(budgets: Mapping[str, ArmBudget], fixed: Mapping[str, float],
     line = (f"{q}: spread {100 * s:.2f}% (tolerance {100 * tol:.2f}%; min {lo} "
             f"{human(vals[lo])}, max {hi} {human(vals[hi])})")
     (errors if s > tol + 1e-12 else notes).append(line)
+  if "trainable" not in fixed and any(b.trainable is not None and b.trainable != b.total
+                                      for b in budgets.values()):
+    notes.append("trainable (not held equal): " + ", ".join(
+        f"{n} {human(float(b.trainable if b.trainable is not None else b.total))}"
+        for n, b in budgets.items()))
   if experiments is not None:
+    names = list(budgets)
+    strip = lambda d: dataclasses.replace(d, loss_domains=())
     datas = {n: experiments[n].data for n in names}
     first = names[0]
     for n in names[1:]:
-      if datas[n] != datas[first]:
+      if strip(datas[n]) != strip(datas[first]):
         errors.append(f"data differs between arms {first} and {n} (the data order must be "
                       "the same in every arm): set data.* in the base only")
-    notes.append("data: identical (same corpus and order)")
+    mixes = {n: datas[n].loss_domains for n in names}
+    if len(set(mixes.values())) > 1:
+      notes.append("data: same corpus and order; the scored domains (data.loss_domains) "
+                   "differ: " + "; ".join(f"{n}: {', '.join(m) or 'all'}"
+                                          for n, m in mixes.items()))
+    else:
+      notes.append("data: identical (same corpus and order)")
   if errors:
     raise BudgetError(
         "the arms are not at an equal budget; nothing was trained:\n  " + "\n  ".join(errors) +

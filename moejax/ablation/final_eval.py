@@ -56,6 +56,9 @@ class FinalEval:
   joints: dict             # {layer: f64[E_r, D]}
   loads: dict              # {layer: f64[E]}
   step: int
+  domain_ce: Optional[np.ndarray] = None     # f64[D] CE sum per domain (every valid target)
+  domain_count: Optional[np.ndarray] = None  # f64[D]
+  domain_names: tuple = ()
   routing: Optional[dict] = None  # routing_pass(...) of the whole split, same forward
 
 
@@ -86,7 +89,8 @@ def evaluate_state(exp: ExperimentConfig, params, router_state, other, step: int
   eval_step = validation.make_eval_step(graphdef, exp.model, len(docs.domain_names),
                                         num_docs=len(docs), with_routing=True)
   batches = data_lib.make_batch_iterator(docs, exp.data.seq_len, exp.data.batch_size,
-                                         seed=exp.data.seed, train=False)
+                                         seed=exp.data.seed, train=False,
+                                         loss_labels=data_lib.loss_labels(exp.data, docs))
   totals, routing = None, {}
   for batch in batches:
     sums, ids = eval_step(params, router_state, other, batch)
@@ -100,11 +104,13 @@ def evaluate_state(exp: ExperimentConfig, params, router_state, other, step: int
   totals = {k: np.asarray(v) for k, v in jax.device_get(totals).items()}
   layers = lambda prefix: {k.split("/", 1)[1]: np.asarray(v, np.float64)
                            for k, v in totals.items() if k.startswith(prefix)}
-  return FinalEval(metrics=validation.summarise(totals),
+  return FinalEval(metrics=validation.summarise(totals, docs.domain_names),
                    doc_ce=np.asarray(totals["doc_ce"], np.float64),
                    doc_count=np.asarray(totals["doc_count"], np.float64),
                    joints=layers("joint/"), loads=layers("load/"), step=int(step),
-                   routing=routing)
+                   domain_ce=np.asarray(totals["domain_ce"], np.float64),
+                   domain_count=np.asarray(totals["domain_count"], np.float64),
+                   domain_names=tuple(docs.domain_names), routing=routing)
 
 
 def write_per_doc(run_path: str, ev: FinalEval) -> str:

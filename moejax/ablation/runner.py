@@ -42,6 +42,7 @@ from moejax.ablation import budget as budget_lib
 from moejax.ablation import final_eval
 from moejax.ablation import provenance
 from moejax.ablation import scale as scale_lib
+from moejax.ablation import sources as sources_lib
 from moejax.ablation.suite import Suite
 from moejax.train import checkpoint as ckpt_lib
 from moejax.train import lock as lock_lib
@@ -68,7 +69,8 @@ def check_suite(suite: Suite, out: TextIO = sys.stdout) -> dict[str, budget_lib.
   print(f"suite {suite.name} at scale {scale.name} ({scale.describe()}): {len(suite.arms)} arms "
         f"x {len(suite.seeds)} seed(s); budget (* = held fixed):", file=out)
   print(budget_lib.table(b, suite.fixed), file=out)
-  notes = budget_lib.check(b, suite.fixed, {a.name: a.experiment for a in suite.arms})
+  notes = budget_lib.check(b, suite.fixed, {a.name: a.experiment for a in suite.arms},
+                           exempt=suite.exempt)
   for line in notes:
     print(f"  ok  {line}", file=out)
   return b
@@ -106,8 +108,9 @@ def is_finished(run_path: str, exp: ExperimentConfig) -> bool:
   with open(path, encoding="utf-8") as f:
     res = json.load(f)
   saved = res.get("experiment")
+  new = json.loads(experiment_to_json(exp))
   return isinstance(saved, dict) and not ckpt_lib.identity_changes(
-      saved, json.loads(experiment_to_json(exp)))
+      ckpt_lib.with_defaults(saved, new), new)
 
 
 def plan_suite(suite: Suite, workdir: str, extend: bool = False) -> list[tuple[str, str]]:
@@ -122,8 +125,20 @@ def plan_suite(suite: Suite, workdir: str, extend: bool = False) -> list[tuple[s
   for arm in suite.arms:
     loop.check_runnable(arm.experiment)
   out = []
+  for seed, rel in suite.source_runs():
+    exp, path = _seeded(suite.source, seed), os.path.join(workdir, rel)
+    if sources_lib.is_finished(path, exp):
+      out.append((rel, "finished (source)"))
+      continue
+    lock_lib.check_unlocked(path)
+    try:
+      plan = ckpt_lib.check_workdir(path, exp, extend=extend)
+    except ckpt_lib.WorkdirError as e:
+      raise ckpt_lib.WorkdirError(f"source run {rel} of suite {suite.name}: {e}") from e
+    out.append((rel, "new (source)" if plan.step is None else f"source, from step {plan.step}"))
   for arm, seed, rel in suite.runs():
-    exp, path = _seeded(arm.experiment, seed), os.path.join(workdir, rel)
+    exp = sources_lib.resolve(suite, arm.experiment, seed, workdir)
+    path = os.path.join(workdir, rel)
     if is_finished(path, exp):
       out.append((rel, "finished"))
       continue
@@ -281,6 +296,10 @@ def run_suite(suite: Suite, workdir: str, *, out: TextIO = sys.stdout,
         "seeds": list(suite.seeds), "analysis": dict(suite.analysis),
         "baseline": suite.baseline, "reproduction": suite.reproduction,
         "scale": suite.scale, "scale_factors": scale_lib.get_scale(suite.scale).factors(),
+        "exempt": {a: list(q) for a, q in suite.exempt.items()},
+        "compare_to": dict(suite.compare_to),
+        "source": (None if suite.source is None
+                   else json.loads(experiment_to_json(suite.source))),
         "arms": {a.name: a.overrides for a in suite.arms},
         "arm_order": [a.name for a in suite.arms]})
     _write_json(os.path.join(workdir, "budget.json"), {n: v.as_dict() for n, v in b.items()})
@@ -294,13 +313,14 @@ def run_suite(suite: Suite, workdir: str, *, out: TextIO = sys.stdout,
 def _train_runs(suite, workdir, b, plan, train_fn, analyse_runs, say, out, corpus,
                 prov) -> dict:
   results = {}
+  source_results = sources_lib.train_sources(suite, workdir, train_fn, say, out, corpus)
   runs = list(suite.runs())
   todo = [rel for _, _, rel in runs if plan[rel] != "finished"]
   steps = {rel: arm.experiment.train.steps for arm, _, rel in runs}
   overhead: list[float] = []   # seconds per trained run outside its training steps
   walls: list[float] = []      # wall seconds per trained run
   for i, (arm, seed, rel) in enumerate(runs):
-    exp = _seeded(arm.experiment, seed)
+    exp = sources_lib.resolve(suite, arm.experiment, seed, workdir)
     path = os.path.join(workdir, rel)
     tag = f"[{i + 1}/{len(runs)}] {rel}"
     if plan[rel] == "finished":
@@ -330,6 +350,9 @@ def _train_runs(suite, workdir, b, plan, train_fn, analyse_runs, say, out, corpu
     # a custom train_fn) the same evaluation of the final checkpoint.
     ev = hook.result or final_eval.final_evaluation(exp, path)
     res.update(_final_metrics(ev, path))
+    if exp.finetune.enabled and seed in source_results and arm.experiment.finetune.source \
+        == sources_lib.SUITE_SOURCE:
+      res.update(sources_lib.finetune_metrics(exp, ev, source_results[seed]))
     res["corpus"], res["provenance"] = corpus, prov
     t_evaluated, c_evaluated = time.perf_counter(), time.process_time()
     if analyse_runs:
@@ -386,7 +409,10 @@ def _final_metrics(ev: final_eval.FinalEval, path: str) -> dict:
   for k in ("max_vio_global", "specialisation_mi", "specialisation_mi_norm"):
     if k in ev.metrics:
       out[k] = ev.metrics[k]
-  out["layers"] = {k: v for k, v in ev.metrics.items() if "/" in k}
+  out["layers"] = {k: v for k, v in ev.metrics.items()
+                   if "/" in k and not k.startswith("loss_domain/")}
+  out["domain_losses"] = {k.split("/", 1)[1]: v for k, v in ev.metrics.items()
+                          if k.startswith("loss_domain/")}
   return out
 
 

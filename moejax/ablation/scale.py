@@ -138,6 +138,8 @@ UNSCALED = {
     "train.eval_batches": "batches per periodic evaluation (each grows with seq and batch)",
     "train.nan_at_step": "a test hook at an absolute step",
     "train.microbatches": "count (divides the batch at every rung)",
+    "finetune.lora_rank": "an adapter's rank is a fine-tuning arm's axis",
+    "finetune.source_step": "a checkpoint step of the source (steps do not scale)",
 }
 
 

@@ -25,7 +25,18 @@ returns an ``ml_collections.ConfigDict`` (or a plain dict) with:
 - ``analysis``: optional measurements: ``causal_probe`` (bool),
   ``comm_devices`` (expert-parallel devices of the all-to-all accounting, 8),
   ``latency`` (bool, True) and ``latency_reps`` (30), ``routing_batches``
-  (validation batches of the routing pass, 4).
+  (validation batches of the routing pass, 4), ``speedup_reference`` (an
+  arm: every arm's steps and wall time to reach that arm's final validation
+  loss, :mod:`moejax.ablation.speedup`);
+- ``exempt``: ``{arm: (quantity, ...)}``: reference arms the budget check
+  does not hold to those fixed quantities (a dense model with the MoE's
+  total parameters cannot also match its active FLOPs); printed as exempt;
+- ``compare_to``: ``{arm: other arm}``: the arm its differences are taken
+  against instead of ``baseline`` (``'-'``: no comparison), for suites
+  whose arms pair up (router frozen vs unfrozen within each data mixture);
+- ``source``: an experiment tree trained first, once per seed, in
+  ``DIR/source[/seed_<s>]``; arms with ``finetune.source='suite:source'``
+  fine-tune from the run of their seed (:data:`SUITE_SOURCE`).
 
 :func:`load_suite` turns it into a validated, frozen :class:`Suite` whose
 arms are full :class:`~moejax.train.config.ExperimentConfig` objects.
@@ -47,7 +58,13 @@ QUANTITIES = ("total", "active", "flops_per_token", "tokens", "optimizer")
 SUITE_KEYS = ("name", "description", "base", "arms", "fixed", "seeds", "baseline",
               "reproduction", "analysis", "scale")
 MIN_REPRODUCTION_SEEDS = 3
-ANALYSIS_KEYS = ("causal_probe", "comm_devices", "latency", "latency_reps", "routing_batches")
+# Fine-tuning and reference arms (see the module docstring).
+QUANTITIES = QUANTITIES + ("trainable",)
+SUITE_KEYS = SUITE_KEYS + ("exempt", "compare_to", "source")
+SUITE_SOURCE = "suite:source"   # finetune.source of arms that start from the suite's source run
+NO_COMPARISON = "-"
+ANALYSIS_KEYS = ("causal_probe", "comm_devices", "latency", "latency_reps", "routing_batches",
+                 "speedup_reference")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -69,6 +86,9 @@ class Suite:
   fixed: Mapping[str, float]
   seeds: tuple
   analysis: Mapping[str, Any]
+  exempt: Mapping[str, tuple] = dataclasses.field(default_factory=dict)
+  compare_to: Mapping[str, str] = dataclasses.field(default_factory=dict)
+  source: Any = None   # the source ExperimentConfig, or None
   baseline: str = ""
   reproduction: bool = False
   scale: str = scale_lib.DEFAULT_SCALE
@@ -84,6 +104,13 @@ class Suite:
     for a in self.arms:
       for s in self.seeds:
         yield a, s, run_dir(a.name, s, len(self.seeds))
+
+  def source_runs(self):
+    """(seed, relative dir) of the source runs (none without ``source``), trained first."""
+    if self.source is None:
+      return
+    for s in self.seeds:
+      yield s, run_dir("source", s, len(self.seeds))
 
 
 def run_dir(arm: str, seed: int, num_seeds: int) -> str:
@@ -164,6 +191,7 @@ def suite_from_dict(tree: Mapping[str, Any] | Any) -> Suite:
       raise ConfigError(f"suite.analysis.{key}", analysis[key], "is not an analysis option",
                         f"use one of {', '.join(ANALYSIS_KEYS)}")
   scale = scale_lib.get_scale(tree.get("scale") or scale_lib.DEFAULT_SCALE)
+  references = _references(tree, arms_tree, scale)
   base_tree = _base_tree(tree["base"])
   arms = []
   for arm_name, overrides in arms_tree.items():
@@ -179,9 +207,10 @@ def suite_from_dict(tree: Mapping[str, Any] | Any) -> Suite:
       raise ConfigError(f"suite.arms.{arm_name}", "", f"builds an invalid experiment{at}: {e}",
                         "fix the arm's overrides") from e
     arms.append(Arm(arm_name, overrides, exp))
-  return Suite(name=name, description=tree.get("description", ""), arms=tuple(arms),
-               fixed=fixed, seeds=seeds, analysis=analysis, baseline=baseline,
-               reproduction=reproduction, scale=scale.name)
+  return _check_source_use(Suite(
+      name=name, description=tree.get("description", ""), arms=tuple(arms), fixed=fixed,
+      seeds=seeds, analysis=analysis, baseline=baseline, reproduction=reproduction,
+      scale=scale.name, **references))
 
 
 def _base_tree(base: Any) -> dict:
@@ -198,6 +227,59 @@ def base_experiment(tree: Mapping[str, Any] | Any) -> ExperimentConfig:
   tree = _plain(tree)
   scale = scale_lib.get_scale(tree.get("scale") or scale_lib.DEFAULT_SCALE)
   return experiment_from_dict(scale_lib.scale_experiment(_base_tree(tree["base"]), scale))
+
+
+
+def _references(tree: Mapping[str, Any], arms_tree: Mapping[str, Any], scale) -> dict:
+  """``exempt``, ``compare_to`` and ``source`` of the suite tree, checked (see the module doc).
+
+  The source is scaled like the arms, so that a fine-tuning arm at any rung
+  of the ladder starts from a model of its own shapes.
+  """
+  exempt = {}
+  for arm, qs in dict(tree.get("exempt") or {}).items():
+    if arm not in arms_tree:
+      raise ConfigError(f"suite.exempt.{arm}", qs, "is not an arm of the suite",
+                        f"use arms among {list(arms_tree)}")
+    qs = (qs,) if isinstance(qs, str) else tuple(qs)
+    for q in qs:
+      if q not in QUANTITIES:
+        raise ConfigError(f"suite.exempt.{arm}", qs, f"{q!r} is not a budget quantity",
+                          f"use quantities among {', '.join(QUANTITIES)}")
+    exempt[arm] = qs
+  compare_to = {}
+  for arm, other in dict(tree.get("compare_to") or {}).items():
+    if arm not in arms_tree or (other not in arms_tree and other != NO_COMPARISON):
+      raise ConfigError(f"suite.compare_to.{arm}", other, "names an arm the suite does not have",
+                        f"map arms to arms among {list(arms_tree)} (or {NO_COMPARISON!r}: none)")
+    if other == arm:
+      raise ConfigError(f"suite.compare_to.{arm}", other, "compares an arm with itself",
+                        f"use {NO_COMPARISON!r} for no comparison")
+    compare_to[arm] = other
+  ref = dict(tree.get("analysis") or {}).get("speedup_reference")
+  if ref is not None and ref not in arms_tree:
+    raise ConfigError("suite.analysis.speedup_reference", ref, "is not an arm of the suite",
+                      f"name the reference arm, one of {list(arms_tree)}")
+  source = None
+  if tree.get("source") is not None:
+    try:
+      source = experiment_from_dict(scale_lib.scale_experiment(
+          to_dict(experiment_from_dict(tree["source"])), scale))
+    except ConfigError as e:
+      raise ConfigError("suite.source", "", f"is not a valid experiment: {e}",
+                        "fix the source config") from e
+  return {"exempt": exempt, "compare_to": compare_to, "source": source}
+
+
+def _check_source_use(suite: "Suite") -> "Suite":
+  users = [a.name for a in suite.arms if a.experiment.finetune.source == SUITE_SOURCE]
+  if users and suite.source is None:
+    raise ConfigError("suite.source", None, f"arms {users} fine-tune from {SUITE_SOURCE!r}, but "
+                      "the suite has no source", "add source=<experiment tree> to the suite")
+  if suite.source is not None and not users:
+    raise ConfigError("suite.source", "...", f"no arm fine-tunes from it (finetune.source="
+                      f"{SUITE_SOURCE!r})", "set finetune.source in the arms, or drop source")
+  return suite
 
 
 def load_suite_file(path: str):

@@ -59,9 +59,23 @@ METRICS = {
 }
 VERDICT_METRICS = ("val_loss", "max_vio_global", "max_vio_batch", "drop_rate",
                    "specialisation_mi_norm", "probe_leak_gap")
+# Speed-up to a reference arm (moejax.ablation.speedup) and fine-tuning against the suite's
+# source (moejax.ablation.sources); absent from other suites' results, so not shown there.
+METRICS.update({
+    "steps_to_reference": ("steps to ref. loss", "steps", -1),
+    "speedup_steps": ("speed-up, steps", "reference steps / steps", 1),
+    "speedup_time": ("speed-up, time", "reference seconds / seconds", 1),
+    "tokens_per_s": ("tokens/s", "training tokens per second", 0),
+    "forgetting": ("forgetting", "Δ loss on pre-training domains, nats/token", -1),
+    "target_gain": ("target gain", "-Δ loss on target domains, nats/token", 1),
+    "spec_change": ("Δ spec. MI/H", "change of I(expert; domain) / H(domain)", 0),
+})
+VERDICT_METRICS = VERDICT_METRICS + ("speedup_steps", "speedup_time", "forgetting",
+                                     "target_gain", "spec_change")
 BUDGET_KEYS = (("total", "total params"), ("active", "active/token"),
                ("flops_per_token", "FLOPs/token"), ("tokens", "train tokens"))
-NOTE_KEYS = (("a2a_bytes_per_token", "a2a_note"), ("exposed_comm", "exposed_comm_note"))
+NOTE_KEYS = (("a2a_bytes_per_token", "a2a_note"), ("exposed_comm", "exposed_comm_note"),
+             ("speedup_steps", "speedup_note"))
 
 
 def find_results(root: str) -> list[dict]:
@@ -111,12 +125,16 @@ def _bootstrap(arm_runs, base_runs) -> tuple[Optional[dict], str]:
 
 
 def summarise_results(results: Sequence[dict], *, label: Callable[[dict], str] = lambda r: r["arm"],
-                      baseline: Optional[str] = None, order: Sequence[str] = ()) -> dict:
+                      baseline: Optional[str] = None, order: Sequence[str] = (),
+                      compare_to: Optional[Mapping[str, str]] = None) -> dict:
   """The summary dict of ``results`` grouped by ``label`` (see the module doc).
 
   ``baseline``: the label every other label is compared with (None: no comparisons).
   ``order``: labels in this order first (a suite's arm order), the rest after.
+  ``compare_to``: ``{label: other label}`` compared with that label instead of
+  ``baseline`` (``'-'``: not compared); each comparison records its ``baseline``.
   """
+  compare_to = dict(compare_to or {})
   groups: dict[str, list[dict]] = {}
   for r in results:
     groups.setdefault(label(r), []).append(r)
@@ -149,19 +167,22 @@ def summarise_results(results: Sequence[dict], *, label: Callable[[dict], str] =
     return out
   diffs: dict[str, list[stats.Interval]] = {}
   for name in names:
-    if name == baseline:
+    base = compare_to.get(name, baseline)
+    if name == base or base not in groups:
       continue
     comp = {}
     for key in VERDICT_METRICS:
-      a, b = _seed_values(groups[name], key), _seed_values(groups[baseline], key)
+      a, b = _seed_values(groups[name], key), _seed_values(groups[base], key)
       if not a or not b or not any(list(a.values()) + list(b.values())):
         continue  # absent, or 0 in every run (no capacity: no drops): nothing to compare
       entry = _difference(a, b)
       if entry["pairing"] == "paired":
         diffs.setdefault(key, []).append(stats.Interval.from_dict(entry["diff"]))
       boot = None
+      if base != baseline:
+        entry["baseline"] = base
       if key == "val_loss":
-        boot, why = _bootstrap(groups[name], groups[baseline])
+        boot, why = _bootstrap(groups[name], groups[base])
         entry["documents"] = boot
         if why:
           entry["documents_note"] = why
@@ -218,25 +239,40 @@ def suite_summary(workdir: str) -> dict:
   baseline = suite.get("baseline") or (order[0] if order else None)
   if baseline not in names:
     baseline = None
-  out = summarise_results(results, baseline=baseline, order=order)
+  reference = (suite.get("analysis") or {}).get("speedup_reference")
+  if reference:
+    from moejax.ablation import speedup  # pylint: disable=g-import-not-at-top
+    speedup.add_speedups(results, reference)
+  out = summarise_results(results, baseline=baseline, order=order,
+                          compare_to=suite.get("compare_to"))
+  if suite.get("compare_to"):
+    out["compare_to"] = dict(suite["compare_to"])
+  if suite.get("exempt"):
+    out["exempt"] = {a: list(q) for a, q in suite["exempt"].items()}
   out.update({"suite": suite.get("name") or results[0].get("suite", ""),
               "description": (suite.get("description") or "").strip().split("\n")[0],
               "reproduction": bool(suite.get("reproduction", False)),
               "scale": suite.get("scale", results[0].get("scale", "s")),
               "suite_seeds": suite.get("seeds", sorted({r.get("seed", 0) for r in results})),
               "provenance": _collect_provenance(results),
-              "budget_flags": budget_mismatches(out)})
+              "budget_flags": budget_mismatches(out, exempt=suite.get("exempt"))})
   return out
 
 
-def budget_mismatches(summary: Mapping, tolerance: float = 0.02) -> list[str]:
-  """Lines naming every budget quantity on which the labels differ beyond ``tolerance``."""
+def budget_mismatches(summary: Mapping, tolerance: float = 0.02,
+                      exempt: Optional[Mapping[str, Sequence[str]]] = None) -> list[str]:
+  """Lines naming every budget quantity on which the labels differ beyond ``tolerance``.
+
+  ``exempt``: ``{label: quantities}`` (a suite's reference arms) left out of those quantities.
+  """
   arms = summary["arms"]
+  exempt = exempt or {}
   out = []
   if len(arms) < 2:
     return out
   for key, title in BUDGET_KEYS:
-    vals = {n: float(a["budget"][key]) for n, a in arms.items() if a["budget"].get(key) is not None}
+    vals = {n: float(a["budget"][key]) for n, a in arms.items()
+            if a["budget"].get(key) is not None and key not in exempt.get(n, ())}
     if len(vals) > 1 and spread(list(vals.values())) > tolerance:
       lo, hi = min(vals, key=vals.get), max(vals, key=vals.get)
       out.append(f"{title} differs by {100 * spread(list(vals.values())):.1f}% "

@@ -27,7 +27,12 @@ ARM_COLUMNS = ("val_loss", "max_vio_batch", "max_vio_global", "drop_rate",
                "soft_dispatch_entropy", "soft_combine_entropy", "peer_experts_touched",
                "peer_key_max_vio", "mod_capacity_use", "mod_causal_agreement",
                "a2a_bytes_per_token", "moe_latency_p99_ms", "probe_teacher_forced_loss",
-               "probe_prefix_loss", "probe_leak_gap")
+               "probe_prefix_loss", "probe_leak_gap",
+               # fine-tuning against the suite's source (moejax.ablation.sources)
+               "target_gain", "forgetting", "spec_change")
+# The speed-up table (moejax.ablation.speedup), for suites with a speed-up reference.
+SPEEDUP_COLUMNS = ("val_loss", "steps_to_reference", "speedup_steps", "speedup_time",
+                   "tokens_per_s")
 
 
 def fmt(v: Optional[float], key: str = "") -> str:
@@ -74,17 +79,40 @@ def _skip_constant_zero(summary: Mapping, keys: list[str]) -> list[str]:
   return keep
 
 
+def _has_trainable(summary: Mapping) -> bool:
+  """Whether some arm trains fewer parameters than it has (fine-tuning: the trainable column)."""
+  return any(a["budget"].get("trainable") not in (None, a["budget"].get("total"))
+             for a in summary["arms"].values())
+
+
 def arms_table(summary: Mapping) -> str:
   base = summary.get("baseline")
   cols = _skip_constant_zero(summary, _present(summary, ARM_COLUMNS))
-  head = ["arm", "seeds", "total params", "active/token"] + [METRICS[k][0] for k in cols]
+  trainable = _has_trainable(summary)
+  head = (["arm", "seeds", "total params"] + (["trainable"] if trainable else [])
+          + ["active/token"] + [METRICS[k][0] for k in cols])
   lines = ["| " + " | ".join(head) + " |", "|---|---:|" + "---:|" * (len(head) - 2)]
   for name, a in summary["arms"].items():
     label = f"{name} (baseline)" if name == base else name
-    cells = [label, str(len(a["seeds"])), fmt(a["budget"].get("total"), "total"),
-             fmt(a["budget"].get("active"), "active")]
+    cells = [label, str(len(a["seeds"])), fmt(a["budget"].get("total"), "total")]
+    if trainable:
+      cells.append(fmt(a["budget"].get("trainable"), "total"))
+    cells += [fmt(a["budget"].get("active"), "active")]
     cells += [_cell(a["metrics"].get(k), k) for k in cols]
     lines.append("| " + " | ".join(cells) + " |")
+  return "\n".join(lines)
+
+
+def speedup_table(summary: Mapping) -> str:
+  """Steps and time to the reference's loss, speed-ups and tokens/s (empty without them)."""
+  if not _present(summary, ("speedup_steps", "steps_to_reference")):
+    return ""
+  cols = _present(summary, SPEEDUP_COLUMNS)
+  head = ["arm", "seeds"] + [METRICS[k][0] for k in cols]
+  lines = ["| " + " | ".join(head) + " |", "|---|---:|" + "---:|" * (len(head) - 2)]
+  for name, a in summary["arms"].items():
+    lines.append("| " + " | ".join([name, str(len(a["seeds"]))] +
+                                   [_cell(a["metrics"].get(k), k) for k in cols]) + " |")
   return "\n".join(lines)
 
 
@@ -92,9 +120,14 @@ def comparison_table(summary: Mapping) -> str:
   comps = summary.get("comparisons") or {}
   if not comps:
     return ""
-  lines = [f"| arm | metric | {chr(916)} vs {summary['baseline']} | 95% over seeds (n) "
-           "| 95% over documents | verdict | why unresolved |",
-           "|---|---|---:|---|---|---|---|"]
+  paired = bool(summary.get("compare_to"))   # arms compared with arms other than the baseline
+  if paired:
+    lines = ["| arm | vs | metric | {d} | 95% over seeds (n) | 95% over documents | verdict "
+             "| why unresolved |".format(d=chr(916)), "|---|---|---|---:|---|---|---|---|"]
+  else:
+    lines = [f"| arm | metric | {chr(916)} vs {summary['baseline']} | 95% over seeds (n) "
+             "| 95% over documents | verdict | why unresolved |",
+             "|---|---|---:|---|---|---|---|"]
   for name, comp in comps.items():
     for key in VERDICT_METRICS:
       if key not in comp:
@@ -105,7 +138,8 @@ def comparison_table(summary: Mapping) -> str:
       docs = _interval(e.get("documents")) if key == "val_loss" else ""
       verdict = e["verdict"]
       verdict = verdict if verdict == "unresolved" else f"**{verdict}**"
-      lines.append(f"| {name} | {METRICS[key][0]} | {_signed(d['mean'])} | {seeds} | {docs} "
+      vs = f" {e.get('baseline', summary['baseline'])} |" if paired else ""
+      lines.append(f"| {name} |{vs} {METRICS[key][0]} | {_signed(d['mean'])} | {seeds} | {docs} "
                    f"| {verdict} | {e.get('reason', '')} |")
   return "\n".join(lines)
 
@@ -159,6 +193,9 @@ def notes(summary: Mapping) -> list[str]:
                "are unpaired (Welch) where fewer than two are common")
   out += [f"- ! {line}" for line in (summary.get("corpus") or {}).get("flags", [])]
   out += [f"- ! budget: {line}" for line in summary.get("budget_flags", [])]
+  for arm, qs in (summary.get("exempt") or {}).items():
+    out.append(f"- budget: {arm} is a reference arm, exempt from the fixed "
+               f"{', '.join(qs)} (not held equal)")
   opts = {a["budget"].get("optimizer") for a in summary["arms"].values()}
   if len(opts) == 1 and None not in opts:
     out.append(f"- optimizer: {opts.pop()}")
@@ -168,7 +205,7 @@ def notes(summary: Mapping) -> list[str]:
 def section_markdown(summary: Mapping) -> str:
   """The generated part of one RESULTS.md section (and of summary.md)."""
   parts = ["\n".join(provenance_lines(summary)), arms_table(summary)]
-  for extra in (comparison_table(summary), mdd_line(summary)):
+  for extra in (speedup_table(summary), comparison_table(summary), mdd_line(summary)):
     if extra:
       parts.append(extra)
   n = notes(summary)

@@ -14,7 +14,7 @@ from typing import Optional
 
 from moejax.config import registry as reg
 from moejax.config.core import (ConfigError, check_choice, check_count, check_fraction,
-                                check_positive)
+                                check_number, check_positive)
 from moejax.config.moe import MoEConfig
 
 
@@ -29,6 +29,9 @@ class ModelConfig:
 
   compute_dtype: activation dtype (params stay float32; routers keep their
     own ``moe.routing.router_dtype``). rope_base: rotary frequency base.
+  norm_eps: the epsilon of every RMSNorm (x / sqrt(mean(x^2) + eps) * scale);
+    1e-6 by default, Mixtral's checkpoints use 1e-5 (an imported model keeps
+    its own, so its logits are reproduced exactly).
   expert_sharing_group: consecutive MoE layers in groups of this size share
     their routed expert weights (each keeps its own router); 1 = no sharing.
   mod_every / mod_capacity / mod_gate / mod_aux_loss_coef: mixture-of-depths
@@ -68,6 +71,7 @@ class ModelConfig:
   tie_embeddings: bool = False
   compute_dtype: str = "float32"
   rope_base: float = 10000.0
+  norm_eps: float = 1e-6
   expert_sharing_group: int = 1
   mod_every: int = 0
   mod_capacity: float = 0.125
@@ -116,6 +120,8 @@ class ModelConfig:
     for name in ("first_dense_layers", "mod_every"):
       check_count(f"{p}.{name}", getattr(self, name), minimum=0)
     check_positive(f"{p}.rope_base", self.rope_base)
+    check_number(f"{p}.norm_eps", self.norm_eps, minimum=0, maximum=1e-2, min_open=True,
+                 fix="use a small positive epsilon such as 1e-6 or 1e-5")
     check_positive(f"{p}.mod_aux_loss_coef", self.mod_aux_loss_coef, allow_zero=True)
     check_fraction(f"{p}.mod_capacity", self.mod_capacity,
                    fix="use the fraction of tokens a MoD block processes, e.g. 0.125")

@@ -5,7 +5,7 @@ The whole API::
     from moejax import data
     cfg = data.DataConfig(name="python_stdlib", seq_len=256, batch_size=16, seed=0)
     train = data.make_batches(cfg, "train")          # infinite, shuffled per epoch
-    batch = next(train)        # inputs/targets/labels/segment_ids/mask/target_bytes
+    batch = next(train)   # inputs/targets/labels/segment_ids/doc_ids/mask/valid/target_bytes
     state = train.get_state()                        # small JSON-able dict; checkpoint it
     train = data.make_batches(cfg, "train", state=state)   # resumes exactly
     for batch in data.make_batches(cfg, "validation"):     # one deterministic pass
@@ -31,7 +31,7 @@ from __future__ import annotations
 from typing import Optional
 
 from moejax.data.config import (BUILTIN_NAMES, TOKENIZERS, DataConfig, check_vocab_size,
-                                vocab_size)
+                                domain_names, vocab_size)
 from moejax.data.datasets import (BUILTIN_DATASETS, DatasetUnavailableError, available_datasets,
                                   builtin_builder, get_dataset, resolve_data_dir)
 from moejax.data.documents import SEPARATOR_ID, VOCAB_SIZE, Document, Documents
@@ -91,6 +91,17 @@ def tokenizer_identity(cfg: DataConfig) -> dict:
   return bpe.tokenizer_identity(load_tokenizer(cfg))
 
 
+def loss_labels(cfg: DataConfig, docs: Documents) -> Optional[tuple[int, ...]]:
+  """The label values ``cfg.loss_domains`` names in ``docs`` (None: every domain is scored)."""
+  if not cfg.loss_domains:
+    return None
+  missing = [d for d in cfg.loss_domains if d not in docs.domain_names]
+  if missing:
+    raise ValueError(f"data.loss_domains={cfg.loss_domains}: {missing} not among the domains "
+                     f"{docs.domain_names} of {docs.name}/{docs.split}")
+  return tuple(docs.domain_names.index(d) for d in cfg.loss_domains)
+
+
 def make_batches(cfg: DataConfig, split: str, *, train: Optional[bool] = None,
                  state: Optional[dict] = None, process_index: int = 0,
                  process_count: int = 1) -> BatchIterator:
@@ -109,7 +120,7 @@ def make_batches(cfg: DataConfig, split: str, *, train: Optional[bool] = None,
   return make_batch_iterator(docs, cfg.seq_len, cfg.batch_size, seed=cfg.seed,
                              train=split == cfg.train_split if train is None else train,
                              state=state, process_index=process_index,
-                             process_count=process_count)
+                             process_count=process_count, loss_labels=loss_labels(cfg, docs))
 
 
 __all__ = [
@@ -118,7 +129,7 @@ __all__ = [
     "PYTHON_DOMAINS", "PythonStdlib", "SEPARATOR_ID", "STRING", "SYNTHETIC_DOMAINS",
     "StdlibConfig", "SyntheticConfig", "SyntheticDomains", "TOKENIZERS", "VOCAB_SIZE",
     "available_datasets", "builtin_builder", "byte_counts", "check_vocab_size",
-    "domain_fractions", "get_dataset", "label_python_source", "label_spans", "load_documents",
-    "load_tokenizer", "make_batch_iterator", "make_batches", "resolve_data_dir",
+    "domain_fractions", "domain_names", "get_dataset", "label_python_source", "label_spans", "load_documents",
+    "load_tokenizer", "loss_labels", "make_batch_iterator", "make_batches", "resolve_data_dir",
     "token_counts", "tokenizer_identity", "unigram_cross_entropy", "vocab_size",
 ]

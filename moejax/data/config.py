@@ -20,6 +20,12 @@ TOKENIZERS = ("bytes", "bpe")
 BYTE_VOCAB_SIZE = 256        # == documents.VOCAB_SIZE (not imported: config stays TFDS-free)
 BPE_MIN_VOCAB_SIZE = 257     # the separator and the 256 bytes, before any merge
 BPE_MAX_VOCAB_SIZE = 65536   # ids are stored as uint16
+# Domain names of the built-in datasets' labels (== labels.PYTHON_DOMAINS and
+# synthetic.SYNTHETIC_DOMAINS, not imported: config stays TFDS-free; a test
+# checks they agree); TFDS text datasets have the one domain ``text``.
+DOMAINS = {"python_stdlib": ("code", "comment", "docstring", "string"),
+           "synthetic_domains": ("arithmetic", "markov", "copy", "language")}
+TEXT_DOMAINS = ("text",)
 # 'dataset', 'dataset/config', 'dataset:1.0.0', 'dataset/config:1.0.0' (TFDS).
 _TFDS_NAME = re.compile(r"^[a-zA-Z]\w*(/[\w+\-.]+)?(:\d+\.\d+\.\d+)?$")
 
@@ -53,6 +59,14 @@ class DataConfig:
       :func:`vocab_size` of this config.
     bpe_vocab_size: ``bpe`` only (ignored otherwise): V, the vocabulary size
       (separator + 256 bytes + merges); the model's ``vocab_size``.
+    loss_domains: the data mixture of the objective: only targets whose
+      domain label is one of these names count in the loss (training and
+      the validation ``loss``); the other tokens stay in the input as
+      context. Empty (default): every domain. Names: :func:`domain_names`
+      (``python_stdlib``: code, comment, docstring, string). Fine-tuning
+      uses it to pre-train on some domains and fine-tune on a held-out one
+      (docs/finetune.md). Routing statistics and the per-domain validation
+      losses still count every token.
   """
 
   name: str = "python_stdlib"
@@ -74,6 +88,7 @@ class DataConfig:
   synthetic_max_doc_bytes: int = 2048
   tokenizer: str = "bytes"
   bpe_vocab_size: int = 4096
+  loss_domains: tuple = ()
 
   def __post_init__(self, path: str = "data"):
     for f in ("seq_len", "batch_size", "synthetic_train_docs", "synthetic_val_docs",
@@ -107,6 +122,22 @@ class DataConfig:
                         f"separator and 256 bytes, plus merges; ids are uint16)",
                         "use a few thousand, e.g. 4096")
     self._check_name(path)
+    self._check_loss_domains(path)
+
+  def _check_loss_domains(self, path: str) -> None:
+    if isinstance(self.loss_domains, list):  # JSON and ml_collections give lists
+      object.__setattr__(self, "loss_domains", tuple(self.loss_domains))
+    names = domain_names(self.name)
+    field = f"{path}.loss_domains"
+    if not isinstance(self.loss_domains, tuple):
+      raise ConfigError(field, self.loss_domains, "must be a tuple of domain names",
+                        f"use e.g. ('{names[0]}',), or () for every domain")
+    for d in self.loss_domains:
+      if d not in names:
+        raise ConfigError(field, self.loss_domains, f"{d!r} is not a domain of {self.name}",
+                          f"use names among {', '.join(names)}")
+    if len(set(self.loss_domains)) != len(self.loss_domains):
+      raise ConfigError(field, self.loss_domains, "names a domain twice", "list each once")
 
   def _check_name(self, path: str) -> None:
     if self.name in BUILTIN_NAMES:
@@ -150,6 +181,11 @@ class DataConfig:
                                   self.synthetic_val_docs, self.synthetic_min_doc_bytes,
                                   self.synthetic_max_doc_bytes)
     return None
+
+
+def domain_names(name: str) -> tuple[str, ...]:
+  """The domain labels of dataset ``name`` (what ``Documents.domain_names`` will hold)."""
+  return DOMAINS.get(name, TEXT_DOMAINS)
 
 
 def vocab_size(cfg: DataConfig) -> int:

@@ -57,15 +57,23 @@ class BatchIterator:
     doc_ids: int32[B/P, S] index into ``docs`` of the document each *target*
       belongs to (a separator target to the document it opens, like its
       label); -1 on padding. Per-document validation losses sum over it.
-    mask: bool[B/P, S] False only where the target is padding.
+    mask: bool[B/P, S] the targets that are scored: False on padding and,
+      with ``loss_labels``, on targets whose label is not one of them.
+    valid: bool[B/P, S] False only where the target is padding (equal to
+      ``mask`` without ``loss_labels``): what routing statistics count.
     target_bytes: int32[B/P, S] the bytes each target stands for
       (``Documents.bytes_per_token``: 1 at byte level, the separator 1, a
       BPE token its UTF-8 length), 0 on padding; a loss summed over targets
-      divided by its sum is nats per byte.
+      divided by its sum is nats per byte (of the scored targets).
+
+  ``loss_labels``: label values whose targets are scored (``mask``); None:
+  every label (:func:`moejax.data.loss_labels` turns ``data.loss_domains``
+  into them).
   """
 
   def __init__(self, docs: Documents, seq_len: int, batch_size: int, *, seed: int = 0,
-               train: bool = True, process_index: int = 0, process_count: int = 1):
+               train: bool = True, process_index: int = 0, process_count: int = 1,
+               loss_labels: Optional[tuple] = None):
     if seq_len <= 0 or batch_size <= 0:
       raise ValueError(f"seq_len={seq_len}, batch_size={batch_size}: both must be > 0")
     if process_count <= 0 or not 0 <= process_index < process_count or batch_size % process_count:
@@ -75,6 +83,7 @@ class BatchIterator:
       raise ValueError(f"{docs.name}/{docs.split} has no documents")
     self.docs, self.seq_len, self.batch_size = docs, seq_len, batch_size
     self.seed, self.train = int(seed), bool(train)
+    self.loss_labels = None if loss_labels is None else np.asarray(sorted(loss_labels), np.int32)
     local = batch_size // process_count
     self._rows = range(process_index * local, (process_index + 1) * local)
     self._stream_lens = docs.lengths + 1
@@ -195,6 +204,9 @@ class BatchIterator:
       out["labels"][i], out["segment_ids"][i] = labels[1:], segs[:S]
       out["doc_ids"][i] = doc_ids[1:]
       out["mask"][i, :n_targets] = True
+    out["valid"] = out["mask"].copy()
+    if self.loss_labels is not None:
+      out["mask"] &= np.isin(out["labels"], self.loss_labels)
     out["target_bytes"] = self._token_bytes[out["targets"]] * out["mask"]
     self.step += 1
     return out
@@ -206,10 +218,12 @@ class BatchIterator:
 
 def make_batch_iterator(docs: Documents, seq_len: int, batch_size: int, *, seed: int = 0,
                         train: bool = True, state: Optional[dict] = None, process_index: int = 0,
-                        process_count: int = 1) -> BatchIterator:
+                        process_count: int = 1,
+                        loss_labels: Optional[tuple] = None) -> BatchIterator:
   """A :class:`BatchIterator`, resumed from ``state`` when given."""
   it = BatchIterator(docs, seq_len, batch_size, seed=seed, train=train,
-                     process_index=process_index, process_count=process_count)
+                     process_index=process_index, process_count=process_count,
+                     loss_labels=loss_labels)
   if state is not None:
     it.set_state(state)
   return it

@@ -21,8 +21,15 @@ both):
   H(domain)), mean over layers, and per layer: see
   :mod:`moejax.evaluate.specialization`.
 
-Loads count only scored positions (``mask``), so the padded rows of the last
-validation batch do not bias MaxVio_global.
+Loads and specialisation count every non-padding position (the batch's
+``valid``; ``mask`` when it has none), so the padded rows of the last
+validation batch do not bias MaxVio_global. The loss scores the ``mask``
+positions: with ``data.loss_domains`` only the targets of those domains.
+
+Per domain (every non-padding target, whatever ``data.loss_domains``
+scores): ``domain_ce`` / ``domain_count`` f32[D] sums, and
+``loss_domain/<name>`` in the summary when the domain names are given:
+what fine-tuning reads as target-domain loss and forgetting.
 
 Per document (``make_eval_step(..., num_docs=N)``, for the final whole-split
 evaluation of an ablation run): the cross-entropy sum and the target count
@@ -35,7 +42,7 @@ resample them (:mod:`moejax.ablation.stats`).
 
 from __future__ import annotations
 
-from typing import Any, Callable, Iterable, Optional
+from typing import Any, Callable, Iterable, Optional, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -55,7 +62,8 @@ def make_eval_step(graphdef, model_cfg: ModelConfig, num_domains: int,
                    num_docs: Optional[int] = None, with_routing: bool = False) -> Callable:
   """jitted ``eval_step(params, router_state, other, batch) -> sums``.
 
-  sums: ``ce_sum`` f32[], ``count`` f32[], ``bytes`` f32[], and per MoE layer
+  sums: ``ce_sum`` f32[], ``count`` f32[], ``bytes`` f32[], ``domain_ce`` and
+  ``domain_count`` f32[D] (every valid target, by its label), and per MoE layer
   with a routing decision ``load/<layer>`` f32[E] and ``joint/<layer>``
   f32[E_r, D]; with ``num_docs`` N also ``doc_ce`` and ``doc_count`` f32[N]
   (the batch must carry ``doc_ids``).
@@ -74,19 +82,26 @@ def make_eval_step(graphdef, model_cfg: ModelConfig, num_domains: int,
     out = {"ce_sum": ce_sum, "count": count}
     target_bytes = batch.get("target_bytes", batch["mask"])
     out["bytes"] = jnp.sum(jnp.where(batch["mask"], target_bytes, 0).astype(jnp.float32))
+    seen = batch.get("valid", batch["mask"])   # every non-padding target
+    # The same per-position CE as masked_cross_entropy, on every valid target.
+    ce_all = optax.softmax_cross_entropy_with_integer_labels(
+        logits.astype(jnp.float32), batch["targets"]) * seen                # [B, S]
+    labels = jnp.where(seen, batch["labels"], -1).reshape(-1)  # -1: dropped by segment_sum
+    out["domain_ce"] = jax.ops.segment_sum(ce_all.reshape(-1), labels, num_segments=num_domains)
+    out["domain_count"] = jax.ops.segment_sum(seen.reshape(-1).astype(jnp.float32), labels,
+                                              num_segments=num_domains)
     if num_docs is not None:
-      # The same per-position CE as masked_cross_entropy, summed per document;
-      # ids of padding are -1, which segment_sum drops.
+      # Summed per document over the scored targets; ids of padding are -1,
+      # which segment_sum drops.
       m = batch["mask"].astype(jnp.float32)
-      ce = optax.softmax_cross_entropy_with_integer_labels(
-          logits.astype(jnp.float32), batch["targets"]) * m                # [B, S]
+      ce = ce_all * m
       ids = jnp.where(batch["mask"], batch["doc_ids"], -1).reshape(-1)
       out["doc_ce"] = jax.ops.segment_sum(ce.reshape(-1), ids, num_segments=num_docs)
       out["doc_count"] = jax.ops.segment_sum(m.reshape(-1), ids, num_segments=num_docs)
     for name, layer in aux["moe"].items():
       if "expert_ids" not in layer:
         continue  # soft / PEER layers have no token -> expert decision
-      ids, valid, mask = layer["expert_ids"], layer["valid"], batch["mask"]
+      ids, valid, mask = layer["expert_ids"], layer["valid"], seen
       joint = joint_counts(ids, valid, batch["labels"], mask, moe.num_routed, num_domains)
       out[f"joint/{name}"] = joint
       out[f"load/{name}"] = jnp.sum(joint[: moe.topology.num_experts], axis=1)
@@ -99,9 +114,11 @@ def make_eval_step(graphdef, model_cfg: ModelConfig, num_domains: int,
 
 
 def evaluate(eval_step: Callable, params, router_state, other, batches: Iterable[Batch],
-             num_batches: Optional[int] = None) -> dict[str, float]:
+             num_batches: Optional[int] = None,
+             domain_names: Optional[Sequence[str]] = None) -> dict[str, float]:
   """Runs ``eval_step`` over ``batches`` (at most ``num_batches``); see the module doc."""
-  return summarise(evaluate_totals(eval_step, params, router_state, other, batches, num_batches))
+  return summarise(evaluate_totals(eval_step, params, router_state, other, batches, num_batches),
+                   domain_names)
 
 
 def evaluate_totals(eval_step: Callable, params, router_state, other, batches: Iterable[Batch],
@@ -119,13 +136,20 @@ def evaluate_totals(eval_step: Callable, params, router_state, other, batches: I
   return {k: np.asarray(v) for k, v in jax.device_get(totals).items()}
 
 
-def summarise(totals: dict) -> dict[str, float]:
-  """The metrics of the module doc from :func:`evaluate_totals`' sums."""
+def summarise(totals: dict, domain_names: Optional[Sequence[str]] = None) -> dict[str, float]:
+  """The metrics of the module doc from :func:`evaluate_totals`' sums.
+
+  ``domain_names``: adds ``loss_domain/<name>`` for every domain with a valid target.
+  """
   out: dict[str, float] = {"loss": float(totals["ce_sum"] / max(totals["count"], 1.0)),
                            "tokens": float(totals["count"])}
   out["loss_per_byte"] = float(totals["ce_sum"] / max(totals["bytes"], 1.0))
   out["bits_per_byte"] = out["loss_per_byte"] / float(np.log(2.0))
   out["bytes"] = float(totals["bytes"])
+  if domain_names is not None and "domain_ce" in totals:
+    for name, ce, n in zip(domain_names, totals["domain_ce"], totals["domain_count"]):
+      if n > 0:
+        out[f"loss_domain/{name}"] = float(ce / n)
   joints = {k.split("/", 1)[1]: v for k, v in totals.items() if k.startswith("joint/")}
   loads = {k.split("/", 1)[1]: v for k, v in totals.items() if k.startswith("load/")}
   out.update(routing_metrics(joints, loads))

@@ -38,6 +38,7 @@ from jax.sharding import Mesh
 
 from moejax import layer as layer_lib
 from moejax.balance import controller
+from moejax.nn import lora as lora_lib
 from moejax.config import MoEConfig, ParallelConfig
 
 
@@ -93,6 +94,11 @@ class MoEFFN(nnx.Module):
 
   ``expert_parallel``: run the layer with :func:`moejax.layer.ep_moe_layer`
   on that mesh (None: :func:`moejax.layer.moe_layer` on one device).
+
+  ``adapters``: None, or LoRA adapters on the experts / shared experts
+  (:func:`moejax.nn.lora.init_moe_adapters`, attached by
+  :mod:`moejax.finetune.adapters`), merged into the weights before the layer
+  runs (:func:`moejax.nn.lora.merge_adapters`), so every executor runs them.
   """
 
   def __init__(self, d_model: int, cfg: MoEConfig, *, dtype=jnp.float32,
@@ -106,6 +112,12 @@ class MoEFFN(nnx.Module):
       self.params["experts"] = shared_experts
     self.router_state = nnx.data(
         jax.tree.map(RouterStateVar, layer_lib.init_router_state(cfg)))
+    self.adapters, self.adapter_scale = None, 0.0
+
+  def attach_adapters(self, adapters: dict, scale: float) -> None:
+    """Adds LoRA adapters ``{sub: {matrix: {'a', 'b'}}}`` (LoRAParam leaves); see the class doc."""
+    self.adapters = nnx.data(jax.tree.map(lora_lib.LoRAParam, adapters))
+    self.adapter_scale = float(scale)
 
   def __call__(self, x: jax.Array, token_ids: jax.Array, *, train: bool = False,
                rng: Optional[jax.Array] = None, axis_names: Sequence[str] = (),
@@ -117,6 +129,8 @@ class MoEFFN(nnx.Module):
     experts keep reading x).
     """
     params = values(self.params)
+    if self.adapters is not None:
+      params = lora_lib.merge_adapters(params, values(self.adapters), self.adapter_scale)
     # Expert weights follow the compute dtype; the router keeps float32 params
     # and casts to moe.routing.router_dtype itself (Switch selective precision).
     params = {k: (v if k == "router" else jax.tree.map(lambda a: a.astype(self.dtype), v))

@@ -89,6 +89,30 @@ def _within(path: str, fields) -> bool:
   return any(path == f or path.startswith(f + ".") for f in fields)
 
 
+def with_defaults(saved: dict, requested: dict, _default=None) -> dict:
+  """``saved`` with every key it lacks taken from the default ExperimentConfig.
+
+  A stored config.json written before a field existed (``model.norm_eps``,
+  ``data.loss_domains``, the ``finetune`` section) stands for that field's
+  default; without this, every field added to moejax would read as a change
+  and refuse to resume older runs. Only keys absent from ``saved`` are
+  filled, and only where ``requested`` has them too.
+  """
+  if _default is None:
+    _default = json.loads(experiment_to_json(ExperimentConfig()))
+  if not isinstance(saved, dict) or not isinstance(requested, dict):
+    return saved
+  out = dict(saved)
+  for key, value in requested.items():
+    fallback = _default.get(key) if isinstance(_default, dict) else None
+    if key not in out:
+      if isinstance(_default, dict) and key in _default:
+        out[key] = fallback
+    elif isinstance(out[key], dict):
+      out[key] = with_defaults(out[key], value, fallback if isinstance(fallback, dict) else {})
+  return out
+
+
 def identity_changes(saved: dict, requested: dict) -> list[str]:
   """The ``path: stored -> requested`` changes outside :data:`RESUME_FREE_FIELDS`."""
   return [c for c in diff(saved, requested) if not _within(_path(c), RESUME_FREE_FIELDS)]
@@ -175,6 +199,7 @@ def check_workdir(workdir: str, cfg: ExperimentConfig, extend: bool = False) -> 
     raise WorkdirError(f"{path} cannot be read ({type(e).__name__}: {e}). Fix: restore it, "
                        "or use a new --workdir") from e
   new = json.loads(experiment_to_json(cfg))
+  saved = with_defaults(saved, new)
   if not steps:
     # Stopped before its first checkpoint: nothing it trained survives, so any
     # config may start over here (its metric rows are dropped).

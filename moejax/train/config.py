@@ -19,6 +19,7 @@ from moejax.config import (ConfigError, ModelConfig, ParallelConfig, check_count
                            check_fraction, check_number, check_positive, from_dict,
                            resolve_route_limit, to_dict, unwrap_optional)
 from moejax.data import DataConfig, check_vocab_size
+from moejax.finetune.config import FinetuneConfig, resolve_model
 from moejax.model import check_buildable, dense_twin
 
 
@@ -101,7 +102,8 @@ class TrainConfig:
 
 @dataclasses.dataclass(frozen=True)
 class ExperimentConfig:
-  """One training run: the model, its data, its optimisation and its device layout.
+  """One training run: the model, its data, its optimisation, its device layout and, for a
+  fine-tuning run, where it starts from (``finetune``, :mod:`moejax.finetune.config`).
 
   ``parallel`` (:class:`moejax.config.ParallelConfig`): the default
   (``expert=1``) is data parallelism over every device. ``expert > 1`` runs
@@ -110,14 +112,17 @@ class ExperimentConfig:
 
   Built configs are resolved: ``model.dense_twin`` has replaced the MoE by
   its dense twin, and node/device-limited routing (``parallel.route_limit``)
-  is written into ``model.moe.routing`` (so the saved config.json says
-  exactly what runs, and resolving it again changes nothing).
+  is written into ``model.moe.routing``, and the fine-tuning options into
+  the model they apply to (a frozen router's ``routing.freeze``, the bias
+  controller's ``balance.bias_freeze_step``), so the saved config.json says
+  exactly what runs, and resolving it again changes nothing.
   """
 
   model: ModelConfig = dataclasses.field(default_factory=ModelConfig)
   data: DataConfig = dataclasses.field(default_factory=DataConfig)
   train: TrainConfig = dataclasses.field(default_factory=TrainConfig)
   parallel: ParallelConfig = dataclasses.field(default_factory=ParallelConfig)
+  finetune: FinetuneConfig = dataclasses.field(default_factory=FinetuneConfig)
 
   def __post_init__(self):
     model = self.model
@@ -125,6 +130,7 @@ class ExperimentConfig:
       model = dense_twin(model, model.dense_twin)
     if model.moe is not None and self.parallel.route_limit != "none":
       model = dataclasses.replace(model, moe=resolve_route_limit(model.moe, self.parallel))
+    model = resolve_model(model, self.finetune)
     object.__setattr__(self, "model", model)
     check_buildable(self.model)
     if self.data.batch_size % self.train.microbatches:

@@ -39,7 +39,7 @@ def run_config(workdir: str) -> ExperimentConfig:
 
 def model_at(cfg: ExperimentConfig, workdir: str, step: Optional[int] = None):
   """(nnx model, step) of ``cfg`` restored from ``workdir``'s checkpoint (the newest by default)."""
-  tx = make_optimizer(cfg.train, cfg.model)
+  tx = make_optimizer(cfg.train, cfg.model, cfg.finetune)
   graphdef, abstract = step_lib.abstract_state(cfg, tx)
   steps = ckpt_lib.checkpoint_steps(workdir)
   if not steps:

@@ -46,6 +46,8 @@ from moejax.evaluate.validation import evaluate, make_eval_step
 from moejax.execution import gmm
 from moejax.execution import mesh as mesh_lib
 from moejax.execution import parallel as parallel_lib
+from moejax.finetune import accounting as accounting_lib
+from moejax.finetune import source as source_lib
 from moejax.model import ExpertParallel
 from moejax.train import checkpoint as ckpt_lib
 from moejax.train import guard
@@ -88,7 +90,8 @@ def _eval_batches(cfg: ExperimentConfig, docs, put):
   it = data_lib.make_batch_iterator(docs, cfg.data.seq_len, cfg.data.batch_size,
                                     seed=cfg.data.seed, train=False,
                                     process_index=jax.process_index(),
-                                    process_count=jax.process_count())
+                                    process_count=jax.process_count(),
+                                    loss_labels=data_lib.loss_labels(cfg.data, docs))
   return (put(batch) for batch in it)
 
 
@@ -213,7 +216,7 @@ def train(cfg: ExperimentConfig, workdir: str, *, out: TextIO = sys.stdout,
   if lead:  # the other processes run under the lock process 0 takes
     lock_lib.check_unlocked(workdir)
   plan = ckpt_lib.check_workdir(workdir, cfg, extend=extend)
-  tx = make_optimizer(tc, cfg.model)
+  tx = make_optimizer(tc, cfg.model, cfg.finetune)
   graphdef, abstract = step_lib.abstract_state(cfg, tx, layout.expert_parallel)
   # Restored straight into this run's layout: a checkpoint written under
   # another layout (another process count or mesh) is resharded by orbax,
@@ -231,6 +234,14 @@ def train(cfg: ExperimentConfig, workdir: str, *, out: TextIO = sys.stdout,
       for change in plan.changes:
         say(f"  (not recorded: {change})")
       return report(workdir, _summary(workdir), say)
+  source = None
+  if cfg.finetune.enabled:
+    if restored is None:  # a fine-tuning run starts from its source (checked here, read-only)
+      source = source_lib.open_source(cfg)
+      for note in source.notes:
+        say(f"note: this run's model differs from its source in {note}")
+    say(f"fine-tuning ({_options(cfg)}); accounting before training:")
+    say(accounting_lib.table({"this run": accounting_lib.accounting(cfg, abstract.params, tx)}))
   # Process 0 first: a dataset prepared on first use is written once, then read
   # by the others (a shared data_dir would otherwise be prepared concurrently).
   # The barrier also orders every process's read-only checks above before
@@ -263,7 +274,7 @@ def train(cfg: ExperimentConfig, workdir: str, *, out: TextIO = sys.stdout,
                                     then_steps=then_steps, then_seconds=then_seconds)
     try:
       step = _run(cfg, workdir, graphdef, tx, restored, train_it, val_docs, ckpt, writer,
-                  progress, say, layout, final_eval)
+                  progress, say, layout, final_eval, source)
     except guard.NonFiniteError as e:
       _history(workdir, "stopped", reason=str(e).split(":")[0],
                               train_seconds=progress.train_seconds)
@@ -281,6 +292,18 @@ def _sync(name: str) -> None:
   """A barrier of every process of a multi-process run (nothing on one process)."""
   if jax.process_count() > 1:
     multihost_utils.sync_global_devices(name)
+
+
+def _options(cfg: ExperimentConfig) -> str:
+  ft = cfg.finetune
+  parts = [f"from {ft.source}"]
+  if ft.freeze:
+    parts.append(f"frozen: {', '.join(ft.freeze)}")
+  if ft.lora:
+    parts.append(f"LoRA rank {ft.lora_rank} (x{ft.lora_scale:g}) on {', '.join(ft.lora)}")
+  if ft.controller != "auto":
+    parts.append(f"bias controller {ft.controller}")
+  return "; ".join(parts)
 
 
 def _record_start(workdir, cfg, plan, restored, say) -> None:
@@ -364,7 +387,7 @@ def report(workdir: str, summary: dict, say) -> dict:
 
 
 def _run(cfg, workdir, graphdef, tx, restored, train_it, val_docs, ckpt, writer, progress, say,
-         layout, final_eval=None) -> int:
+         layout, final_eval=None, source=None) -> int:
   """The steps; returns the last step done."""
   tc = cfg.train
   put_batch, put_state = layout.put_batch, layout.put_state
@@ -377,6 +400,9 @@ def _run(cfg, workdir, graphdef, tx, restored, train_it, val_docs, ckpt, writer,
     say(f"{workdir}: new run, {n_params / 1e6:.2f}M params, {tc.steps} steps of "
         f"{cfg.data.batch_size}x{cfg.data.seq_len} tokens on {cfg.data.name}; "
         f"unigram baseline {unigram:.3f} nats/token")
+    if source is not None:
+      state = source.apply(state, tx)
+      say(f"{workdir}: initialised from {source.describe()}")
   else:
     state = step_lib.TrainState(**restored.tree)
     data_state = dict(restored.data_state)
@@ -401,7 +427,8 @@ def _run(cfg, workdir, graphdef, tx, restored, train_it, val_docs, ckpt, writer,
     step += 1
     pending.append(metrics)
     if compiled:
-      tokens += float(batch["mask"].sum()) * jax.process_count()  # local rows only
+      # Every non-padding target (data.loss_domains scores a subset of them).
+      tokens += float(batch.get("valid", batch["mask"]).sum()) * jax.process_count()
       timed_steps += 1
     else:
       # The first step compiles; keep it out of tokens/s and the ETA.
@@ -440,7 +467,7 @@ def _run(cfg, workdir, graphdef, tx, restored, train_it, val_docs, ckpt, writer,
       else:
         result = evaluate(eval_step, state.params, state.router_state, state.other,
                           _eval_batches(cfg, val_docs, put_batch),
-                          None if final else tc.eval_batches)
+                          None if final else tc.eval_batches, val_docs.domain_names)
       result["unigram_baseline"] = unigram
       writer.write(step, "eval", result)
       extra = "".join(f" | {name} {result[key]:.3f}" for key, name in

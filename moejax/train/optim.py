@@ -5,11 +5,18 @@ aux-loss-free bias) is a separate pytree that the model's controller updates
 after each step; it never reaches this optimizer (a bias trained by the
 optimizer is a known bug, MaxText #2494).
 
-A frozen router (``model.moe.routing.freeze``) gets no gradient (the router
-stops it), and is also masked out of the optimizer here
-(``optax.multi_transform`` with ``set_to_zero``): AdamW's decoupled weight
-decay would otherwise still shrink it by ``lr * weight_decay`` every step.
-Its weights (and a Soft MoE router's) then stay bit-identical.
+Frozen parameters are masked out of the optimizer (``optax.multi_transform``
+with ``set_to_zero``): AdamW's decoupled weight decay would otherwise still
+shrink them by ``lr * weight_decay`` every step. They then stay
+bit-identical, and the train step zeroes their gradients
+(:func:`frozen_gradients`), so they neither count in the gradient norm nor
+cost a weight gradient. What is frozen, by the components of
+:func:`moejax.finetune.config.component`:
+
+- the MoE routers of a model with ``model.moe.routing.freeze`` (the router
+  also stops its own gradient, and its bias controller stops);
+- for a fine-tuning run, the components of ``finetune.freeze`` and the base
+  weights of the ``finetune.lora`` targets (their adapters train).
 """
 
 from __future__ import annotations
@@ -17,18 +24,19 @@ from __future__ import annotations
 from typing import Any, Optional
 
 import jax
+import jax.numpy as jnp
 import optax
 
 from moejax.config import ModelConfig
+from moejax.finetune.config import FinetuneConfig, component
 from moejax.train.config import TrainConfig
 
-# Where the freeze switch lives in a ModelConfig, and where the router params
-# live in the params tree: the MoE layer's params dict ("params") holds a
-# "router" subtree (moejax.nn.moe_block.MoEFFN). Mixture-of-depths routers
-# (an attribute "router" of the MoD block, not under "params") are not MoE
-# routers and stay trainable.
+# Where the freeze switch lives in a ModelConfig. The router params live in
+# the params tree under a MoE layer's params dict ("params") as a "router"
+# subtree (moejax.nn.moe_block.MoEFFN); mixture-of-depths routers (an
+# attribute "router" of the MoD block, not under "params") are not MoE
+# routers: component 'mod'.
 _FREEZE_FIELD = ("moe", "routing", "freeze")
-_ROUTER_KEYS = ("params", "router")
 
 
 def learning_rate_schedule(cfg: TrainConfig) -> optax.Schedule:
@@ -54,29 +62,65 @@ def _key_name(k) -> str:
   return str(getattr(k, "key", getattr(k, "name", getattr(k, "idx", k))))
 
 
-def router_labels(params: Any) -> Any:
-  """'frozen' for the leaves of every MoE layer's router subtree, 'train' elsewhere."""
+def frozen_components(model: Optional[ModelConfig],
+                      finetune: Optional[FinetuneConfig] = None) -> frozenset:
+  """The components (:func:`moejax.finetune.config.component`) that do not train."""
+  out = set()
+  if router_frozen(model):
+    out.add("router")
+  if finetune is not None and finetune.enabled:
+    out |= finetune.frozen_components(model)
+  return frozenset(out)
+
+
+def trainable_labels(params: Any, frozen) -> Any:
+  """'frozen' for the leaves of the ``frozen`` components, 'train' elsewhere."""
+  frozen = frozenset(frozen)
+
   def label(path, _):
-    keys = [_key_name(k) for k in path]
-    inside = any(tuple(keys[i:i + 2]) == _ROUTER_KEYS for i in range(len(keys) - 1))
-    return "frozen" if inside else "train"
+    return "frozen" if component([_key_name(k) for k in path]) in frozen else "train"
   return jax.tree_util.tree_map_with_path(label, params)
 
 
-def make_optimizer(cfg: TrainConfig,
-                   model: Optional[ModelConfig] = None) -> optax.GradientTransformation:
+def router_labels(params: Any) -> Any:
+  """'frozen' for the leaves of every MoE layer's router subtree, 'train' elsewhere."""
+  return trainable_labels(params, {"router"})
+
+
+def frozen_gradients(model: Optional[ModelConfig],
+                     finetune: Optional[FinetuneConfig] = None):
+  """``grads -> grads`` with zeros (not depending on the gradient) on frozen leaves.
+
+  XLA then never computes a frozen weight's gradient, and the logged
+  gradient norm is that of what trains. The identity when nothing is frozen.
+  """
+  frozen = frozen_components(model, finetune)
+  if not frozen:
+    return lambda grads: grads
+
+  def mask(grads):
+    labels = trainable_labels(grads, frozen)
+    return jax.tree.map(lambda g, lab: jnp.zeros_like(g) if lab == "frozen" else g,
+                        grads, labels)
+  return mask
+
+
+def make_optimizer(cfg: TrainConfig, model: Optional[ModelConfig] = None,
+                   finetune: Optional[FinetuneConfig] = None) -> optax.GradientTransformation:
   """clip_by_global_norm (if grad_clip > 0), then AdamW on the schedule.
 
-  ``model``: the run's model config; with a frozen router its params are
-  masked out of the whole chain (no update, no weight decay). The optimizer
-  state has the masked structure then, so restoring a run needs the same
-  ``model`` here.
+  ``model`` / ``finetune``: the run's model and fine-tuning configs; frozen
+  parameters (see the module docstring) are masked out of the whole chain
+  (no update, no weight decay, no moments). The optimizer state has the
+  masked structure then, so restoring a run needs the same configs here.
   """
   adamw = optax.adamw(learning_rate_schedule(cfg), b1=cfg.b1, b2=cfg.b2, eps=cfg.eps,
                       weight_decay=cfg.weight_decay, mask=decay_mask)
   tx = adamw
   if cfg.grad_clip > 0:
     tx = optax.chain(optax.clip_by_global_norm(cfg.grad_clip), adamw)
-  if router_frozen(model):
-    tx = optax.multi_transform({"train": tx, "frozen": optax.set_to_zero()}, router_labels)
+  frozen = frozen_components(model, finetune)
+  if frozen:
+    tx = optax.multi_transform({"train": tx, "frozen": optax.set_to_zero()},
+                               lambda params: trainable_labels(params, frozen))
   return tx

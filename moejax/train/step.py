@@ -27,10 +27,11 @@ import jax.numpy as jnp
 import optax
 from flax import nnx, struct
 
+from moejax.finetune import adapters as adapters_lib
 from moejax.model import ExpertParallel, RouterStateVar, Transformer
 from moejax.train.config import ExperimentConfig
 from moejax.nn.losses import masked_cross_entropy
-from moejax.train.optim import learning_rate_schedule
+from moejax.train.optim import frozen_gradients, learning_rate_schedule
 
 Batch = dict[str, jax.Array]
 
@@ -75,6 +76,10 @@ def _build(cfg: ExperimentConfig, tx: optax.GradientTransformation, holder: dict
   init_key, run_key = jax.random.split(jax.random.key(cfg.train.seed))
   model = Transformer(cfg.model, rngs=nnx.Rngs(params=init_key),
                       expert_parallel=expert_parallel)
+  ft = cfg.finetune
+  if ft.lora:  # LoRA adapters of a fine-tuning run (B = 0: the model is unchanged)
+    adapters_lib.attach(model, ft.lora, ft.lora_rank, ft.lora_scale,
+                        jax.random.fold_in(init_key, 0x10A))
   graphdef, params, router_state, other = split_model(model)
   holder["graphdef"] = graphdef
   return TrainState(step=jnp.zeros((), jnp.int32), params=params, router_state=router_state,
@@ -168,6 +173,7 @@ def make_train_step(graphdef, cfg: ExperimentConfig,
   the balance losses; with one micro-batch it is exactly mean CE + aux.
   """
   schedule_lr = learning_rate_schedule(cfg.train)
+  mask_frozen = frozen_gradients(cfg.model, cfg.finetune)  # identity when nothing is frozen
   nan_at = cfg.train.nan_at_step
   m = cfg.train.microbatches
 
@@ -203,6 +209,7 @@ def make_train_step(graphdef, cfg: ExperimentConfig,
           body, zero, (jnp.arange(m), micro))
       aux_loss = aux_loss / m                     # the mean over micro-batches
       summary = jax.tree.map(lambda v: v / m, summary)
+    grads = mask_frozen(grads)
     if nan_at >= 0:  # test hook: a NaN that reaches the update, like a real one
       poison = jnp.where(state.step + 1 == nan_at, jnp.nan, 1.0)
       loss = loss * poison

@@ -48,4 +48,4 @@ def test_every_shipped_suite_names_its_baseline(name):
 def test_the_reproductions_are_declared():
   repro = {n for n in helpers.SUITES if suite_lib.load_suite(
       os.path.join(helpers.ROOT, "configs", "ablations", f"{n}.py")).reproduction}
-  assert repro == {"lossfree", "capacity", "deepseekmoe", "expert_choice_leak"}
+  assert repro == {"lossfree", "capacity", "deepseekmoe", "expert_choice_leak", "moe_vs_dense"}

@@ -88,3 +88,27 @@ def test_routing_metrics_by_hand():
   # Plain lists work too (what routing.json holds for the notebook).
   assert validation.routing_metrics({"x": [[1, 0], [0, 1]]})["specialisation_mi_norm"] == 1.0
 
+
+
+def test_per_domain_losses_and_loss_domains(model_and_docs):
+  cfg, graphdef, state, docs = model_and_docs
+  seq_len, batch = 16, 3
+  step = validation.make_eval_step(graphdef, cfg.model, 2)
+  run = lambda labels=None: validation.evaluate_totals(
+      step, state.params, state.router_state, state.other,
+      make_batch_iterator(docs, seq_len, batch, train=False, loss_labels=labels))
+  every, only_b = run(), run((1,))
+  # Per-domain sums cover every valid target whatever the loss scores, and add up.
+  np.testing.assert_array_equal(every["domain_count"], only_b["domain_count"])
+  assert every["domain_count"].sum() == every["count"] == 136
+  np.testing.assert_allclose(every["domain_ce"].sum(), every["ce_sum"], rtol=1e-5)
+  # With loss_labels the loss is domain b's loss; the routing counts stay those of every token.
+  assert only_b["count"] == every["domain_count"][1]
+  np.testing.assert_allclose(only_b["ce_sum"], every["domain_ce"][1], rtol=1e-5)
+  for k in every:
+    if k.startswith(("joint/", "load/")):
+      np.testing.assert_array_equal(every[k], only_b[k])
+  summary = validation.summarise(only_b, ("a", "b"))
+  assert summary["loss_domain/b"] == pytest.approx(summary["loss"], rel=1e-6)
+  assert summary["loss_domain/a"] == pytest.approx(
+      every["domain_ce"][0] / every["domain_count"][0], rel=1e-6)

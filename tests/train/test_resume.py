@@ -159,3 +159,17 @@ def test_resumed_metrics_equal_the_uninterrupted_ones_when_checkpoints_fall_betw
   for step in want:
     for key in COMPARED:
       assert got[step][key] == want[step][key], (step, key)
+
+
+def test_a_config_json_written_before_new_fields_existed_still_resumes(tiny_copy, data_dir):
+  # Fields added to moejax later (model.norm_eps, data.loss_domains, the finetune section)
+  # stand for their defaults in an older config.json: not a change that refuses the run.
+  cfg, workdir = tiny_copy
+  stored = _config(workdir)
+  del stored["finetune"], stored["model"]["norm_eps"], stored["data"]["loss_domains"]
+  with open(os.path.join(workdir, ckpt_lib.CONFIG_FILE), "w") as f:
+    json.dump(stored, f)
+  plan = ckpt_lib.check_workdir(workdir, cfg)
+  assert plan.finished and not plan.changes
+  with pytest.raises(ckpt_lib.WorkdirError, match="model.norm_eps: stored 1e-06, requested 1e-05"):
+    ckpt_lib.check_workdir(workdir, helpers.experiment("tiny", data_dir, model__norm_eps=1e-5))

@@ -1,0 +1,48 @@
+r"""Exports a (fine-tuned) run to a Hugging Face checkpoint directory:
+``python -m experiments.export_hf --workdir=FT --out=DIR [--lora=merge|separate]``.
+
+Writes config.json and model.safetensors (``MixtralForCausalLM.from_pretrained(DIR)``
+loads them); LoRA adapters are merged into the weights (``--lora=merge``) or kept apart in
+adapter_model.safetensors + adapter_config.json (PEFT naming; ``--lora=separate``). The
+model must be one Mixtral expresses (every layer MoE, softmax top-k routing without a
+selection bias, untied head): otherwise one ``error:`` line names what is not.
+See moejax/finetune/export.py and docs/finetune.md.
+"""
+
+from __future__ import annotations
+
+from absl import app, flags
+
+from experiments import cli
+
+_WORKDIR = flags.DEFINE_string("workdir", None, "The run directory to export.")
+_OUT = flags.DEFINE_string("out", None, "The Hugging Face checkpoint directory to write.")
+_LORA = flags.DEFINE_enum("lora", "merge", ["merge", "separate"],
+                          "Fold LoRA adapters into the weights, or write them apart.")
+_LAYOUT = flags.DEFINE_enum("layout", "checkpoint", ["checkpoint", "fused"],
+                            "checkpoint: per-expert tensors (released files, from_pretrained); "
+                            "fused: transformers >= 5 in-memory parameters.")
+_STEP = flags.DEFINE_integer("step", None, "A kept checkpoint step (default: the newest).")
+_MODEL_TYPE = flags.DEFINE_string("model_type", "mixtral", "The Hugging Face family.")
+flags.mark_flags_as_required(["workdir", "out"])
+
+
+def main(argv):
+  if len(argv) > 1:
+    raise app.UsageError(f"unexpected arguments: {argv[1:]}")
+  cli.quiet_logs()
+  # pylint: disable=g-import-not-at-top
+  from moejax.finetune import export as export_lib
+  from moejax.interop.errors import InteropError
+  from moejax.train.checkpoint import WorkdirError
+  try:
+    written = export_lib.export_run(_WORKDIR.value, _OUT.value, model_type=_MODEL_TYPE.value,
+                                    lora=_LORA.value, layout=_LAYOUT.value, step=_STEP.value)
+  except (InteropError, WorkdirError) as e:
+    cli.fail(f"{type(e).__name__}: {e}")
+  for what, path in written.items():
+    print(f"  {what:<15} {path}")
+
+
+if __name__ == "__main__":
+  cli.run(main)

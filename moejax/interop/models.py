@@ -1,0 +1,259 @@
+"""Whole Hugging Face causal LMs <-> the moejax Transformer (embeddings, attention, norms,
+MoE blocks, head), for the families the Transformer expresses exactly: Mixtral.
+
+Legend: V vocabulary, d model width, N query heads, M key/value heads, H head
+width, L layers.
+
+::
+
+    imported = import_model("/models/tiny-mixtral")        # config.json + safetensors
+    model = nnx.merge(graphdef_of(imported.cfg), imported.params, imported.router_state)
+    sd, hf_config = export_model(params, router_state, model_cfg)   # back to Mixtral
+
+:func:`model_config_from_hf` maps the HF config to a
+:class:`~moejax.config.ModelConfig`: every layer a MoE block
+(:func:`moejax.interop.families.moe_config_from_hf`), grouped-query
+attention with ``head_dim``, RoPE with ``rope_theta`` in the half-split
+layout both use, RMSNorm with ``rms_norm_eps`` (``model.norm_eps``), an
+untied float32 head (a tied HF head becomes an untied copy: moejax's tied
+head is scaled by d^-1/2). Fields that do not change the forward function
+(balance losses, capacity, backend, remat) are kept from ``base``.
+
+Tensor mapping (torch Linear weights are [out, in], moejax kernels [in,
+out]): ``model.embed_tokens.weight`` [V, d] -> ``embed.embedding``;
+``model.layers.{i}.input_layernorm.weight`` -> ``blocks.{i}.attn_norm.scale``;
+``post_attention_layernorm`` -> ``ffn_norm``; ``self_attn.{q,k,v,o}_proj.weight``
+-> ``attn.{q,k,v,o}_proj.kernel`` transposed; the MoE block through
+:func:`moejax.interop.import_moe_block`; ``model.norm.weight`` ->
+``final_norm.scale``; ``lm_head.weight`` [V, d] -> ``lm_head.kernel`` [d, V].
+Every tensor is a transpose or a copy, so import -> export returns
+bit-identical arrays.
+
+The other MoE families convert block by block (docs/interop.md), but not
+as whole models: each needs an attention the Transformer does not build,
+named by :data:`MISSING` in the one-line error.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Mapping, NamedTuple, Optional
+
+import jax.numpy as jnp
+import numpy as np
+
+from moejax.config import ModelConfig
+from moejax.interop import families as fam
+from moejax.interop.convert import _resolve_config, export_moe_block, import_moe_block
+from moejax.interop.errors import InteropError, TensorShapeError
+from moejax.interop.tensors import TensorStore, open_source
+
+SUPPORTED = ("mixtral",)
+# model_type -> what the moejax Transformer lacks to compute it exactly.
+MISSING = {
+    "qwen2_moe": "attention with q/k/v biases but no output-projection bias "
+                 "(model.attention_bias puts a bias on all four projections or none)",
+    "qwen3_moe": "per-head RMSNorm of queries and keys (q_norm / k_norm) in attention",
+    "deepseek_v3": "multi-head latent attention (low-rank q / kv projections, decoupled RoPE)",
+}
+ATTENTION = ("q_proj", "k_proj", "v_proj", "o_proj")
+
+
+class ImportedModel(NamedTuple):
+  """A converted model: ``nnx.merge(graphdef, params, router_state)`` of a Transformer(cfg)."""
+
+  cfg: ModelConfig
+  params: dict          # the pure-dict params of Transformer(cfg)
+  router_state: dict    # its pure-dict router state (bias, step per MoE layer)
+
+
+class ExportedModel(NamedTuple):
+  state_dict: dict      # numpy tensors under transformers' names
+  hf_config: dict       # a complete config.json for the family
+
+
+def check_supported(model_type: Any) -> None:
+  """InteropError in one line unless ``model_type`` converts as a whole model."""
+  if model_type in SUPPORTED:
+    return
+  if model_type in MISSING:
+    raise InteropError(f"model_type={model_type!r}: the moejax Transformer cannot compute this "
+                       f"model exactly; it lacks {MISSING[model_type]}. Fix: import its MoE "
+                       f"blocks with moejax.interop.import_moe_block, or fine-tune a "
+                       f"{' / '.join(SUPPORTED)} model")
+  fam.get_family(model_type)  # unknown families: the block converter's error
+  raise InteropError(f"model_type={model_type!r} has no whole-model converter. Fix: use "
+                     f"{', '.join(SUPPORTED)}")
+
+
+def _rope_theta(hf: Any) -> float:
+  params = fam.hf_get(hf, "rope_parameters", "rope_scaling", default=None) or {}
+  if not isinstance(params, Mapping):
+    params = dict(params)
+  kind = params.get("rope_type", params.get("type", "default")) or "default"
+  if kind != "default":
+    raise InteropError(f"rope_type={kind!r}: moejax's rotary embedding is the unscaled one "
+                       "(rope_type='default'). Fix: import a model without RoPE scaling")
+  theta = params.get("rope_theta", fam.hf_get(hf, "rope_theta", default=None))
+  return float(10000.0 if theta is None else theta)
+
+
+def model_config_from_hf(hf_config: Any, base: Optional[ModelConfig] = None) -> ModelConfig:
+  """The ModelConfig computing the HF model (see the module docstring)."""
+  check_supported(fam.hf_get(hf_config, "model_type"))
+  window = fam.hf_get(hf_config, "sliding_window", default=None)
+  if window:
+    raise InteropError(f"sliding_window={window}: moejax attention is full causal attention. "
+                       "Fix: import a checkpoint without sliding-window attention "
+                       "(Mixtral's own have sliding_window=null)")
+  d = fam.hf_get(hf_config, "hidden_size")
+  n = fam.hf_get(hf_config, "num_attention_heads")
+  m = fam.hf_get(hf_config, "num_key_value_heads", default=None) or n
+  h = fam.hf_get(hf_config, "head_dim", default=None) or d // n
+  base = base or ModelConfig()
+  moe = fam.moe_config_from_hf(hf_config, base.moe)
+  return dataclasses.replace(
+      base, vocab_size=fam.hf_get(hf_config, "vocab_size"), d_model=d,
+      n_layers=fam.hf_get(hf_config, "num_hidden_layers"), n_heads=n,
+      n_kv_heads=None if m == n else m, head_dim=None if h * n == d else h,
+      attention_bias=False, moe_layout="all", first_dense_layers=0, tie_embeddings=False,
+      rope_base=_rope_theta(hf_config), norm_eps=float(fam.hf_get(hf_config, "rms_norm_eps")),
+      expert_sharing_group=1, mod_every=0, moe_schedule="serial", dense_twin="none", moe=moe)
+
+
+def _prefix(store: TensorStore) -> str:
+  for p in ("model.", ""):
+    if p + "embed_tokens.weight" in store:
+      return p
+  raise InteropError("no embed_tokens.weight (model.embed_tokens.weight) in the checkpoint: "
+                     "not a causal LM's state dict. Fix: pass the whole model's weights")
+
+
+def import_model(source: Any, hf_config: Any = None, *, base: Optional[ModelConfig] = None,
+                 dtype: Any = jnp.float32) -> ImportedModel:
+  """A whole HF model (state dict, safetensors file or checkpoint directory) as moejax params.
+
+  ``hf_config``: the HF config object or config.json dict (default: the
+  directory's config.json); ``base``: a ModelConfig whose non-architecture
+  fields the result keeps.
+  """
+  hf_config = _resolve_config(source, hf_config)
+  cfg = model_config_from_hf(hf_config, base)
+  store = open_source(source)
+  p = _prefix(store)
+  d, v = cfg.d_model, cfg.vocab_size
+  h, n, m = cfg.attn_head_dim, cfg.n_heads, cfg.kv_heads
+
+  def get(key: str, want: tuple, why: str) -> np.ndarray:
+    w = store.get(key)
+    if tuple(w.shape) != tuple(want):
+      raise TensorShapeError(key, w.shape, want, why)
+    return np.asarray(w)
+
+  cast = lambda a: jnp.asarray(a, dtype)
+  params: dict = {"embed": {"embedding": cast(get(p + "embed_tokens.weight", (v, d), "[V, d]"))},
+                  "blocks": {}, "final_norm": {"scale": cast(get(p + "norm.weight", (d,),
+                                                                  "[d]"))}}
+  router_state: dict = {"blocks": {}}
+  shapes = {"q_proj": (n * h, d), "k_proj": (m * h, d), "v_proj": (m * h, d),
+            "o_proj": (d, n * h)}
+  for i in range(cfg.n_layers):
+    lp = f"{p}layers.{i}."
+    attn = {name: {"kernel": cast(get(f"{lp}self_attn.{name}.weight", shapes[name],
+                                      "[out, in]").T)} for name in ATTENTION}
+    block = import_moe_block(store, hf_config, layer=i, base_cfg=cfg.moe, dtype=dtype)
+    params["blocks"][i] = {
+        "attn_norm": {"scale": cast(get(lp + "input_layernorm.weight", (d,), "[d]"))},
+        "attn": attn,
+        "ffn_norm": {"scale": cast(get(lp + "post_attention_layernorm.weight", (d,), "[d]"))},
+        "ffn": {"params": block.params},
+    }
+    router_state["blocks"][i] = {"ffn": {"router_state": {
+        "bias": jnp.asarray(block.state.bias, jnp.float32),
+        "step": jnp.asarray(block.state.step, jnp.int32)}}}
+  if "lm_head.weight" in store:
+    head = get("lm_head.weight", (v, d), "[V, d]")
+  elif fam.hf_get(hf_config, "tie_word_embeddings", default=False):
+    head = np.asarray(params["embed"]["embedding"])  # tied: an untied copy (see the docstring)
+  else:
+    raise InteropError("no lm_head.weight and tie_word_embeddings is false. Fix: pass the causal "
+                       "LM's weights (MixtralForCausalLM), not the base model's")
+  params["lm_head"] = {"kernel": cast(np.asarray(head).T)}
+  return ImportedModel(cfg, params, router_state)
+
+
+def _check_exportable(cfg: ModelConfig, model_type: str) -> None:
+  check_supported(model_type)
+  bad = []
+  if cfg.moe is None or cfg.moe.kind != "sparse":
+    bad.append("a sparse MoE in every layer (model.moe)")
+  else:
+    if not all(cfg.is_moe_layer(i) for i in range(cfg.n_layers)):
+      bad.append(f"model.moe_layout={cfg.moe_layout!r} (every layer must be MoE)")
+    r = cfg.moe.routing
+    if r.score_fn != "softmax" or r.use_bias or r.kind != "topk":
+      bad.append(f"routing kind={r.kind!r}, score_fn={r.score_fn!r}, use_bias={r.use_bias} "
+                 f"(needs softmax top-k without a selection bias)")
+  for field, ok, what in (("attention_bias", not cfg.attention_bias, "False"),
+                          ("tie_embeddings", not cfg.tie_embeddings, "False (moejax scales a "
+                           "tied head by d^-1/2)"),
+                          ("mod_every", cfg.mod_every == 0, "0"),
+                          ("moe_schedule", cfg.moe_schedule == "serial", "'serial'"),
+                          ("expert_sharing_group", cfg.expert_sharing_group == 1, "1")):
+    if not ok:
+      bad.append(f"model.{field}={getattr(cfg, field)!r} (needs {what})")
+  if bad:
+    raise InteropError(f"{model_type} cannot express this model: {'; '.join(bad)}. Fix: export "
+                       f"a model {model_type} can hold")
+
+
+def hf_config_of(cfg: ModelConfig, model_type: str = "mixtral") -> dict:
+  """A complete HF config.json dict for ``cfg`` (InteropError if ``model_type`` cannot hold it)."""
+  _check_exportable(cfg, model_type)
+  fields = fam.hf_fields_from_moe(cfg.moe, model_type, cfg.d_model)
+  return {
+      **fields, "architectures": ["MixtralForCausalLM"], "vocab_size": cfg.vocab_size,
+      "num_hidden_layers": cfg.n_layers, "num_attention_heads": cfg.n_heads,
+      "num_key_value_heads": cfg.kv_heads, "head_dim": cfg.attn_head_dim,
+      "rms_norm_eps": cfg.norm_eps, "rope_theta": cfg.rope_base,
+      "rope_parameters": {"rope_type": "default", "rope_theta": cfg.rope_base},
+      "sliding_window": None, "tie_word_embeddings": False, "attention_dropout": 0.0,
+      "max_position_embeddings": 4096, "router_aux_loss_coef": 0.0, "router_jitter_noise": 0.0,
+      "torch_dtype": "float32", "dtype": "float32",
+  }
+
+
+def export_model(params: Mapping, router_state: Optional[Mapping], cfg: ModelConfig,
+                 model_type: str = "mixtral", layout: str = "checkpoint") -> ExportedModel:
+  """A moejax Transformer's pure-dict params as a whole HF model (see the module docstring).
+
+  ``params`` must be base weights (merge or split LoRA adapters first:
+  :mod:`moejax.finetune.export`). ``layout``: ``checkpoint`` (per-expert
+  tensors: released-file names, what ``from_pretrained`` reads) or ``fused``
+  (transformers >= 5's in-memory module parameters).
+  """
+  hf_config = hf_config_of(cfg, model_type)
+  t = lambda a: np.ascontiguousarray(np.asarray(a).T)
+  sd = {"model.embed_tokens.weight": np.asarray(params["embed"]["embedding"]),
+        "model.norm.weight": np.asarray(params["final_norm"]["scale"]),
+        "lm_head.weight": t(params["lm_head"]["kernel"])}
+  from moejax.routing.types import RouterState  # pylint: disable=g-import-not-at-top
+  for i in range(cfg.n_layers):
+    block = params["blocks"][i]
+    lp = f"model.layers.{i}."
+    sd[lp + "input_layernorm.weight"] = np.asarray(block["attn_norm"]["scale"])
+    sd[lp + "post_attention_layernorm.weight"] = np.asarray(block["ffn_norm"]["scale"])
+    for name in ATTENTION:
+      sd[f"{lp}self_attn.{name}.weight"] = t(block["attn"][name]["kernel"])
+    state = None
+    if router_state is not None:
+      rs = router_state["blocks"][i]["ffn"]["router_state"]
+      state = RouterState(bias=jnp.asarray(rs["bias"]), step=jnp.asarray(rs["step"]))
+    exported = export_moe_block(block["ffn"]["params"], state, cfg.moe, model_type, layer=i,
+                                layout=layout)
+    sd.update(exported.state_dict)
+  return ExportedModel(sd, hf_config)
+
+
+__all__ = ["ExportedModel", "ImportedModel", "MISSING", "SUPPORTED", "check_supported",
+           "export_model", "hf_config_of", "import_model", "model_config_from_hf"]

@@ -1,0 +1,73 @@
+"""Fixtures of the fine-tuning tests: a prepared tiny corpus, a tiny source run, one fine-tune."""
+
+from __future__ import annotations
+
+import io
+
+import jax
+import pytest
+
+from moejax.train import loop
+from tests.train import helpers
+
+_CACHE_OPTIONS = ("jax_compilation_cache_dir", "jax_persistent_cache_min_compile_time_secs",
+                  "jax_persistent_cache_min_entry_size_bytes")
+
+
+@pytest.fixture(scope="session")
+def ft_data_dir(tmp_path_factory):
+  return str(tmp_path_factory.mktemp("tfds_ft"))
+
+
+@pytest.fixture(scope="session", autouse=True)
+def ft_compilation_cache(tmp_path_factory):
+  """JAX's persistent compilation cache: the runs here compile the same few programs."""
+  path = str(tmp_path_factory.mktemp("jax_cache_ft"))
+  previous = {name: getattr(jax.config, name) for name in _CACHE_OPTIONS}
+  jax.config.update("jax_compilation_cache_dir", path)
+  jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+  jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+  yield
+  for name, value in previous.items():
+    jax.config.update(name, value)
+
+
+def source_experiment(data_dir, **overrides):
+  """configs/tiny.py, 12 steps, one checkpoint at the end: the pre-training run."""
+  kw = dict(train__steps=12, train__checkpoint_every=12, train__eval_every=0,
+            train__log_every=4, train__warmup_steps=2)
+  kw.update(overrides)
+  return helpers.experiment("tiny", data_dir, **kw)
+
+
+def finetune_experiment(data_dir, source, **overrides):
+  """A 6-step fine-tune of ``source`` with checkpoints at 3 and 6."""
+  kw = dict(train__steps=6, train__checkpoint_every=3, train__keep_checkpoints=3,
+            train__eval_every=0, train__log_every=3, train__warmup_steps=1,
+            finetune__source=source)
+  kw.update(overrides)
+  return helpers.experiment("tiny", data_dir, **kw)
+
+
+@pytest.fixture(scope="session")
+def source_run(tmp_path_factory, ft_data_dir):
+  """(cfg, workdir) of a finished 12-step tiny run (pre-training on code and strings)."""
+  workdir = str(tmp_path_factory.mktemp("ft_source") / "source")
+  cfg = source_experiment(ft_data_dir, data__loss_domains=("code", "string"))
+  loop.train(cfg, workdir, out=io.StringIO())
+  return cfg, workdir
+
+
+@pytest.fixture(scope="session")
+def ft_run(tmp_path_factory, ft_data_dir, source_run):
+  """(cfg, workdir, output) of a 6-step fine-tune of the source on comments and docstrings:
+  router and experts frozen, LoRA rank 4 on attention and on the experts."""
+  _, source = source_run
+  workdir = str(tmp_path_factory.mktemp("ft_run") / "ft")
+  cfg = finetune_experiment(ft_data_dir, source, data__loss_domains=("comment", "docstring"),
+                            finetune__freeze=("router", "experts"),
+                            finetune__lora=("attention", "experts"),
+                            finetune__lora_rank=4)
+  out = io.StringIO()
+  loop.train(cfg, workdir, out=out)
+  return cfg, workdir, out.getvalue()
