@@ -1,0 +1,31 @@
+"""docs/serving.md's (and RESULTS.md's) tables are what the committed result JSONs render to.
+
+The serving bench and the quantisation table are written to
+results/serving/*.json by their commands; the docs quote the Markdown those
+JSONs render to, so a table can only change by re-running the command.
+"""
+
+import json
+import pathlib
+
+from experiments import bench_serving, quantize
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+DOC = (ROOT / "docs" / "serving.md").read_text(encoding="utf-8")
+RESULTS = (ROOT / "RESULTS.md").read_text(encoding="utf-8")
+
+
+def _load(name):
+  return json.loads((ROOT / "results" / "serving" / name).read_text(encoding="utf-8"))
+
+
+def test_serving_bench_tables_are_the_committed_json():
+  assert bench_serving.markdown_tables(_load("serving_bench.json")) in DOC
+
+
+def test_quantisation_tables_are_the_committed_json():
+  res = _load("quantization.json")
+  assert set(res) == {"moejax", "hf"}
+  for part in res.values():
+    assert quantize.markdown_table(part) in DOC
+    assert quantize.markdown_table(part) in RESULTS
