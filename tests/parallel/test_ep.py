@@ -52,8 +52,10 @@ def run_child(script, *args, devices=8, timeout=600):
   return proc.stdout
 
 
-@pytest.mark.parametrize("group", ["routers", "routers_node", "buckets", "dispatch",
-                                   "topology", "scmoe"])
+# routers_node (~40 s on CI) is slow-only: the node dispatch unit also runs in
+# the default run inside ``buckets`` (every unit and transport) and ``topology``.
+@pytest.mark.parametrize("group", ["routers", pytest.param("routers_node", marks=pytest.mark.slow),
+                                   "buckets", "dispatch", "topology", "scmoe"])
 def test_expert_parallel_equals_single_device(group):
   out = run_child(CHILD, group)
   assert f"OK {group}" in out, out
