@@ -40,6 +40,7 @@ import numpy as np
 from absl import app, flags
 from flax import nnx
 
+from experiments import serving_tables
 from moejax.serve import quantize as quant_lib
 
 _WORKDIR = flags.DEFINE_string("workdir", None, "a trained moejax run to quantise")
@@ -278,19 +279,7 @@ def print_table(title: str, res: dict) -> None:
     print(f"{label:<10}{r['val_loss']:>10.4f}{r['val_loss_delta']:>+10.4f}"
           f"{100 * r['routing_changed']:>16.2f}%{100 * r['top1_agree']:>12.2f}%"
           f"{r['expert_bytes'] / 1e6:>11.3f}{100 * (1 - r['expert_bytes'] / base):>7.1f}%")
-  print("\n" + markdown_table(res))
-
-
-def markdown_table(res: dict) -> str:
-  """One result (moejax or hf) as a Markdown table (docs/serving.md)."""
-  base = res["float_expert_bytes"]
-  lines = ["| scheme | val loss | change | routing changed | top-1 agree | expert MB | saved |",
-           "|---|---|---|---|---|---|---|"]
-  for label, r in res["rows"].items():
-    lines.append(f"| {label} | {r['val_loss']:.4f} | {r['val_loss_delta']:+.4f} | "
-                 f"{100 * r['routing_changed']:.2f}% | {100 * r['top1_agree']:.2f}% | "
-                 f"{r['expert_bytes'] / 1e6:.3f} | {100 * (1 - r['expert_bytes'] / base):.1f}% |")
-  return "\n".join(lines)
+  print("\n" + serving_tables.quantization_table(res))
 
 
 def main(argv):

@@ -8,7 +8,7 @@ JSONs render to, so a table can only change by re-running the command.
 import json
 import pathlib
 
-from experiments import bench_serving, quantize
+from experiments import bench_serving, serving_tables
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 DOC = (ROOT / "docs" / "serving.md").read_text(encoding="utf-8")
@@ -27,5 +27,5 @@ def test_quantisation_tables_are_the_committed_json():
   res = _load("quantization.json")
   assert set(res) == {"moejax", "hf"}
   for part in res.values():
-    assert quantize.markdown_table(part) in DOC
-    assert quantize.markdown_table(part) in RESULTS
+    assert serving_tables.quantization_table(part) in DOC
+    assert serving_tables.quantization_table(part) in RESULTS
