@@ -16,14 +16,25 @@ hidden units per layer in total and 256 active per token), 300 steps x 16 x 64:
 
 Routers differ (hash has none, DeepSeekMoE's is 31 wide): total and active
 parameters agree within 3% (DeepSeekMoE 2.6% above Hash in active).
-Size: 4 arms x 3 seeds, about 15-18 minutes on 2 CPU cores.
+Size: 4 arms x 3 seeds, about 8-18 minutes on 2 CPU cores.
 
   python -m experiments.ablate --config=configs/ablations/deepseekmoe.py --workdir=/tmp/abl/deepseekmoe
+
+On subword tokens (``:bpe``, a 1024-entry byte-level BPE trained once on the
+train split; moejax/data/bpe.py): hash routing then hashes subwords, not
+byte values, so its fixed per-byte expert prior is gone. The embedding and
+output tables grow with the vocabulary alike in every arm; compare arms by
+``val loss`` within the suite, and with the byte suite only per byte.
+
+  python -m experiments.ablate --config=configs/ablations/deepseekmoe.py:bpe --workdir=/tmp/abl/deepseekmoe_bpe
+  python -m experiments.report deepseekmoe@bpe=/tmp/abl/deepseekmoe_bpe --out RESULTS.md
 """
 
 from moejax.ablation.bases import small_experiment, suite_config
 
 _AUX = dict(aux_loss_coef=1e-2, aux_loss_scope="batch")
+TOKENS = ("bytes", "bpe")
+BPE_VOCAB_SIZE = 1024
 
 
 def _moe(n, width, k, kind="topk", aux=True, **topology):
@@ -34,12 +45,20 @@ def _moe(n, width, k, kind="topk", aux=True, **topology):
               balance=_AUX if aux else dict(aux_loss_coef=0.0))
 
 
-def get_config():
+def get_config(tokens: str = "bytes"):
+  """``tokens``: the config-file argument (``deepseekmoe.py:bpe``), ``bytes`` or ``bpe``."""
+  if tokens not in TOKENS:
+    raise ValueError(f"configs/ablations/deepseekmoe.py:{tokens}: unknown tokens; use one of "
+                     f"{', '.join(TOKENS)} (e.g. --config=configs/ablations/deepseekmoe.py:bpe)")
   gshard = _moe(8, 128, 2)
+  base = small_experiment(gshard)
+  if tokens == "bpe":
+    base["model"]["vocab_size"] = BPE_VOCAB_SIZE
+    base["data"].update(tokenizer="bpe", bpe_vocab_size=BPE_VOCAB_SIZE)
   return suite_config(
       name="deepseekmoe",
       description=__doc__,
-      base=small_experiment(gshard),
+      base=base,
       arms={
           "hash": dict(model=dict(moe=_moe(4, 256, 1, kind="hash", aux=False))),
           "switch": dict(model=dict(moe=_moe(4, 256, 1))),

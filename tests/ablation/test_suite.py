@@ -49,3 +49,20 @@ def test_the_reproductions_are_declared():
   repro = {n for n in helpers.SUITES if suite_lib.load_suite(
       os.path.join(helpers.ROOT, "configs", "ablations", f"{n}.py")).reproduction}
   assert repro == {"lossfree", "capacity", "deepseekmoe", "expert_choice_leak", "moe_vs_dense"}
+
+
+def test_deepseekmoe_on_bpe_tokens_changes_only_the_data_and_vocabulary():
+  import importlib.util  # pylint: disable=g-import-not-at-top
+  path = os.path.join(helpers.ROOT, "configs", "ablations", "deepseekmoe.py")
+  spec = importlib.util.spec_from_file_location("_deepseekmoe_cfg", path)
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  byte_suite = suite_lib.suite_from_dict(module.get_config())
+  bpe_suite = suite_lib.suite_from_dict(module.get_config("bpe"))
+  assert [a.name for a in bpe_suite.arms] == [a.name for a in byte_suite.arms]
+  for b, s in zip(byte_suite.arms, bpe_suite.arms):
+    assert (b.experiment.data.tokenizer, s.experiment.data.tokenizer) == ("bytes", "bpe")
+    assert s.experiment.model.vocab_size == s.experiment.data.bpe_vocab_size == 1024
+    assert s.experiment.model.moe == b.experiment.model.moe
+  with pytest.raises(ValueError, match="unknown tokens"):
+    module.get_config("bytez")
