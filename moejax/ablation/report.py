@@ -18,7 +18,9 @@ Two markers, both HTML comments (invisible when the Markdown renders):
 The block id ``overview`` is special: one row per summary of the file (in
 the order of its blocks): seeds, baseline, and which arms are better /
 worse / unresolved on the validation loss and MaxVio_global, with the
-validation-loss MDD.
+validation-loss MDD. A block id ``trend.SUITE`` renders how the suite's
+differences move from scale s to m (and l): ``results/SUITE.json`` next to
+``SUITE@m.json`` (:mod:`moejax.ablation.trend`).
 
 A summary that does not exist yet renders as a "pending re-run" line (a
 block) or ``(pending)`` (a value), so a section whose suite has not been
@@ -35,7 +37,7 @@ import os
 import re
 from typing import Mapping
 
-from moejax.ablation import tables
+from moejax.ablation import tables, trend
 
 BLOCK = re.compile(r"(<!-- moejax:generated (?P<id>[\w@.+-]+) -->\n)(?P<body>.*?)"
                    r"(<!-- moejax:end (?P=id) -->)", re.S)
@@ -101,7 +103,13 @@ def render(text: str, summaries: Mapping[str, Mapping]) -> str:
   def block(m):
     sid = m.group("id")
     if sid == OVERVIEW:
-      body = overview([i for i in order if i != OVERVIEW], summaries)
+      body = overview([i for i in order if i != OVERVIEW and not i.startswith(trend.PREFIX)],
+                      summaries)
+    elif sid.startswith(trend.PREFIX):
+      try:
+        body = trend.trend_markdown(sid[len(trend.PREFIX):], summaries)
+      except ValueError as e:
+        raise ReportError(f"block {sid}: {e}") from e
     else:
       body = (tables.section_markdown(summaries[sid]) if sid in summaries
               else PENDING.format(id=sid))

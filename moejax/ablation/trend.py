@@ -1,0 +1,118 @@
+"""How a suite's differences move up the scale ladder (s -> m -> l).
+
+A suite run at several rungs (``moejax.ablation.scale``) has one summary per
+rung: ``results/SUITE.json`` (scale s) and ``results/SUITE@m.json``,
+``SUITE@l.json``. The trend table puts each arm's difference to the baseline
+side by side across the rungs, each with its 95% interval over seeds and
+its verdict, and names the movement in words computed from the verdicts:
+
+- ``holds``: resolved at both rungs, same direction;
+- ``reverses``: resolved at both rungs, opposite directions;
+- ``emerges``: unresolved at the smaller rung, resolved at the larger;
+- ``fades``: resolved at the smaller rung, unresolved at the larger;
+- ``unresolved``: unresolved at both (``same sign`` / ``sign flips`` says
+  whether the point estimates at least agree; neither is evidence).
+
+With more than two rungs the words compare the smallest and the largest.
+In RESULTS.md the block ``<!-- moejax:generated trend.SUITE -->`` renders
+this table (moejax.ablation.report); it depends on the summaries alone.
+"""
+
+from __future__ import annotations
+
+from typing import Mapping
+
+from moejax.ablation.summary import METRICS, VERDICT_METRICS
+from moejax.ablation.tables import fmt
+
+PREFIX = "trend."
+RUNGS = ("s", "m", "l")
+# The ladder compares what the suites are about; latency and volume are not verdict metrics.
+TREND_METRICS = ("val_loss", "max_vio_global", "drop_rate", "specialisation_mi_norm",
+                 "probe_leak_gap")
+
+
+def rung_ids(suite: str) -> dict[str, str]:
+  """``{rung: results id}``: ``suite`` is rung s, ``suite@m`` / ``suite@l`` the others."""
+  return {r: suite if r == "s" else f"{suite}@{r}" for r in RUNGS}
+
+
+def movement(small: Mapping, large: Mapping) -> str:
+  """The word for one metric's comparison at a smaller and a larger rung (module doc)."""
+  vs, vl = small["verdict"], large["verdict"]
+  ds, dl = small["diff"]["mean"], large["diff"]["mean"]
+  if vs != "unresolved" and vl != "unresolved":
+    return "holds" if (ds > 0) == (dl > 0) else "reverses"
+  if vl != "unresolved":
+    return "emerges"
+  if vs != "unresolved":
+    return "fades"
+  return "unresolved, " + ("same sign" if (ds > 0) == (dl > 0) else "sign flips")
+
+
+def _diff_cell(comp: Mapping | None) -> str:
+  if comp is None:
+    return "n/a"
+  d = comp["diff"]
+  iv = ("n/a" if d.get("lo") is None else f"[{d['lo']:+.3g}, {d['hi']:+.3g}]")
+  verdict = comp["verdict"] if comp["verdict"] == "unresolved" else f"**{comp['verdict']}**"
+  return f"{d['mean']:+.4g} {iv} ({d['n']}) {verdict}"
+
+
+def trend_markdown(suite: str, summaries: Mapping[str, Mapping]) -> str:
+  """The trend table of ``suite`` from ``summaries`` (``{results id: summary}``).
+
+  Rungs whose summary is missing are left out; with fewer than two rungs the
+  table is a line saying which rung is missing, with the command that makes it.
+  """
+  have = {r: summaries[i] for r, i in rung_ids(suite).items() if i in summaries}
+  for r, s in have.items():
+    if s.get("scale", "s") != r:
+      raise ValueError(f"results id {rung_ids(suite)[r]!r} holds a run at scale "
+                       f"{s.get('scale')!r}, not {r!r}")
+  if len(have) < 2:
+    missing = [r for r in RUNGS[:2] if r not in have]
+    return (f"*No trend yet: {suite} has no summary at scale {', '.join(missing)}. Run "
+            f"`python -m experiments.ablate --config=configs/ablations/{suite}.py "
+            f"--config.scale=m --workdir=DIR` and `python -m experiments.report "
+            f"{suite}@m=DIR --out RESULTS.md`.*\n")
+  rungs = list(have)
+  base = {have[r].get("baseline") for r in rungs}
+  if len(base) != 1:
+    raise ValueError(f"{suite}: the rungs name different baselines {sorted(base)}")
+  base = base.pop()
+  lines = [f"Differences to `{base}` (Δ, 95% interval over seeds (n), verdict) at each rung; "
+           f"the last column compares {rungs[0]} with {rungs[-1]} (moejax.ablation.trend).", "",
+           "| arm | metric | " + " | ".join(f"{r}: Δ vs {base}" for r in rungs) + " | trend |",
+           "|---|---|" + "---|" * len(rungs) + "---|"]
+  # The baseline's own level first: a difference means more next to what it differs from.
+  for key in ("val_loss", "max_vio_global"):
+    cells = []
+    for r in rungs:
+      m = have[r]["arms"].get(base, {}).get("metrics", {}).get(key)
+      cells.append("n/a" if m is None else fmt(m["interval"]["mean"], key))
+    if any(c != "n/a" for c in cells):
+      lines.append(f"| {base} (level) | {METRICS[key][0]} | " + " | ".join(cells) + " | |")
+  arms = [a for a in have[rungs[-1]].get("comparisons", {})
+          if all(a in (have[r].get("comparisons") or {}) for r in rungs)]
+  for arm in arms:
+    for key in TREND_METRICS:
+      assert key in VERDICT_METRICS
+      comps = [have[r]["comparisons"][arm].get(key) for r in rungs]
+      if all(c is None for c in comps):
+        continue
+      word = (movement(comps[0], comps[-1]) if comps[0] is not None and comps[-1] is not None
+              else "n/a")
+      lines.append(f"| {arm} | {METRICS[key][0]} | " + " | ".join(map(_diff_cell, comps)) +
+                   f" | {word} |")
+  mdd = []
+  for r in rungs:
+    v = (have[r].get("mdd") or {}).get("val_loss")
+    if v and v.get("value") is not None:
+      mdd.append(f"{r} {fmt(v['value'])} ({v['seeds']} seeds)")
+  if mdd:
+    lines += ["", "Minimal detectable val-loss difference: " + ", ".join(mdd) + "."]
+  dropped = [a for a in have[rungs[-1]].get("comparisons", {}) if a not in arms]
+  if dropped:
+    lines.append(f"Arms not at every rung (left out): {', '.join(dropped)}.")
+  return "\n".join(lines) + "\n"
