@@ -22,7 +22,7 @@ from __future__ import annotations
 
 from typing import Mapping
 
-from moejax.ablation.summary import METRICS, VERDICT_METRICS
+from moejax.ablation.summary import METRICS
 from moejax.ablation.tables import fmt
 
 PREFIX = "trend."
@@ -65,10 +65,11 @@ def trend_markdown(suite: str, summaries: Mapping[str, Mapping]) -> str:
   Rungs whose summary is missing are left out; with fewer than two rungs the
   table is a line saying which rung is missing, with the command that makes it.
   """
-  have = {r: summaries[i] for r, i in rung_ids(suite).items() if i in summaries}
+  ids = rung_ids(suite)
+  have = {r: summaries[i] for r, i in ids.items() if i in summaries}
   for r, s in have.items():
     if s.get("scale", "s") != r:
-      raise ValueError(f"results id {rung_ids(suite)[r]!r} holds a run at scale "
+      raise ValueError(f"results id {ids[r]!r} holds a run at scale "
                        f"{s.get('scale')!r}, not {r!r}")
   if len(have) < 2:
     missing = [r for r in RUNGS[:2] if r not in have]
@@ -97,7 +98,6 @@ def trend_markdown(suite: str, summaries: Mapping[str, Mapping]) -> str:
           if all(a in (have[r].get("comparisons") or {}) for r in rungs)]
   for arm in arms:
     for key in TREND_METRICS:
-      assert key in VERDICT_METRICS
       comps = [have[r]["comparisons"][arm].get(key) for r in rungs]
       if all(c is None for c in comps):
         continue
