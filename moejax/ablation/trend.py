@@ -14,6 +14,14 @@ its verdict, and names the movement in words computed from the verdicts:
   whether the point estimates at least agree; neither is evidence).
 
 With more than two rungs the words compare the smallest and the largest.
+
+A speed-up suite (``analysis.speedup_reference``, moejax.ablation.speedup)
+adds a row per arm for its speed-up in steps to the reference's final loss:
+the mean (95% interval over the seeds that reached it), how many seeds
+reached it, and the verdict of the paired comparison with 1x; an arm that
+never reached the loss says so. Its trend word is :func:`movement` where
+both rungs have a comparison, otherwise the count of seeds that reached
+the loss at each rung.
 In RESULTS.md the block ``<!-- moejax:generated trend.SUITE -->`` renders
 this table (moejax.ablation.report); it depends on the summaries alone.
 """
@@ -30,6 +38,7 @@ RUNGS = ("s", "m", "l")
 # The ladder compares what the suites are about; latency and volume are not verdict metrics.
 TREND_METRICS = ("val_loss", "max_vio_global", "drop_rate", "specialisation_mi_norm",
                  "probe_leak_gap")
+SPEEDUP = "speedup_steps"  # a speed-up suite's row (module doc)
 
 
 def rung_ids(suite: str) -> dict[str, str]:
@@ -57,6 +66,36 @@ def _diff_cell(comp: Mapping | None) -> str:
   iv = ("n/a" if d.get("lo") is None else f"[{d['lo']:+.3g}, {d['hi']:+.3g}]")
   verdict = comp["verdict"] if comp["verdict"] == "unresolved" else f"**{comp['verdict']}**"
   return f"{d['mean']:+.4g} {iv} ({d['n']}) {verdict}"
+
+
+def _speedup_reach(summary: Mapping, arm: str) -> tuple[int, int]:
+  """(seeds that reached the reference loss, seeds) of ``arm``."""
+  m = summary["arms"].get(arm, {}).get("metrics", {}).get(SPEEDUP)
+  return (0 if m is None else m["interval"]["n"]), summary.get("seed_counts", {}).get(arm, 0)
+
+
+def _speedup_cell(summary: Mapping, arm: str) -> str:
+  m = summary["arms"].get(arm, {}).get("metrics", {}).get(SPEEDUP)
+  reached, seeds = _speedup_reach(summary, arm)
+  if m is None:
+    return f"never reached (0/{seeds} seeds)"
+  iv = m["interval"]
+  cell = f"{iv['mean']:.3g}x" + ("" if iv.get("lo") is None else f" [{iv['lo']:.3g}, {iv['hi']:.3g}]")
+  comp = summary.get("comparisons", {}).get(arm, {}).get(SPEEDUP)
+  verdict = "" if comp is None else (
+      " " + (comp["verdict"] if comp["verdict"] == "unresolved" else f"**{comp['verdict']}**"))
+  return f"{cell} ({reached}/{seeds} seeds reached){verdict}"
+
+
+def _speedup_row(have: Mapping, rungs: list, arm: str) -> str:
+  comps = [have[r].get("comparisons", {}).get(arm, {}).get(SPEEDUP) for r in rungs]
+  if comps[0] is not None and comps[-1] is not None:
+    word = movement(comps[0], comps[-1])
+  else:
+    word = "reached by " + " -> ".join(
+        "{}/{}".format(*_speedup_reach(have[r], arm)) for r in (rungs[0], rungs[-1])) + " seeds"
+  cells = " | ".join(_speedup_cell(have[r], arm) for r in rungs)
+  return f"| {arm} | speed-up, steps | {cells} | {word} |"
 
 
 def trend_markdown(suite: str, summaries: Mapping[str, Mapping]) -> str:
@@ -96,6 +135,8 @@ def trend_markdown(suite: str, summaries: Mapping[str, Mapping]) -> str:
       lines.append(f"| {base} (level) | {METRICS[key][0]} | " + " | ".join(cells) + " | |")
   arms = [a for a in have[rungs[-1]].get("comparisons", {})
           if all(a in (have[r].get("comparisons") or {}) for r in rungs)]
+  speedup = any(SPEEDUP in a.get("metrics", {}) or "speedup_note" in (a.get("notes") or {})
+                for r in rungs for a in have[r]["arms"].values())
   for arm in arms:
     for key in TREND_METRICS:
       comps = [have[r]["comparisons"][arm].get(key) for r in rungs]
@@ -105,6 +146,8 @@ def trend_markdown(suite: str, summaries: Mapping[str, Mapping]) -> str:
               else "n/a")
       lines.append(f"| {arm} | {METRICS[key][0]} | " + " | ".join(map(_diff_cell, comps)) +
                    f" | {word} |")
+    if speedup:
+      lines.append(_speedup_row(have, rungs, arm))
   mdd = []
   for r in rungs:
     v = (have[r].get("mdd") or {}).get("val_loss")

@@ -61,3 +61,38 @@ def test_a_summary_at_the_wrong_rung_is_an_error():
   with pytest.raises(report.ReportError, match="'x@m' holds a run at scale 's'"):
     report.render("<!-- moejax:generated trend.x -->\n<!-- moejax:end trend.x -->\n",
                   {"x": s, "x@m": s})
+
+
+def _speedup_summary(scale, reached, comp):
+  """``reached``: {arm: speed-up values of the seeds that reached the reference loss}."""
+  arms = {"base": {"metrics": {"val_loss": {"interval": {"mean": 2.0}},
+                               "speedup_steps": {"interval": {"mean": 1.0, "lo": 1.0, "hi": 1.0,
+                                                              "n": 3}}}}}
+  for arm, vals in reached.items():
+    if vals:
+      lo, hi = (None, None) if len(vals) == 1 else (min(vals) - 0.1, max(vals) + 0.1)
+      arms[arm] = {"metrics": {"speedup_steps": {"interval": {
+          "mean": sum(vals) / len(vals), "lo": lo, "hi": hi, "n": len(vals)}}}}
+    else:
+      arms[arm] = {"metrics": {}, "notes": {"speedup_note": "never reached 2.0 (best 2.1)"}}
+  comps = {a: {"val_loss": _comp(0.01, -0.1, 0.1, "unresolved")} for a in reached}
+  for arm, c in comp.items():
+    comps[arm]["speedup_steps"] = c
+  return {"scale": scale, "baseline": "base", "arms": arms, "comparisons": comps,
+          "seed_counts": {a: 3 for a in arms}, "mdd": {}}
+
+
+def test_speedup_rows_say_how_many_seeds_reached_the_reference():
+  s = _speedup_summary("s", {"a": [], "b": [1.2]}, {"b": _comp(0.2, None, None, "unresolved", 1)})
+  m = _speedup_summary("m", {"a": [1.5, 2.0, 2.5], "b": [1.3, 1.4]},
+                       {"a": _comp(1.0, 0.4, 1.6, "better"),
+                        "b": _comp(0.35, -0.3, 1.0, "unresolved", 2)})
+  rows = trend.trend_markdown("x", {"x": s, "x@m": m}).splitlines()
+  assert ("| a | speed-up, steps | never reached (0/3 seeds) | 2x [1.4, 2.6] (3/3 seeds reached) "
+          "**better** | reached by 0/3 -> 3/3 seeds |") in rows
+  assert ("| b | speed-up, steps | 1.2x (1/3 seeds reached) unresolved | 1.35x [1.2, 1.5] "
+          "(2/3 seeds reached) unresolved | unresolved, same sign |") in rows
+  # Without a speed-up analysis there is no such row.
+  plain = _summary("s", {"a": {"val_loss": _comp(-0.02, -0.03, -0.01, "better")}}, 2.5)
+  plain_m = _summary("m", {"a": {"val_loss": _comp(-0.02, -0.03, -0.01, "better")}}, 2.0)
+  assert "speed-up" not in trend.trend_markdown("x", {"x": plain, "x@m": plain_m})
