@@ -27,6 +27,12 @@ ladder and exits; ``--dry_run`` also checks every run's directory and says
 what would happen to it (new, resumed, finished), writing nothing;
 ``--print_config`` prints the suite with its resolved base experiment
 (every field) and each arm's changes to it, as JSON.
+
+Seeds in parallel: run each seed as its own process and directory
+(``--config.seeds='(1,)' --config.reproduction=False --workdir=DIR_1``),
+then ``--import_runs=DIR_0,DIR_1,DIR_2 --workdir=DIR`` with the full suite
+copies their finished runs into ``DIR/<arm>/seed_<s>`` (moejax.ablation.merge)
+and writes the summary without training them again.
 """
 
 from __future__ import annotations
@@ -55,6 +61,9 @@ _PRINT_CONFIG = flags.DEFINE_bool("print_config", False, "Print the resolved sui
 _EXTEND = flags.DEFINE_bool("extend", False, "Let runs grow train.steps (e.g. "
                             "--config.base.train.steps=600 on a finished suite) and train the "
                             "extra steps; recorded in each run's history.jsonl.")
+_IMPORT_RUNS = flags.DEFINE_list("import_runs", [], "Suite directories (e.g. one per seed, "
+                                 "run as separate processes) whose finished runs of this suite "
+                                 "are copied into --workdir first (moejax.ablation.merge).")
 flags.mark_flags_as_required(["config"])
 
 
@@ -82,7 +91,7 @@ def main(argv):
   cli.quiet_logs()
   tree = cli.config_tree(_CONFIG)
   # pylint: disable=g-import-not-at-top
-  from moejax.ablation import runner, suite as suite_lib
+  from moejax.ablation import merge, runner, suite as suite_lib
   from moejax.ablation.budget import BudgetError
   from moejax.config import ConfigError
   from moejax.data import DatasetUnavailableError
@@ -102,12 +111,18 @@ def main(argv):
     if _DRY_RUN.value:
       runner.check_suite(suite)
       if _WORKDIR.value:
+        imports = dict(merge.plan_imports(suite, _WORKDIR.value, _IMPORT_RUNS.value)
+                       if _IMPORT_RUNS.value else ())
         for rel, what in runner.plan_suite(suite, _WORKDIR.value, _EXTEND.value):
-          print(f"  {rel}: {what}")
+          print(f"  {rel}: " + (f"finished in {imports[rel]} (would be imported)"
+                                if rel in imports else what))
       print("dry run: the suite is valid; nothing was written")
       return
     if not _WORKDIR.value:
       cli.fail("--workdir is required unless --budget_only, --dry_run or --print_config")
+    if _IMPORT_RUNS.value:
+      runner.check_suite(suite)  # a suite that fails its budget imports nothing
+      merge.import_runs(suite, _WORKDIR.value, _IMPORT_RUNS.value)
     cli.compilation_cache(_WORKDIR.value)  # written from the first compile: after the checks
     runner.run_suite(suite, _WORKDIR.value, extend=_EXTEND.value)
   except (ConfigError, BudgetError, DatasetUnavailableError, WorkdirError,
