@@ -31,7 +31,9 @@ seed), the validation loss at equal steps, and tokens/s measured in the
 same suite run. On CPU the grouped matmul of 64 experts is slower per
 token than one dense matmul, so the time speed-up is below the step one.
 Size: 8 arms x 3 seeds x 300 steps x 16 x 64 tokens; the e64 arms and
-dense_total are the slowest; about an hour on 2 CPU cores.
+dense_total are the slowest; about an hour on 2 CPU cores. At
+``--config.scale=m``: 169 min of CPU, 87 min wall as three one-seed
+processes side by side (docs/ablations.md, Seeds in parallel).
 
   python -m experiments.ablate --config=configs/ablations/moe_vs_dense.py --workdir=/tmp/abl/moe_vs_dense
 """
