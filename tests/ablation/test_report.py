@@ -114,6 +114,14 @@ def test_bad_value_markers_are_errors_naming_them():
   # A value stays on one line: an unclosed marker cannot swallow the prose after it.
   text = "<!-- moejax:value s a val_loss -->x\nprose<!-- /moejax:value -->"
   assert report.render(text, {"s": summ}) == text
+  # n: the seeds with a value; 0 for an arm without a metric that another arm has (never
+  # reached a speed-up's reference), an error for a metric no arm has (a typo).
+  reach = {"arms": {"a": {"metrics": {"speedup_steps": {"interval": {"n": 2}}}},
+                    "b": {"metrics": {}}}, "comparisons": {}, "mdd": {}}
+  assert report.value(reach, "a", "speedup_steps", "n") == "2"
+  assert report.value(reach, "b", "speedup_steps", "n") == "0"
+  with pytest.raises(report.ReportError, match="has no metric 'speedup_step'"):
+    report.value(reach, "b", "speedup_step", "n")
   # A summary that is not there yet: pending, not an error.
   assert report.render("<!-- moejax:value t a val_loss -->x<!-- /moejax:value -->", {}) == (
       "<!-- moejax:value t a val_loss -->(pending)<!-- /moejax:value -->")
