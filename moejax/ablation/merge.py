@@ -61,14 +61,10 @@ def plan_imports(suite: Suite, workdir: str, sources: Sequence[str]) -> list[tup
     target = os.path.join(workdir, rel)
     if is_finished(target, exp):
       continue
-    found = None
-    for src in sources:
-      for layout in (run_dir(arm.name, seed, 1), run_dir(arm.name, seed, 2)):
-        if is_finished(os.path.join(src, layout), exp):
-          found = os.path.join(src, layout)
-          break
-      if found:
-        break
+    # DIR_s/<arm> (a one-seed suite) or DIR_s/<arm>/seed_<s> (any larger seed list).
+    layouts = (run_dir(arm.name, seed, 1), run_dir(arm.name, seed, 2))
+    found = next((os.path.join(src, lay) for src in sources for lay in layouts
+                  if is_finished(os.path.join(src, lay), exp)), None)
     if found is None:
       continue
     if os.path.exists(target) and os.listdir(target):
