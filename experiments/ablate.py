@@ -120,11 +120,10 @@ def main(argv):
       return
     if not _WORKDIR.value:
       cli.fail("--workdir is required unless --budget_only, --dry_run or --print_config")
-    if _IMPORT_RUNS.value:
-      runner.check_suite(suite)  # a suite that fails its budget imports nothing
-      merge.import_runs(suite, _WORKDIR.value, _IMPORT_RUNS.value)
     cli.compilation_cache(_WORKDIR.value)  # written from the first compile: after the checks
-    runner.run_suite(suite, _WORKDIR.value, extend=_EXTEND.value)
+    imports = ((lambda: merge.import_runs(suite, _WORKDIR.value, _IMPORT_RUNS.value))
+               if _IMPORT_RUNS.value else None)
+    runner.run_suite(suite, _WORKDIR.value, extend=_EXTEND.value, before_plan=imports)
   except (ConfigError, BudgetError, DatasetUnavailableError, WorkdirError,
           guard.NonFiniteError) as e:
     cli.fail(f"{type(e).__name__}: {e}")

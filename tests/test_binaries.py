@@ -8,7 +8,6 @@ invocation gives exit status 1 and exactly one ``error:`` line on stderr
 
 from __future__ import annotations
 
-import importlib.util
 import io
 import json
 import os
@@ -21,9 +20,8 @@ import pytest
 
 from moejax import data as data_lib
 from moejax.ablation import suite as suite_lib
-from moejax.ablation.sources import seeded
 from moejax.train import loop
-from moejax.train.config import experiment_to_json
+from tests.ablation import helpers as ablation_helpers
 from tests.train import helpers
 
 ROOT = helpers.ROOT
@@ -176,16 +174,10 @@ def test_ablate_print_config_and_dry_run(tmp_path):
   arms = tree["arms (changes to base: field -> value)"]
   assert len(arms) == 2 and all(arms.values())
   # A finished one-seed run of the first arm elsewhere (seeds run as separate processes).
-  spec = importlib.util.spec_from_file_location(
-      "quick_for_import_test", os.path.join(ROOT, "configs", "ablations", "quick.py"))
-  module = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(module)
-  suite = suite_lib.suite_from_dict(module.get_config())
+  suite = suite_lib.suite_from_dict(helpers.config_file("ablations/quick"))
   (first, seed, first_rel), (_, _, second_rel) = list(suite.runs())[:2]
   src = tmp_path / "seed_run" / first.name
-  src.mkdir(parents=True)
-  (src / "result.json").write_text(json.dumps(
-      {"experiment": json.loads(experiment_to_json(seeded(first.experiment, seed)))}))
+  ablation_helpers.write_finished_run(str(src), first.experiment, seed)
   workdir = str(tmp_path / "suite")
   dry = _run("ablate", "--config=configs/ablations/quick.py", f"--workdir={workdir}",
              "--dry_run", f"--import_runs={tmp_path / 'seed_run'}")

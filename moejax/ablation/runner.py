@@ -267,10 +267,12 @@ def analyse(exp: ExperimentConfig, run_path: str, options: dict, say,
 
 def run_suite(suite: Suite, workdir: str, *, out: TextIO = sys.stdout,
               train_fn: Optional[Callable] = None, analyse_runs: bool = True,
-              extend: bool = False) -> dict:
+              extend: bool = False, before_plan: Optional[Callable[[], object]] = None) -> dict:
   """Checks, trains (or resumes) and summarises the suite; returns {run: result}.
 
   ``extend``: runs may grow their ``train.steps`` (see :func:`plan_suite`).
+  ``before_plan``: called once the budget check has passed and before the runs are
+  planned (``--import_runs`` copies finished runs in there, moejax.ablation.merge).
   """
   from moejax.ablation import summary as summary_lib  # pylint: disable=g-import-not-at-top
   if train_fn is None:
@@ -285,7 +287,9 @@ def run_suite(suite: Suite, workdir: str, *, out: TextIO = sys.stdout,
     train_fn = lambda exp, path, out, eta, hook: custom(exp, path, out=out)
   say = lambda text: print(text, file=out, flush=True)
   b = check_suite(suite, out)  # raises before anything is written
-  plan = dict(plan_suite(suite, workdir, extend))  # likewise
+  if before_plan is not None:
+    before_plan()
+  plan = dict(plan_suite(suite, workdir, extend))  # raises before anything is written
   from moejax.data import fingerprint as fingerprint_lib  # pylint: disable=g-import-not-at-top
   corpus = fingerprint_lib.corpus_fingerprint(suite.arms[0].experiment.data)
   say(f"corpus: {corpus['id']} (Python {corpus['python_version']})")

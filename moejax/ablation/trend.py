@@ -68,15 +68,15 @@ def _diff_cell(comp: Mapping | None) -> str:
   return f"{d['mean']:+.4g} {iv} ({d['n']}) {verdict}"
 
 
-def _speedup_reach(summary: Mapping, arm: str) -> tuple[int, int]:
-  """(seeds that reached the reference loss, seeds) of ``arm``."""
+def _speedup_reach(summary: Mapping, arm: str) -> tuple[int, int, Mapping | None]:
+  """(seeds that reached the reference loss, seeds, the speed-up metric or None) of ``arm``."""
   m = summary["arms"].get(arm, {}).get("metrics", {}).get(SPEEDUP)
-  return (0 if m is None else m["interval"]["n"]), summary.get("seed_counts", {}).get(arm, 0)
+  seeds = summary.get("seed_counts", {}).get(arm, 0)
+  return (0 if m is None else m["interval"]["n"]), seeds, m
 
 
 def _speedup_cell(summary: Mapping, arm: str) -> str:
-  m = summary["arms"].get(arm, {}).get("metrics", {}).get(SPEEDUP)
-  reached, seeds = _speedup_reach(summary, arm)
+  reached, seeds, m = _speedup_reach(summary, arm)
   if m is None:
     return f"never reached (0/{seeds} seeds)"
   iv = m["interval"]
@@ -93,7 +93,7 @@ def _speedup_row(have: Mapping, rungs: list, arm: str) -> str:
     word = movement(comps[0], comps[-1])
   else:
     word = "reached by " + " -> ".join(
-        "{}/{}".format(*_speedup_reach(have[r], arm)) for r in (rungs[0], rungs[-1])) + " seeds"
+        "{}/{}".format(*_speedup_reach(have[r], arm)[:2]) for r in (rungs[0], rungs[-1])) + " seeds"
   cells = " | ".join(_speedup_cell(have[r], arm) for r in rungs)
   return f"| {arm} | speed-up, steps | {cells} | {word} |"
 

@@ -4,7 +4,11 @@ from __future__ import annotations
 
 import copy
 import importlib.util
+import json
 import os
+
+from moejax.ablation.sources import seeded
+from moejax.train.config import experiment_to_json
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 SUITES = sorted(f[:-3] for f in os.listdir(os.path.join(ROOT, "configs", "ablations"))
@@ -38,3 +42,14 @@ def tiny_suite(steps: int = 6, **changes) -> dict:
   )
   tree.update(copy.deepcopy(changes))
   return tree
+
+
+def write_finished_run(path: str, exp, seed: int, **files: str) -> None:
+  """A hand-made finished run of ``exp`` at ``seed`` in ``path``: the ``result.json`` that
+  moejax.ablation.runner.is_finished reads, and ``files`` ({name: text}) beside it."""
+  os.makedirs(path)
+  with open(os.path.join(path, "result.json"), "w", encoding="utf-8") as f:
+    json.dump({"experiment": json.loads(experiment_to_json(seeded(exp, seed)))}, f)
+  for name, text in files.items():
+    with open(os.path.join(path, name), "w", encoding="utf-8") as f:
+      f.write(text)

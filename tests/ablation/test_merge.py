@@ -6,16 +6,14 @@ makes a run finished (moejax.ablation.runner.is_finished), so nothing trains.
 
 from __future__ import annotations
 
-import json
+import io
 import os
 
 import pytest
 
 from moejax.ablation import merge, runner, suite as suite_lib
-from moejax.ablation.sources import seeded
 from moejax.train import lock as lock_lib
 from moejax.train.checkpoint import WorkdirError
-from moejax.train.config import experiment_to_json
 from tests.ablation import helpers
 
 
@@ -25,11 +23,7 @@ def _suite(**changes):
 
 def _finished(path, arm, seed, marker="ckpt"):
   """A finished run of ``arm`` at ``seed`` in ``path``, with one more file to see it copied."""
-  os.makedirs(path)
-  with open(os.path.join(path, "result.json"), "w", encoding="utf-8") as f:
-    json.dump({"experiment": json.loads(experiment_to_json(seeded(arm.experiment, seed)))}, f)
-  with open(os.path.join(path, "metrics.jsonl"), "w", encoding="utf-8") as f:
-    f.write(marker)
+  helpers.write_finished_run(path, arm.experiment, seed, **{"metrics.jsonl": marker})
 
 
 def test_one_seed_directories_become_the_suite_layout(tmp_path):
@@ -88,3 +82,23 @@ def test_suites_with_source_runs_are_refused(tmp_path):
   suite = _suite(source=helpers.tiny_base(4), arms={"ft_a": ft, "ft_b": ft})
   with pytest.raises(WorkdirError, match="fine-tunes from source runs"):
     merge.plan_imports(suite, str(tmp_path / "suite"), [str(tmp_path)])
+
+
+def test_run_suite_imports_after_the_budget_check_and_before_planning(tmp_path):
+  suite = _suite()
+  src, dst = str(tmp_path / "s0"), str(tmp_path / "suite")
+  _finished(os.path.join(src, "aux"), suite.arms[0], 0)
+  out, seen = io.StringIO(), []
+
+  class Stop(Exception):
+    pass
+
+  def before_plan():
+    seen.append(("budget printed", "budget (* = held fixed)" in out.getvalue()))
+    seen.append(("imported", merge.import_runs(suite, dst, [src], say=lambda _: None)))
+    raise Stop  # the import is what this test is about; nothing trains
+
+  with pytest.raises(Stop):
+    runner.run_suite(suite, dst, out=out, before_plan=before_plan)
+  assert seen == [("budget printed", True), ("imported", 1)]
+  assert os.listdir(dst) == ["aux"] and os.listdir(os.path.join(dst, "aux")) == ["seed_0"]
