@@ -54,12 +54,14 @@ from jax.sharding import Mesh, PartitionSpec as P
 from moejax.balance import capacity as capacity_lib
 from moejax.balance import losses, metrics, stats
 from moejax.config import MoEConfig, ParallelConfig
+from moejax.config.registry import LAYERS
 from moejax.execution import executor as executor_lib
 from moejax.execution import parallel as parallel_lib
 from moejax.execution import placement as placement_lib
 from moejax.routing import router as router_lib
 from moejax.routing import soft as soft_lib
 from moejax.routing.types import RouterState, RoutingResult
+from moejax.topology import accounting as accounting_lib
 from moejax.topology import experts as experts_lib
 from moejax.topology import peer as peer_lib
 from moejax.topology import zero_compute as zero_lib
@@ -69,13 +71,13 @@ Params = dict[str, Any]
 
 def init_moe_params(key: jax.Array, d_model: int, cfg: MoEConfig,
                     dtype=jnp.float32) -> Params:
-  """All trainable parameters of one MoE layer (a nested dict)."""
+  """All trainable parameters of one MoE layer (a nested dict): the layer kind's ``init``."""
+  cfg.check_resolved("init_moe_params")
+  return cfg.layer.init(key, d_model, cfg, dtype)
+
+
+def _init_sparse(key, d_model, cfg, dtype) -> Params:
   k_router, k_experts, k_shared, k_zero = jax.random.split(key, 4)
-  if cfg.kind == "peer":
-    return {"peer": peer_lib.init_peer(k_experts, d_model, cfg)}
-  if cfg.kind == "soft":
-    return {"router": soft_lib.init_soft_params(k_router, d_model, cfg),
-            "experts": experts_lib.init_experts(k_experts, d_model, cfg, dtype)}
   params: Params = {
       "router": router_lib.init_router_params(k_router, d_model, cfg),
       "experts": experts_lib.init_experts(k_experts, d_model, cfg, dtype),
@@ -227,15 +229,10 @@ def moe_layer(params: Params, x: jax.Array, state: Optional[RouterState],
     raise ValueError(f"moe_layer: token_ids has {ids.shape[0]} entries for "
                      f"{x2.shape[0]} tokens; pass one id per token")
   axis_names = tuple(axis_names)
-  if cfg.kind == "soft":
-    y, aux = _soft_layer(params, x2, cfg, batch_shape, axis_names)
-  elif cfg.kind == "peer":
-    y, aux = _peer_layer(params, x2, cfg, axis_names)
-  else:
-    sx = x2 if shared_x is None else shared_x.reshape(-1, shape[-1])
-    y, aux = _sparse_layer(params, x2, sx, state, cfg, token_ids=ids, rng=rng, train=train,
-                           axis_names=axis_names, batch_shape=batch_shape,
-                           executor=executor or executor_lib.local_executor(cfg),
+  cfg.check_resolved("moe_layer")
+  sx = x2 if shared_x is None else shared_x.reshape(-1, shape[-1])
+  y, aux = cfg.layer.apply(params, x2, sx, state, cfg, token_ids=ids, rng=rng, train=train,
+                           axis_names=axis_names, batch_shape=batch_shape, executor=executor,
                            width_mask=width_mask)
   return y.reshape(shape).astype(x.dtype), aux
 
@@ -309,3 +306,150 @@ def ep_moe_layer(params: Params, x: jax.Array, state: Optional[RouterState], cfg
                      "num_dropped": P(), "routing": tok, "execution": P()})
   return jax.shard_map(body, mesh=mesh, in_specs=(in_specs,), out_specs=out_specs,
                        check_vma=False)(args)
+
+
+# ---------------------------------------------------------------------------
+# Layer kinds: one registered object each (moejax.config.registry.LAYERS).
+
+class LayerKind:
+  """A kind of MoE layer: its parameters, its forward, and what it can do.
+
+  Capabilities (read by config rules, accounting, serving, fine-tuning,
+  interop and expert parallelism instead of comparing ``moe.kind``):
+
+  - ``routed``: tokens are routed by a registered router (``moe.routing``,
+    ``moe.balance`` and ``moe.execution`` apply, with capacity, shared and
+    zero-computation experts);
+  - ``expert_bank``: the layer has routed FFN experts as [E, ...] weights
+    (expert sharing across layers, expert LoRA, the expert memory);
+  - ``product_keys``: PEER's product-key retrieval (the ``peer_*`` fields);
+  - ``causal``: a token's output depends on it and earlier tokens only
+    (decoding), else ``why_not_causal`` says why;
+  - ``segmentable``: fine-grained segmentation applies;
+  - ``expert_parallel``: ``ep_moe_layer`` runs it;
+  - ``honoured``: section -> the fields it reads (None: all of them); any
+    other field set away from its default is refused with ``why``;
+  - ``components``: its parameter / FLOP accounting
+    (:mod:`moejax.topology.accounting`).
+  """
+
+  name = ""
+  routed = False
+  expert_bank = True
+  product_keys = False
+  causal = True
+  why_not_causal = ""
+  segmentable = True
+  why_not_segmentable = ""
+  expert_parallel = False
+  honoured: dict = {}
+  why = ""
+  routing_fix = "use moe.kind='sparse'"
+  components = None
+
+  def has_router_weights(self, cfg: MoEConfig) -> bool:
+    """Whether the layer has router weights (what fine-tuning can freeze)."""
+    return False
+
+  def __repr__(self) -> str:
+    return f"<layer kind {self.name!r} ({type(self).__module__}.{type(self).__name__})>"
+
+  def init(self, key: jax.Array, d_model: int, cfg: MoEConfig, dtype) -> Params:
+    raise NotImplementedError
+
+  def apply(self, params, x, shared_x, state, cfg, **kw) -> tuple[jax.Array, Any]:
+    raise NotImplementedError
+
+
+def register_kind(kind: LayerKind) -> LayerKind:
+  """Registers a layer kind (an instance); a name already registered is an error."""
+  return LAYERS.register(kind)
+
+
+class SparseKind(LayerKind):
+  """Routed experts: router, capacity, executor, shared and zero-computation experts."""
+
+  name = "sparse"
+  routed = True
+  expert_parallel = True
+  honoured = {
+      "topology": {"num_experts", "expert_width", "expert_widths", "activation",
+                   "num_shared_experts", "shared_expert_width", "shared_expert_gate",
+                   "zero_experts", "copy_experts", "constant_experts", "granularity",
+                   "isolate_shared", "derived_from"},
+      "routing": None, "balance": None, "execution": None,
+  }
+  why = "a routed (sparse) layer has no Soft MoE slots or PEER keys"
+  components = staticmethod(accounting_lib.sparse_components)
+
+  def has_router_weights(self, cfg):
+    return cfg.router.param_count(1, cfg) > 0
+
+  def init(self, key, d_model, cfg, dtype):
+    return _init_sparse(key, d_model, cfg, dtype)
+
+  def apply(self, params, x, shared_x, state, cfg, *, token_ids, rng, train, axis_names,
+            batch_shape, executor, width_mask):
+    return _sparse_layer(params, x, shared_x, state, cfg, token_ids=token_ids, rng=rng,
+                         train=train, axis_names=axis_names, batch_shape=batch_shape,
+                         executor=executor or executor_lib.local_executor(cfg),
+                         width_mask=width_mask)
+
+
+class SoftKind(LayerKind):
+  """Soft MoE (Puigcerver et al. 2308.00951): slots mix every token of a sequence."""
+
+  name = "soft"
+  causal = False
+  why_not_causal = ("Soft MoE mixes every token of a sequence into each slot, so token t's "
+                    "output depends on later tokens")
+  honoured = {
+      "topology": {"num_experts", "expert_width", "expert_widths", "activation",
+                   "slots_per_expert", "granularity", "isolate_shared", "derived_from"},
+      "routing": {"freeze", "router_dtype"}, "balance": set(), "execution": {"interpret"},
+  }
+  why = ("Soft MoE mixes every token into every slot: there is no per-token routing, "
+         "selection bias, balance loss, capacity or grouped-matmul backend")
+  routing_fix = "use moejax.routing.soft.soft_weights"
+  components = staticmethod(accounting_lib.soft_components)
+
+  def has_router_weights(self, cfg):
+    return True
+
+  def init(self, key, d_model, cfg, dtype):
+    k_router, k_experts, _, _ = jax.random.split(key, 4)
+    return {"router": soft_lib.init_soft_params(k_router, d_model, cfg),
+            "experts": experts_lib.init_experts(k_experts, d_model, cfg, dtype)}
+
+  def apply(self, params, x, shared_x, state, cfg, *, axis_names, batch_shape, **_):
+    return _soft_layer(params, x, cfg, batch_shape, axis_names)
+
+
+class PeerKind(LayerKind):
+  """PEER (He 2407.04153): product-key retrieval over singleton experts."""
+
+  name = "peer"
+  expert_bank = False
+  product_keys = True
+  segmentable = False
+  why_not_segmentable = "PEER experts are single neurons and cannot be segmented"
+  honoured = {
+      "topology": {"activation", "peer_num_keys", "peer_heads", "peer_top_k",
+                   "peer_key_dim", "derived_from"},
+      "routing": set(), "balance": set(), "execution": {"interpret"},
+  }
+  why = ("PEER retrieves singleton experts by product keys: it has no router, balance "
+         "loss, capacity or grouped-matmul backend, and only the peer_* topology fields")
+  routing_fix = "PEER retrieves experts by product keys, not through this router"
+  components = staticmethod(accounting_lib.peer_components)
+
+  def init(self, key, d_model, cfg, dtype):
+    _, k_experts, _, _ = jax.random.split(key, 4)
+    return {"peer": peer_lib.init_peer(k_experts, d_model, cfg)}
+
+  def apply(self, params, x, shared_x, state, cfg, *, axis_names, **_):
+    return _peer_layer(params, x, cfg, axis_names)
+
+
+for _kind in (SparseKind(), SoftKind(), PeerKind()):
+  register_kind(_kind)

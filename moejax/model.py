@@ -240,7 +240,7 @@ def _moe_ffn_active(cfg: ModelConfig) -> float:
   The router's d*E weights are not FFN params.
   """
   moe = cfg.moe
-  if moe.kind != "sparse":
+  if not moe.layer.routed:
     raise ConfigError("model.moe.kind", moe.kind,
                       "a per-token active FFN width is defined for routed (sparse) layers",
                       "use model.dense_twin='total' for soft / PEER layers")

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from moejax.config import MoEConfig, TopologyConfig, from_dict
+from moejax.config import MoEConfig, RoutingConfig, TopologyConfig, from_dict
 
 _TOPOLOGY = {f.name for f in dataclasses.fields(TopologyConfig)}
 _SECTION = {"capacity_factor": "balance", "drop_priority": "balance", "backend": "execution",
@@ -25,6 +25,13 @@ def moe_config(kind: str = "sparse", *, routing=None, balance=None, execution=No
   for section in ("routing", "balance", "execution"):
     if isinstance(tree[section], dict):
       tree[section] = dict(tree[section])
+  # A router's own fields may be given flat (routing=dict(kind='top_p', top_p=0.5)):
+  # they move into routing.options, as RoutingConfig.build does.
+  own = {f.name for f in dataclasses.fields(RoutingConfig)}
+  extra = {k: tree["routing"].pop(k) for k in list(tree["routing"]) if k not in own} if (
+      isinstance(tree["routing"], dict)) else {}
+  if extra:
+    tree["routing"]["options"] = {**(tree["routing"].get("options") or {}), **extra}
   for key, value in flat.items():
     if key in _TOPOLOGY:
       tree["topology"][key] = value

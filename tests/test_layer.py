@@ -50,7 +50,7 @@ ROUTERS = {
                                                    n_groups=4, topk_groups=2,
                                                    routed_scaling_factor=2.5)),
     "sqrtsoftplus": dict(routing=dict(top_k=2, score_fn="sqrtsoftplus")),
-    "expert_choice": dict(routing=dict(kind="expert_choice", expert_choice_capacity=2.0)),
+    "expert_choice": dict(routing=dict(kind="expert_choice", capacity=2.0)),
     "hash": dict(routing=dict(kind="hash", top_k=1)),
     "top_p": dict(routing=dict(kind="top_p", top_k=3, top_p=0.5)),
     "hierarchical": dict(num_experts=8, routing=dict(kind="hierarchical", n_families=2,

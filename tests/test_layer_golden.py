@@ -37,7 +37,7 @@ CASES = {
                         balance=dict(bias_update="sign", bias_rate=1e-2, aux_loss_coef=1e-4,
                                      aux_loss_scope="sequence")),
     "sqrtsoftplus": dict(routing=dict(top_k=2, score_fn="sqrtsoftplus")),
-    "expert_choice": dict(routing=dict(kind="expert_choice", expert_choice_capacity=2.0),
+    "expert_choice": dict(routing=dict(kind="expert_choice", capacity=2.0),
                           balance=dict(z_loss_coef=1e-3)),
     "hash": dict(routing=dict(kind="hash", top_k=1)),
     "top_p": dict(routing=dict(kind="top_p", top_k=3, top_p=0.5),

@@ -26,8 +26,10 @@ from moejax.ablation.bases import small_experiment, suite_config
 
 def _moe(kind, aux):
   return dict(topology=dict(num_experts=8, expert_width=128), execution=dict(backend="blocked"),
-              routing=dict(kind=kind, top_k=2, expert_choice_capacity=2.0, score_fn="softmax",
-                           gating="normalized" if kind == "topk" else "scores"),
+              routing=dict(kind=kind, top_k=2, score_fn="softmax",
+                           gating="normalized" if kind == "topk" else "scores",
+                           **(dict(options=dict(capacity=2.0)) if kind == "expert_choice"
+                              else {})),
               balance=dict(aux_loss_coef=aux, aux_loss_scope="batch"))
 
 

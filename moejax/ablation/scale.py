@@ -100,7 +100,9 @@ FIELDS = {"width": WIDTH_FIELDS, "depth": DEPTH_FIELDS, "seq": SEQ_FIELDS,
 GROUPS = tuple(FIELDS)
 
 # Integer fields deliberately left alone (tests/ablation/test_scale.py checks
-# that every integer field of the experiment config is in FIELDS or here).
+# that every integer field of the experiment config is in FIELDS or here). A
+# router's own options (``model.moe.routing.options.*``: families, seeds, a
+# plugin's fields) belong to the router and are never scaled.
 UNSCALED = {
     "model.vocab_size": "the tokenizer's",
     "model.n_heads": "head count: the head width grows instead",
@@ -121,9 +123,6 @@ UNSCALED = {
     "model.moe.routing.top_k": "count",
     "model.moe.routing.n_groups": "count",
     "model.moe.routing.topk_groups": "count",
-    "model.moe.routing.n_families": "count",
-    "model.moe.routing.top_k_families": "count",
-    "model.moe.routing.hash_seed": "a seed",
     "model.moe.balance.loss_num_devices": "devices",
     "data.seed": "a seed",
     "data.bpe_vocab_size": "the tokenizer's",

@@ -115,6 +115,12 @@ MOVED: dict[tuple[str, str], str] = {
     ("MoEConfig", "backend"): "execution.backend",
     ("MoEConfig", "backend_interpret"): "execution.interpret",
     ("ParallelConfig", "gmm_backend"): "/model.moe.execution.backend",
+    # A router's own fields live in its options (moejax.routing.spec).
+    ("RoutingConfig", "expert_choice_capacity"): "options.capacity (routing.kind='expert_choice')",
+    ("RoutingConfig", "top_p"): "options.top_p (routing.kind='top_p')",
+    ("RoutingConfig", "n_families"): "options.n_families (routing.kind='hierarchical')",
+    ("RoutingConfig", "top_k_families"): "options.top_k_families (routing.kind='hierarchical')",
+    ("RoutingConfig", "hash_seed"): "options.seed (routing.kind='hash')",
     **{("ModelConfig", k): "removed: the model implements multi-head attention (GQA/MQA via "
        "n_kv_heads) only; multi-head latent attention is counted by the accounting presets "
        "(configs/presets/*.py, 'accounting' section)" for k in (
@@ -144,7 +150,8 @@ def moved_hint(dotted: str) -> Optional[str]:
   ``moved_hint('model.moe.num_experts')`` -> ``'moved to model.moe.topology.num_experts'``.
   Used by the binaries to turn an override of an old key into one line.
   """
-  owners = {"model": "ModelConfig", "moe": "MoEConfig", "parallel": "ParallelConfig"}
+  owners = {"model": "ModelConfig", "moe": "MoEConfig", "parallel": "ParallelConfig",
+            "routing": "RoutingConfig"}
   parts = dotted.split(".")
   if len(parts) >= 2 and parts[-2] in owners:
     return _moved_message(owners[parts[-2]], parts[-1], dotted)
@@ -163,6 +170,11 @@ def from_dict(cls, data: Mapping[str, Any] | None, path: str = ""):
     data = data.to_dict()
   hints = typing.get_type_hints(cls)
   fields = {f.name: f for f in dataclasses.fields(cls) if f.init}
+  # A class may type a field by its siblings (routing.options by routing.kind):
+  # ``field_type(name, data)``; ``complete(kwargs)`` adds what a built config
+  # holds besides the given keys; ``resolved()`` applies knobs that build a new
+  # config (granularity). Each returns new values; nothing is set after the fact.
+  field_type = getattr(cls, "field_type", None)
   kwargs = {}
   for key, value in data.items():
     where = f"{path}.{key}" if path else key
@@ -175,13 +187,63 @@ def from_dict(cls, data: Mapping[str, Any] | None, path: str = ""):
           f"valid keys: {', '.join(sorted(fields))}")
       raise ConfigError(where, value, f"unknown key for {cls.__name__}", fix)
     tp = unwrap_optional(hints[key])
-    if dataclasses.is_dataclass(tp) and (isinstance(value, Mapping | type(None))
+    dynamic = field_type(key, data) if field_type is not None else None
+    if dynamic is not None and isinstance(value, Mapping | type(None)):
+      value = None if value is None else options_from_dict(dynamic, value, where)
+    elif dataclasses.is_dataclass(tp) and (isinstance(value, Mapping | type(None))
                                          or hasattr(value, "to_dict")):
       value = from_dict(tp, value, where)
     elif isinstance(value, list):
       value = tuple(value)
     kwargs[key] = value
-  return cls(**kwargs)
+  complete = getattr(cls, "complete", None)
+  obj = cls(**(complete(kwargs) if complete is not None else kwargs))
+  resolved = getattr(obj, "resolved", None)
+  return resolved() if callable(resolved) else obj
+
+
+# Option classes of every registered idea, searched when a key is unknown for
+# the kind in use (a field of another router's options names that router).
+def _owners_of(key: str) -> list[tuple[str, Any]]:
+  from moejax.config.registry import ROUTERS  # pylint: disable=g-import-not-at-top
+  out = []
+  for name in ROUTERS.names():
+    opts = ROUTERS.get(name).Options
+    for f in dataclasses.fields(opts):
+      if f.name == key:
+        out.append((name, f.default))
+  return out
+
+
+def options_from_dict(cls, data: Mapping[str, Any], path: str):
+  """An idea's options dataclass from a mapping.
+
+  A key of another kind's options is refused naming that kind, unless it has
+  that kind's default value (then it was not set: switching ``routing.kind``
+  on the command line leaves the old kind's defaults in the tree).
+  """
+  if hasattr(data, "to_dict"):
+    data = data.to_dict()
+  own = {f.name for f in dataclasses.fields(cls)}
+  kept = {}
+  for key, value in data.items():
+    if key in own:
+      kept[key] = tuple(value) if isinstance(value, list) else value
+      continue
+    owners = _owners_of(key)
+    if owners and all(value == default for _, default in owners):
+      continue
+    where = f"{path}.{key}"
+    if owners:
+      kinds = ", ".join(repr(n) for n, _ in owners)
+      raise ConfigError(where, value, f"is an option of routing.kind={kinds}, not of this "
+                        f"kind ({cls.__name__})",
+                        f"remove {key} or set the kind that reads it")
+    close = difflib.get_close_matches(key, sorted(own), n=1)
+    raise ConfigError(where, value, f"unknown option for {cls.__name__}",
+                      f"did you mean {close[0]!r}?" if close else
+                      f"valid options: {', '.join(sorted(own)) or 'none'}")
+  return cls(**kept)
 
 
 def to_dict(cfg) -> dict:

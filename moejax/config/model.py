@@ -130,7 +130,7 @@ class ModelConfig:
 
 
 def _sharing_needs_routed_experts(cfg: ModelConfig) -> None:
-  if cfg.expert_sharing_group > 1 and (cfg.moe is None or cfg.moe.kind == "peer"):
+  if cfg.expert_sharing_group > 1 and (cfg.moe is None or not cfg.moe.layer.expert_bank):
     raise ConfigError("model.expert_sharing_group", cfg.expert_sharing_group,
                       "expert sharing needs routed experts (moe.kind sparse or soft)",
                       "set model.expert_sharing_group=1")
@@ -160,7 +160,7 @@ def _dense_layers_fit(cfg: ModelConfig) -> None:
 def _scmoe_needs_a_previous_block(cfg: ModelConfig) -> None:
   if cfg.moe_schedule != "scmoe":
     return
-  if cfg.moe is None or cfg.moe.kind != "sparse":
+  if cfg.moe is None or not cfg.moe.layer.routed:
     raise ConfigError("model.moe_schedule", cfg.moe_schedule,
                       "ScMoE reschedules routed experts; it needs moe.kind='sparse'",
                       "set model.moe_schedule='serial' or configure a sparse moe")

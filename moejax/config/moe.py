@@ -21,7 +21,7 @@ built config holds the resulting expert counts, widths and top-k, and
 from __future__ import annotations
 
 import dataclasses
-from typing import Optional
+from typing import Any, Mapping, Optional
 
 from moejax.config import registry as reg
 from moejax.config import rules, segmentation
@@ -33,10 +33,17 @@ from moejax.config.core import (ConfigError, check_choice, check_count, check_fr
 class RoutingConfig:
   """The decision plane: which experts a token uses, with what weight.
 
-  kind: ``topk`` (token choice, covers Switch top-1, Mixtral, Qwen,
+  kind: a registered router (:data:`moejax.config.registry.ROUTERS`; the
+    shipped ones: ``topk`` (token choice, covers Switch top-1, Mixtral, Qwen,
     DeepSeek-V2/V3/V4 and group-limited routing), ``expert_choice``,
-    ``hash``, ``top_p`` (dynamic k) or ``hierarchical`` (families, then
-    experts inside the chosen families).
+    ``hash``, ``top_p`` (dynamic k) and ``hierarchical`` (families, then
+    experts inside the chosen families); a plugin's own).
+  options: the router's own options, an instance of its spec's ``Options``
+    dataclass (expert choice's ``capacity``, top-p's ``top_p``, hierarchical's
+    ``n_families`` / ``top_k_families``, hash's ``seed``, a plugin's fields).
+    None means the kind's defaults; :attr:`opts` is always the instance.
+    Configs built from dicts (every binary) hold the instance, so
+    ``config.json`` and ``--print_config`` show it.
   score_fn: softmax | sigmoid | sqrtsoftplus, applied to the router logits.
   gating: how gate weights come from the selected experts' unbiased scores:
     ``topk_softmax`` softmax over the top-k logits (Mixtral);
@@ -50,12 +57,6 @@ class RoutingConfig:
     ``auto`` means the sum of the top-2 scores with a bias, max without.
     Node- and device-limited routing (``parallel.route_limit``) is resolved
     into these fields when the experiment config is built.
-  expert_choice_capacity: c in k = T * c / E tokens per expert.
-  top_p: cumulative-probability threshold for ``top_p``; top_k is its max k.
-  n_families / top_k_families: hierarchical routing; experts are split into
-    contiguous families of E / n_families and top_k experts are picked inside
-    the top_k_families chosen families.
-  hash_seed: seed of the balanced token-id -> expert table of ``hash``.
   router_dtype: dtype of the router matmul and softmax (Switch's selective
     precision: keep float32 under bf16 activations).
   input_jitter: multiplicative uniform noise in [1-eps, 1+eps] on the router
@@ -75,33 +76,73 @@ class RoutingConfig:
   n_groups: int = 1
   topk_groups: int = 1
   group_score: str = "auto"
-  expert_choice_capacity: float = 2.0
-  top_p: float = 0.5
-  n_families: int = 1
-  top_k_families: int = 1
-  hash_seed: int = 0
   router_dtype: str = "float32"
   input_jitter: float = 0.0
   logit_noise: float = 0.0
   freeze: bool = False
+  options: Any = None
+
+  @property
+  def spec(self):
+    """The registered RouterSpec of ``kind``."""
+    return reg.ROUTERS.get(self.kind)
+
+  @property
+  def opts(self):
+    """The router's options (its spec's defaults when ``options`` is None)."""
+    return self.spec.Options() if self.options is None else self.options
+
+  @classmethod
+  def field_type(cls, name: str, data: Mapping[str, Any]):
+    """The type of a field whose type depends on the others (``options`` on ``kind``)."""
+    if name == "options":
+      return reg.ROUTERS.get(data.get("kind", cls.kind), "moe.routing.kind").Options
+    return None
+
+  @classmethod
+  def build(cls, **fields) -> "RoutingConfig":
+    """A RoutingConfig from flat fields: the router's own go to its options.
+
+    ``RoutingConfig.build(kind='top_p', top_k=3, top_p=0.5)`` is
+    ``RoutingConfig(kind='top_p', top_k=3, options=TopPOptions(top_p=0.5))``.
+    """
+    own = {f.name for f in dataclasses.fields(cls)}
+    common = {k: v for k, v in fields.items() if k in own}
+    extra = {k: v for k, v in fields.items() if k not in own}
+    if extra:
+      if common.get("options") is not None:
+        raise ConfigError("moe.routing.options", common["options"],
+                          f"given together with option fields {sorted(extra)}",
+                          "give the options one way")
+      common["options"] = extra
+    from moejax.config.core import from_dict  # pylint: disable=g-import-not-at-top
+    return from_dict(cls, common, "moe.routing")
+
+  @classmethod
+  def complete(cls, kwargs: dict) -> dict:
+    """What a built-from-dict config holds besides the given keys: the kind's options."""
+    if "options" not in kwargs:
+      kwargs = {**kwargs, "options": cls.field_type("options", kwargs)()}
+    return kwargs
 
   def __post_init__(self):
     p = "moe.routing"
-    check_choice(f"{p}.kind", self.kind, reg.ROUTER_KINDS)
+    spec = reg.ROUTERS.get(self.kind, f"{p}.kind")
     check_choice(f"{p}.score_fn", self.score_fn, reg.SCORE_FNS)
     check_choice(f"{p}.gating", self.gating, reg.GATINGS)
     check_choice(f"{p}.group_score", self.group_score, reg.GROUP_SCORES)
     check_choice(f"{p}.router_dtype", self.router_dtype, reg.ROUTER_DTYPES)
-    for name in ("top_k", "n_groups", "topk_groups", "n_families", "top_k_families"):
+    for name in ("top_k", "n_groups", "topk_groups"):
       check_count(f"{p}.{name}", getattr(self, name))
-    check_count(f"{p}.hash_seed", self.hash_seed, minimum=0)
     check_positive(f"{p}.routed_scaling_factor", self.routed_scaling_factor)
-    check_positive(f"{p}.expert_choice_capacity", self.expert_choice_capacity)
     check_number(f"{p}.input_jitter", self.input_jitter, minimum=0, maximum=1, max_open=True,
                  fix="use eps in [0, 1): the input is scaled by [1-eps, 1+eps] (Switch: 1e-2)")
     check_positive(f"{p}.logit_noise", self.logit_noise, allow_zero=True)
-    check_fraction(f"{p}.top_p", self.top_p,
-                   fix="pick a cumulative-probability threshold in (0, 1] such as 0.4")
+    if self.options is not None and type(self.options) is not spec.Options:
+      raise ConfigError(f"{p}.options", self.options,
+                        f"are not the options of routing.kind={self.kind!r} "
+                        f"({spec.Options.__module__}.{spec.Options.__name__})",
+                        f"pass {spec.Options.__name__}(...) or options=None for its defaults")
     if self.gating == "topk_softmax" and self.score_fn != "softmax":
       raise ConfigError(f"{p}.gating", self.gating,
                         f"softmax over the top-k logits needs score_fn='softmax', "
@@ -111,22 +152,11 @@ class RoutingConfig:
       raise ConfigError(f"{p}.topk_groups", self.topk_groups,
                         f"exceeds {p}.n_groups={self.n_groups}",
                         f"set {p}.topk_groups <= {p}.n_groups")
-    if self.top_k_families > self.n_families:
-      raise ConfigError(f"{p}.top_k_families", self.top_k_families,
-                        f"exceeds {p}.n_families={self.n_families}",
-                        f"set {p}.top_k_families <= {p}.n_families")
-    if self.n_groups > 1 and self.kind != "topk":
+    if self.n_groups > 1 and not spec.supports_groups:
       raise ConfigError(f"{p}.n_groups", self.n_groups,
-                        f"group-limited routing is a token-choice rule, not {self.kind!r}",
+                        f"group-limited routing is a token-choice rule that "
+                        f"routing.kind={self.kind!r} does not support",
                         f"set {p}.kind='topk' or {p}.n_groups=1")
-    if self.n_families > 1 and self.kind != "hierarchical":
-      raise ConfigError(f"{p}.n_families", self.n_families,
-                        f"families are only used by kind='hierarchical', not {self.kind!r}",
-                        f"set {p}.kind='hierarchical' or {p}.n_families=1")
-    if self.kind == "hierarchical" and self.n_families < 2:
-      raise ConfigError(f"{p}.n_families", self.n_families,
-                        "hierarchical routing needs at least 2 families",
-                        f"set {p}.n_families >= 2")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -316,11 +346,39 @@ class MoEConfig:
     return tuple(t.expert_widths) if t.expert_widths is not None else (
         (t.expert_width,) * t.num_experts)
 
+  @property
+  def layer(self):
+    """The registered layer kind of ``kind`` (moejax.layer's LayerKind)."""
+    return reg.LAYERS.get(self.kind)
+
+  @property
+  def router(self):
+    """The registered router spec of ``routing.kind``."""
+    return reg.ROUTERS.get(self.routing.kind)
+
+  @property
+  def is_resolved(self) -> bool:
+    """Whether the segmentation knobs have been applied (see :meth:`resolved`)."""
+    return self.topology.granularity == 1 and self.topology.isolate_shared == 0
+
+  def resolved(self) -> "MoEConfig":
+    """A new config with ``topology.granularity`` / ``isolate_shared`` applied.
+
+    Configs built from dicts (config files, ``config.json``, overrides) are
+    resolved by :func:`moejax.config.core.from_dict`; one built in Python
+    with these knobs calls this (``MoEConfig(...).resolved()``). Resolving
+    a resolved config returns it unchanged.
+    """
+    return segmentation.resolve(self)
+
+  def check_resolved(self, where: str) -> None:
+    """ValueError when the segmentation knobs were never applied (they would be ignored)."""
+    if not self.is_resolved:
+      t = self.topology
+      raise ValueError(f"{where}: moe.topology.granularity={t.granularity}, isolate_shared="
+                       f"{t.isolate_shared} are not applied to this config. Fix: use "
+                       f"cfg.resolved() (configs built from files are resolved)")
+
   def __post_init__(self):
-    check_choice("moe.kind", self.kind, reg.LAYER_KINDS)
-    resolved = segmentation.resolve(self)
-    if resolved is not self:
-      for f in dataclasses.fields(self):
-        object.__setattr__(self, f.name, getattr(resolved, f.name))
-      return  # ``resolved`` was validated when it was built
+    reg.LAYERS.get(self.kind, "moe.kind")
     rules.check_moe(self)

@@ -121,10 +121,14 @@ class ParallelConfig:
 
 def check_experts(pcfg: ParallelConfig, cfg: MoEConfig) -> None:
   """ConfigError when the experts do not split evenly over the expert axis."""
-  if cfg.kind != "sparse":
+  if not cfg.layer.expert_parallel:
     raise ConfigError("moe.kind", cfg.kind,
-                      "expert parallelism moves routed tokens; soft and PEER layers "
-                      "have no per-token expert assignment", "use moe.kind='sparse'")
+                      "expert parallelism moves routed tokens; this layer kind has no "
+                      "per-token expert assignment", "use moe.kind='sparse'")
+  if not cfg.router.expert_parallel:
+    raise ConfigError("moe.routing.kind", cfg.routing.kind,
+                      "this router's spec has expert_parallel=False (it cannot run under "
+                      "ep_moe_layer)", "use parallel.expert=1 or another router")
   if cfg.num_experts % pcfg.expert:
     raise ConfigError("parallel.expert", pcfg.expert,
                       f"does not divide moe.topology.num_experts={cfg.num_experts}",
@@ -150,9 +154,10 @@ def resolve_route_limit(cfg: MoEConfig, pcfg: ParallelConfig) -> MoEConfig:
                       "zero-computation experts are router columns without a device, so "
                       "node groups over all router outputs would be misaligned",
                       "use zero_experts=copy_experts=constant_experts=0 or route_limit='none'")
-  if r.kind != "topk":
+  if not cfg.router.supports_groups:
     raise ConfigError("parallel.route_limit", pcfg.route_limit,
-                      f"node/device limits are a token-choice top-k rule, not {r.kind!r}",
+                      f"node/device limits are group-limited token-choice routing, which "
+                      f"routing.kind={r.kind!r} does not support",
                       "use moe.routing.kind='topk' or route_limit='none'")
   if m > groups:
     raise ConfigError("parallel.route_limit_count", m,

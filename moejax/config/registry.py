@@ -1,14 +1,135 @@
-"""The names every config field may take: one source of truth per registry.
+"""The names every config field may take, and the registries of ideas.
 
-Implementations register under these names (``moejax.routing.router.ROUTERS``,
-``moejax.execution.gmm``'s backend modules, ...) and check at import time
-that they cover exactly this list, so a name cannot be valid in a config and
-unknown to the code, or the other way round. This module imports nothing:
-configs are checked without loading JAX.
+Two kinds of name live here:
+
+- closed choices (score functions, gating conventions, ...): tuples, checked
+  by :func:`moejax.config.core.check_choice`;
+- open registries of *ideas* (:class:`Registry`): router kinds and layer kinds
+  are objects registered by name. Each carries its typed options and its
+  capabilities, and config rules, accounting, serving, fine-tuning and
+  interop ask the object (``spec.supports_bias``) instead of comparing a kind
+  with a string. The shipped ideas register through the same public
+  :meth:`Registry.register` a researcher's own module calls
+  (``moejax.routing.register``); the modules that ship them are imported the
+  first time a registry is read, so a config naming ``kind='topk'`` finds it
+  without the caller importing the routing plane first.
+
+This module imports nothing from moejax; reading a registry imports the
+package that ships its ideas (the routing plane for routers), which is the
+one way the config learns what a kind can do.
 """
 
-# Routing plane.
-ROUTER_KINDS = ("topk", "expert_choice", "hash", "top_p", "hierarchical")
+import importlib
+import sys
+from typing import Any, Iterator
+
+
+class RegistryError(ValueError):
+  """A name registered twice, or an object that cannot be registered."""
+
+
+class Registry:
+  """Ideas of one kind (routers, layer kinds, ...) by name.
+
+  ``builtins`` are the modules whose import registers the shipped ideas;
+  they are imported on the first read (or registration), so a name taken by a
+  shipped idea can never be registered again by a plugin imported earlier.
+  """
+
+  def __init__(self, what: str, field: str, builtins: tuple[str, ...], fix: str):
+    self.what, self.field, self.fix = what, field, fix
+    self._builtins, self._items, self._origin = builtins, {}, {}
+    self._state = "new"  # new -> loading -> loaded
+
+  def _load(self) -> None:
+    if self._state != "new":
+      return
+    self._state = "loading"
+    try:
+      for module in self._builtins:
+        importlib.import_module(module)
+    except BaseException:
+      self._state = "new"
+      raise
+    self._state = "loaded"
+
+  def register(self, obj: Any) -> Any:
+    """Adds ``obj`` under ``obj.name``; a name already taken is a :class:`RegistryError`.
+
+    Returns ``obj``, so it can decorate a class instance's creation.
+    """
+    name = getattr(obj, "name", None)
+    if not isinstance(name, str) or not name.isidentifier():
+      raise RegistryError(f"a {self.what} needs a `name` that is a Python identifier, got "
+                          f"{name!r} on {type(obj).__name__}. Fix: set name = 'my_"
+                          f"{self.what.replace(' ', '_')}'")
+    self._load()
+    if name in self._items:
+      raise RegistryError(
+          f"{self.what} {name!r} is already registered (by {self._origin[name]}); "
+          f"{type(obj).__module__}.{type(obj).__name__} cannot take the name. Fix: give "
+          f"your {self.what} another name")
+    self._items[name] = obj
+    self._origin[name] = type(obj).__module__
+    return obj
+
+  def unregister(self, name: str) -> None:
+    """Removes a registered idea (tests that register a plugin clean up with it)."""
+    self._items.pop(name, None)
+    self._origin.pop(name, None)
+
+  def get(self, name: Any, field: str = "") -> Any:
+    """The idea named ``name``; ConfigError (``field``, default the registry's) otherwise."""
+    self._load()
+    if isinstance(name, str) and name in self._items:
+      return self._items[name]
+    from moejax.config.core import ConfigError, check_choice  # pylint: disable=g-import-not-at-top
+    try:
+      check_choice(field or self.field, name, self.names())
+    except ConfigError as e:
+      raise ConfigError(e.field, name, f"no {self.what} of that name is registered",
+                        f"{str(e).split('Fix: ', 1)[1]}; {self.fix}") from None
+    raise AssertionError("unreachable")
+
+  def names(self) -> tuple:
+    self._load()
+    return tuple(self._items)
+
+  def origin(self, name: str) -> str:
+    """The module that registered ``name`` (what a run's provenance records)."""
+    self._load()
+    return self._origin[name]
+
+  def plugins(self) -> dict[str, str]:
+    """name -> registering module, for the ideas registered from outside ``moejax``."""
+    self._load()
+    return {n: m for n, m in self._origin.items() if not _is_shipped(m)}
+
+  def __contains__(self, name: object) -> bool:
+    self._load()
+    return name in self._items
+
+  def __iter__(self) -> Iterator[str]:
+    return iter(self.names())
+
+  def __len__(self) -> int:
+    return len(self.names())
+
+
+def _is_shipped(module: str) -> bool:
+  return module == "moejax" or module.startswith("moejax.")
+
+
+def module_file(module: str) -> str:
+  """The source file of an imported module ('' when it has none)."""
+  mod = sys.modules.get(module)
+  return getattr(mod, "__file__", "") or ""
+
+
+# Routing plane: router kinds (moejax.routing.spec.RouterSpec objects).
+ROUTERS = Registry("router", "moe.routing.kind", ("moejax.routing",),
+                   "a router of your own is registered with moejax.routing.register("
+                   "MyRouter()) in a module your config file imports")
 SCORE_FNS = ("softmax", "sigmoid", "sqrtsoftplus")
 GATINGS = ("topk_softmax", "scores", "normalized")
 GROUP_SCORES = ("auto", "top2_sum", "max")
@@ -20,8 +141,12 @@ AUX_CONVENTIONS = ("switch", "topk")
 BIAS_UPDATES = ("none", "sign", "proportional")
 DROP_PRIORITIES = ("position", "score")
 
+# Layer kinds (sparse, soft, peer: moejax.layer's LayerKind objects).
+LAYERS = Registry("layer kind", "moe.kind", ("moejax.layer",),
+                  "a layer kind of your own is registered with moejax.layer.register_kind("
+                  "MyKind()) in a module your config file imports")
+
 # Topology plane.
-LAYER_KINDS = ("sparse", "soft", "peer")
 ACTIVATIONS = ("swiglu", "gelu")
 
 # Execution plane. Grouped-matmul backends live in moejax.execution.<module>

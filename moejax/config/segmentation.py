@@ -18,12 +18,8 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import TYPE_CHECKING
 
 from moejax.config.core import ConfigError
-
-if TYPE_CHECKING:
-  from moejax.config.moe import MoEConfig
 
 
 def _check_divisible(field: str, widths, m: int) -> None:
@@ -62,9 +58,8 @@ def fine_grain(cfg: "MoEConfig", m: int, split_shared: bool = False) -> "MoEConf
   if not isinstance(m, int) or isinstance(m, bool) or m < 1:
     raise ConfigError("moe.topology.granularity", m,
                       "the segmentation factor must be an integer >= 1", "use m = 1, 2, 4, ...")
-  if cfg.kind == "peer":
-    raise ConfigError("moe.kind", cfg.kind,
-                      "PEER experts are single neurons and cannot be segmented",
+  if not cfg.layer.segmentable:
+    raise ConfigError("moe.kind", cfg.kind, cfg.layer.why_not_segmentable,
                       "fine-grain a kind='sparse' or 'soft' layer")
   if m == 1:
     return cfg
@@ -79,11 +74,11 @@ def fine_grain(cfg: "MoEConfig", m: int, split_shared: bool = False) -> "MoEConf
   changes.update(num_experts=t.num_experts * m, zero_experts=t.zero_experts * m,
                  copy_experts=t.copy_experts * m, constant_experts=t.constant_experts * m)
   routing = cfg.routing
-  if cfg.kind == "sparse":
+  if cfg.layer.routed:
     routing = dataclasses.replace(routing, top_k=routing.top_k * m)
-    if routing.kind == "expert_choice":
-      routing = dataclasses.replace(routing,
-                                    expert_choice_capacity=routing.expert_choice_capacity * m)
+    options = cfg.router.granular(routing.opts, m)  # expert choice: m times c
+    if options != routing.opts:
+      routing = dataclasses.replace(routing, options=options)
   if split_shared and t.num_shared_experts:
     fs = t.shared_expert_width or t.expert_width
     if fs % m:
@@ -118,7 +113,7 @@ def deepseekmoe(cfg: "MoEConfig", m: int, num_shared: int) -> "MoEConfig":
   if not isinstance(num_shared, int) or isinstance(num_shared, bool) or num_shared < 0:
     raise ConfigError("moe.topology.isolate_shared", num_shared, "must be an int >= 0",
                       "use K_s >= 0")
-  if cfg.kind != "sparse":
+  if not cfg.layer.routed:
     raise ConfigError("moe.topology.isolate_shared", num_shared,
                       f"shared experts are a routed-layer path, not moe.kind={cfg.kind!r}",
                       "use moe.kind='sparse'")
@@ -130,7 +125,7 @@ def deepseekmoe(cfg: "MoEConfig", m: int, num_shared: int) -> "MoEConfig":
     raise ConfigError("moe.topology.num_shared_experts", t.num_shared_experts,
                       "the base layer already has shared experts",
                       "start from a conventional top-K layer with num_shared_experts=0")
-  if cfg.routing.kind not in ("topk", "hash"):
+  if not cfg.router.isolates_shared:
     raise ConfigError("moe.routing.kind", cfg.routing.kind,
                       "shared-expert isolation keeps m K - K_s routed slots per token, "
                       "which needs a token-choice top-k router", "use routing.kind='topk'")

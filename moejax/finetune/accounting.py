@@ -124,7 +124,7 @@ def activation_bytes(cfg: ExperimentConfig, trainable: set) -> float:
     below = below or norms or "attention" in trainable or adapted("attention")
     kept = attn if below else 0.0
     if m.is_moe_layer(i):
-      shared = m.moe.kind == "sparse" and m.moe.topology.num_shared_experts > 0
+      shared = m.moe.topology.num_shared_experts > 0
       here = bool({"router", "experts"} & trainable) or adapted("experts") or (
           shared and ("dense" in trainable or adapted("dense")))
       ffn = _moe_bytes(m, t, c, lora, r)
@@ -145,7 +145,7 @@ def activation_bytes(cfg: ExperimentConfig, trainable: set) -> float:
 def _moe_bytes(m, t: int, c: int, lora: set, r: int) -> float:
   moe = m.moe
   d = m.d_model
-  if moe.kind != "sparse":
+  if not moe.layer.routed:
     # Soft MoE / PEER: their dispatch tensors are counted as the routed experts
     # of a top-1 layer (a rough stand-in; the options table compares options).
     k, e_r = 1, moe.num_experts
@@ -155,13 +155,13 @@ def _moe_bytes(m, t: int, c: int, lora: set, r: int) -> float:
   f = max(top.expert_widths) if top.expert_widths else top.expert_width
   mats = 3 if top.activation == "swiglu" else 2
   out = t * c * 2 * d + 2 * 4.0 * t * e_r + t * k * c * (2 * d + mats * f)
-  if moe.kind == "sparse" and top.num_shared_experts:
+  if top.num_shared_experts:
     from moejax.topology.experts import shared_width  # pylint: disable=g-import-not-at-top
     fs = top.num_shared_experts * shared_width(moe)
     out += t * c * mats * fs
     if "dense" in lora:
       out += mats * t * c * r
-  if "experts" in lora and moe.kind != "peer":
+  if "experts" in lora and moe.layer.expert_bank:
     out += c * moe.num_experts * mats * d * f   # the merged expert weights
   return out
 

@@ -89,10 +89,10 @@ def lora_param_count(model: ModelConfig, targets, rank: int) -> int:
       continue
     moe = model.moe
     t = moe.topology
-    if "experts" in targets and moe.kind != "peer":
+    if "experts" in targets and moe.layer.expert_bank:
       f = max(t.expert_widths) if t.expert_widths else t.expert_width
       total += mats(t.activation) * moe.num_experts * rank * (d + f)
-    if "dense" in targets and moe.kind == "sparse" and t.num_shared_experts:
+    if "dense" in targets and t.num_shared_experts:
       fs = t.num_shared_experts * shared_width(moe)
       total += mats(t.activation) * rank * (d + fs)
   return total

@@ -142,8 +142,7 @@ def present_components(model: ModelConfig) -> frozenset:
   out = {"embeddings", "norms", "attention"}
   moe = model.moe
   dense_layers = any(not model.is_moe_layer(i) for i in range(model.n_layers))
-  if dense_layers or (moe is not None and moe.kind == "sparse"
-                      and moe.topology.num_shared_experts):
+  if dense_layers or (moe is not None and moe.topology.num_shared_experts):
     out.add("dense")
   if moe is not None:
     out.add("experts")
@@ -155,18 +154,18 @@ def present_components(model: ModelConfig) -> frozenset:
 
 
 def has_router(model: ModelConfig) -> bool:
-  """Whether the MoE layers have router weights (sparse routers but hash, Soft MoE)."""
+  """Whether the MoE layers have router weights (its layer kind says: sparse routers with
+  parameters, Soft MoE)."""
   moe = model.moe
-  if moe is None or moe.kind == "peer":
-    return False
-  return not (moe.kind == "sparse" and moe.routing.kind == "hash")
+  return moe is not None and moe.layer.has_router_weights(moe)
 
 
 def _why_absent(component: str, model: ModelConfig) -> str:
   if model.moe is None and component in ("router", "experts"):
     return "the model has no MoE layer (model.moe is None)"
   if component == "router":
-    kind = model.moe.kind if model.moe.kind != "sparse" else "hash routing"
+    moe = model.moe
+    kind = f"routing.kind={moe.routing.kind!r}" if moe.layer.routed else f"moe.kind={moe.kind!r}"
     return f"its MoE layers have no router weights ({kind})"
   if component == "dense":
     return "the model has no dense FFN layer and no shared expert"
@@ -199,7 +198,7 @@ def resolve_model(model: ModelConfig, ft: FinetuneConfig) -> ModelConfig:
   if router_frozen and not moe.routing.freeze:
     moe = dataclasses.replace(moe, routing=dataclasses.replace(moe.routing, freeze=True))
   if ft.controller != "auto":
-    has_controller = moe is not None and moe.kind == "sparse" and moe.balance.bias_update != "none"
+    has_controller = moe is not None and moe.layer.routed and moe.balance.bias_update != "none"
     if not has_controller:
       raise ConfigError("finetune.controller", ft.controller,
                         "the model has no aux-loss-free bias controller "

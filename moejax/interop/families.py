@@ -115,7 +115,7 @@ def compose(base: Optional[MoEConfig], topology: dict, router: dict) -> MoEConfi
   ``base.routing``'s; balance and execution settings of ``base`` are kept.
   """
   base = base or MoEConfig()
-  router = {"kind": "topk", "n_families": 1, "top_k_families": 1, **router}
+  router = {"kind": "topk", "options": None, **router}
   if router.get("n_groups", 1) == 1:
     router.setdefault("group_score", base.routing.group_score)  # no effect without groups
   rc = dataclasses.replace(base.routing, **router)

@@ -47,6 +47,7 @@ from moejax.interop import families as fam
 from moejax.interop.convert import _resolve_config, export_moe_block, import_moe_block
 from moejax.interop.errors import InteropError, TensorShapeError
 from moejax.interop.tensors import TensorStore, open_source
+from moejax.routing.topk import TopK
 
 SUPPORTED = ("mixtral",)
 # model_type -> what the moejax Transformer lacks to compute it exactly.
@@ -185,13 +186,15 @@ def import_model(source: Any, hf_config: Any = None, *, base: Optional[ModelConf
 def _check_exportable(cfg: ModelConfig, model_type: str) -> None:
   check_supported(model_type)
   bad = []
-  if cfg.moe is None or cfg.moe.kind != "sparse":
+  if cfg.moe is None or not cfg.moe.layer.routed:
     bad.append("a sparse MoE in every layer (model.moe)")
   else:
     if not all(cfg.is_moe_layer(i) for i in range(cfg.n_layers)):
       bad.append(f"model.moe_layout={cfg.moe_layout!r} (every layer must be MoE)")
     r = cfg.moe.routing
-    if r.score_fn != "softmax" or r.use_bias or r.kind != "topk":
+    # The Hugging Face blocks' router is moejax's linear top-k (an object check:
+    # a plugin router, even one derived from it, has no HF counterpart).
+    if r.score_fn != "softmax" or r.use_bias or type(cfg.moe.router) is not TopK:
       bad.append(f"routing kind={r.kind!r}, score_fn={r.score_fn!r}, use_bias={r.use_bias} "
                  f"(needs softmax top-k without a selection bias)")
   for field, ok, what in (("attention_bias", not cfg.attention_bias, "False"),

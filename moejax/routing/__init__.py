@@ -1,14 +1,23 @@
 """The routing plane: which experts each token uses, with what weight.
 
 Entry points: :func:`moejax.routing.router.route` and
-:func:`moejax.routing.router.init_router_params` (sparse layers),
+:func:`moejax.routing.router.init_router_params` (routed layers),
 :func:`moejax.routing.soft.soft_weights` and
 :func:`moejax.routing.soft.init_soft_params` (Soft MoE).
+
+A router kind is a registered :class:`RouterSpec` (``moejax.routing.spec``);
+importing this package registers the shipped ones (topk, expert_choice,
+hash, top_p, hierarchical) with the same :func:`register` a researcher's
+module calls. ``ROUTERS`` is the registry (name -> spec).
 """
 
-from moejax.routing.router import ROUTERS, init_router_params, route
+from moejax.config.registry import ROUTERS
+from moejax.routing.spec import NoOptions, RouterSpec, register
+from moejax.routing import topk, expert_choice, hashing, top_p, hierarchical  # noqa: F401  (register)
+from moejax.routing.router import init_router_params, route, spec_of
 from moejax.routing.soft import init_soft_params, soft_weights
 from moejax.routing.types import RouterState, RoutingResult
 
-__all__ = ["ROUTERS", "RouterState", "RoutingResult", "init_router_params",
-           "init_soft_params", "route", "soft_weights"]
+__all__ = ["NoOptions", "ROUTERS", "RouterSpec", "RouterState", "RoutingResult",
+           "init_router_params", "init_soft_params", "register", "route", "soft_weights",
+           "spec_of"]

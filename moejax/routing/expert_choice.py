@@ -6,7 +6,7 @@ experts), C tokens per expert.
 S = score_fn(logits) [T, E_r] (the paper: softmax over experts). Each expert
 takes its top C tokens by S[:, e], with
 
-    C = round(T * c / E_r),  c = moe.routing.expert_choice_capacity,
+    C = round(T * c / E_r),  c = moe.routing.options.capacity,
 
 rounded half up (floor(T c / E_r + 0.5)) and clipped to [1, T]. Every expert
 therefore processes exactly C tokens (balanced by construction) while a token
@@ -24,6 +24,8 @@ included. Route over shuffled or per-chunk token sets when that matters
 
 from __future__ import annotations
 
+import dataclasses
+
 import math
 
 import jax
@@ -33,6 +35,8 @@ from moejax.config import MoEConfig
 from moejax.routing.logits import router_logits
 from moejax.routing.types import RoutingResult, make_result
 from moejax.routing.scores import probs_from_scores, scores
+from moejax.routing.spec import RouterSpec, register
+from moejax.config.core import check_positive
 
 
 def tokens_per_expert(num_tokens: int, num_experts: int, capacity: float) -> int:
@@ -46,7 +50,7 @@ def select_expert_choice(logits: jax.Array, cfg: MoEConfig) -> RoutingResult:
   rc = cfg.routing
   t, e = logits.shape
   s = scores(logits, rc.score_fn)
-  cap = tokens_per_expert(t, e, rc.expert_choice_capacity)
+  cap = tokens_per_expert(t, e, rc.opts.capacity)
   _, tok = jax.lax.top_k(s.T, cap)  # [E_r, C] tokens chosen by each expert
   chosen = jnp.zeros((e, t), bool).at[jnp.arange(e)[:, None], tok].set(True)
   valid = chosen.T  # [T, E_r]
@@ -59,3 +63,39 @@ def route_expert_choice(params, x, bias, cfg: MoEConfig, *, token_ids=None, rng=
                         train=False) -> RoutingResult:
   del bias, token_ids
   return select_expert_choice(router_logits(params["w"], x, cfg.routing, rng, train), cfg)
+
+
+@dataclasses.dataclass(frozen=True)
+class ExpertChoiceOptions:
+  """capacity: c in C = T c / E_r tokens per expert (experts per token on average)."""
+
+  capacity: float = 2.0
+
+  def __post_init__(self):
+    check_positive("moe.routing.options.capacity", self.capacity)
+
+
+class ExpertChoice(RouterSpec):
+  """Each expert picks its top C tokens: balanced by construction, not causal."""
+
+  name = "expert_choice"
+  Options = ExpertChoiceOptions
+  token_choice = False
+  causal = False
+  why_not_causal = "expert choice lets each expert pick its top tokens over the whole sequence"
+
+  def granular(self, options, m):
+    # m times the experts at the same tokens per expert keeps c experts of
+    # width f / m per token only if each token gets m c of them.
+    return dataclasses.replace(options, capacity=options.capacity * m)
+
+  def slots(self, cfg):
+    # Each expert takes c T / E tokens, so a token is in c experts on average
+    # and in all E at most.
+    return cfg.routing.opts.capacity, float(cfg.num_experts)
+
+  def route(self, params, x, bias, cfg, *, token_ids, rng, train):
+    return route_expert_choice(params, x, bias, cfg, token_ids=token_ids, rng=rng, train=train)
+
+
+register(ExpertChoice())

@@ -7,7 +7,7 @@ No router parameters: the experts of a token are a fixed function of its id.
 We use a *balanced* random hash that needs no vocabulary size: ids are cut
 into blocks of E_r consecutive ids (block b = id // E_r, position r = id % E_r) and
 each block gets its own pseudo-random permutation pi_b of the E_r experts,
-keyed by (hash_seed, b). Slot j of token id is
+keyed by (options.seed, b). Slot j of token id is
 
     expert_j(id) = pi_b[(r + j) mod E_r],   j = 0..K-1.
 
@@ -27,10 +27,14 @@ version (a trained hash-routed model depends on it).
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 
 from moejax.config import MoEConfig
+from moejax.config.core import check_count
+from moejax.routing.spec import RouterSpec, register
 from moejax.routing.types import RoutingResult, make_result
 
 
@@ -65,7 +69,7 @@ def hash_experts(token_ids: jax.Array, num_experts: int, top_k: int, seed: int) 
 def select_hash(token_ids: jax.Array, cfg: MoEConfig) -> RoutingResult:
   """Hash routing decision for token_ids int[T]."""
   rc, e = cfg.routing, cfg.num_routed
-  ids = hash_experts(token_ids, e, rc.top_k, rc.hash_seed)
+  ids = hash_experts(token_ids, e, rc.top_k, rc.opts.seed)
   t, k = ids.shape
   w = jnp.full((t, k), rc.routed_scaling_factor / k, jnp.float32)
   probs = jnp.sum(jax.nn.one_hot(ids, e, dtype=jnp.float32), axis=1) / k
@@ -85,3 +89,40 @@ def route_hash(params, x, bias, cfg: MoEConfig, *, token_ids=None, rng=None,
   if not jnp.issubdtype(token_ids.dtype, jnp.integer):
     raise ValueError(f"token_ids has dtype {token_ids.dtype}. Fix: pass integer token ids.")
   return select_hash(token_ids, cfg)
+
+
+@dataclasses.dataclass(frozen=True)
+class HashOptions:
+  """seed: seed of the balanced token-id -> expert table."""
+
+  seed: int = 0
+
+  def __post_init__(self):
+    check_count("moe.routing.options.seed", self.seed, minimum=0)
+
+
+class Hash(RouterSpec):
+  """Experts as a fixed balanced function of the token id: no parameters, no noise."""
+
+  name = "hash"
+  Options = HashOptions
+  reads_activations = False
+  needs_token_ids = True
+  scores_all_columns = False
+  trainable = False
+  isolates_shared = True
+
+  def param_shapes(self, d_model, cfg):
+    return {}
+
+  def init_params(self, key, d_model, cfg):
+    return {}
+
+  def router_flops(self, d_model, cfg):
+    return 0.0
+
+  def route(self, params, x, bias, cfg, *, token_ids, rng, train):
+    return route_hash(params, x, bias, cfg, token_ids=token_ids, rng=rng, train=train)
+
+
+register(Hash())

@@ -24,6 +24,8 @@ routed_scaling_factor. RoutingResult.logits holds the fine router's logits
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 
@@ -32,6 +34,8 @@ from moejax.routing.gating import gate_weights
 from moejax.routing.logits import router_logits
 from moejax.routing.types import RoutingResult, make_result
 from moejax.routing.scores import probs_from_scores, scores
+from moejax.routing.spec import RouterSpec, register
+from moejax.config.core import ConfigError, check_count
 
 
 def joint_probs(family_logits: jax.Array, expert_logits: jax.Array, score_fn: str) -> jax.Array:
@@ -53,7 +57,7 @@ def select_hierarchical(family_logits: jax.Array, expert_logits: jax.Array,
   f = family_logits.shape[-1]
   joint = joint_probs(family_logits, expert_logits, rc.score_fn)
   p_fam = probs_from_scores(scores(family_logits, rc.score_fn), rc.score_fn)
-  _, fams = jax.lax.top_k(p_fam, rc.top_k_families)  # [T, top_k_families]
+  _, fams = jax.lax.top_k(p_fam, rc.opts.top_k_families)  # [T, top_k_families]
   keep = jnp.zeros((t, f), bool).at[jnp.arange(t)[:, None], fams].set(True)
   keep = jnp.repeat(keep, e // f, axis=-1)
   _, ids = jax.lax.top_k(jnp.where(keep, joint, -jnp.inf), rc.top_k)
@@ -70,3 +74,53 @@ def route_hierarchical(params, x, bias, cfg: MoEConfig, *, token_ids=None, rng=N
   family_logits = router_logits(params["w_family"], x, cfg.routing, k_fam, train)
   expert_logits = router_logits(params["w"], x, cfg.routing, k_exp, train)
   return select_hierarchical(family_logits, expert_logits, cfg)
+
+
+@dataclasses.dataclass(frozen=True)
+class HierarchicalOptions:
+  """n_families F contiguous families of E_r / F experts; top_k_families kept per token."""
+
+  n_families: int = 2
+  top_k_families: int = 1
+
+  def __post_init__(self):
+    p = "moe.routing.options"
+    check_count(f"{p}.n_families", self.n_families)
+    check_count(f"{p}.top_k_families", self.top_k_families)
+    if self.n_families < 2:
+      raise ConfigError(f"{p}.n_families", self.n_families,
+                        "hierarchical routing needs at least 2 families",
+                        f"set {p}.n_families >= 2")
+    if self.top_k_families > self.n_families:
+      raise ConfigError(f"{p}.top_k_families", self.top_k_families,
+                        f"exceeds {p}.n_families={self.n_families}",
+                        f"set {p}.top_k_families <= {p}.n_families")
+
+
+class Hierarchical(RouterSpec):
+  """Families, then experts inside the kept families: two linear routers."""
+
+  name = "hierarchical"
+  Options = HierarchicalOptions
+
+  def check(self, cfg):
+    o, e = cfg.routing.opts, cfg.num_routed
+    if e % o.n_families:
+      raise ConfigError("moe.routing.options.n_families", o.n_families,
+                        f"does not divide the {e} router outputs",
+                        f"pick n_families among the divisors of {e}")
+    per = (e // o.n_families) * o.top_k_families
+    if cfg.routing.top_k > per:
+      raise ConfigError("moe.routing.top_k", cfg.routing.top_k,
+                        f"exceeds the {per} experts inside top_k_families="
+                        f"{o.top_k_families} families of {e // o.n_families}",
+                        "raise top_k_families or lower top_k")
+
+  def param_shapes(self, d_model, cfg):
+    return {"w": (d_model, cfg.num_routed), "w_family": (d_model, cfg.routing.opts.n_families)}
+
+  def route(self, params, x, bias, cfg, *, token_ids, rng, train):
+    return route_hierarchical(params, x, bias, cfg, token_ids=token_ids, rng=rng, train=train)
+
+
+register(Hierarchical())

@@ -21,6 +21,8 @@ the included probabilities to sum 1.
 
 from __future__ import annotations
 
+import dataclasses
+
 from typing import Optional
 
 import jax
@@ -31,7 +33,9 @@ from moejax.routing.gating import gate_weights
 from moejax.routing.logits import router_logits
 from moejax.routing.types import RoutingResult, make_result
 from moejax.routing.scores import probs_from_scores, scores
+from moejax.routing.spec import RouterSpec, register
 from moejax.routing.topk import selection_key
+from moejax.config.core import check_fraction
 
 
 def select_top_p(logits: jax.Array, bias: Optional[jax.Array], cfg: MoEConfig) -> RoutingResult:
@@ -44,7 +48,7 @@ def select_top_p(logits: jax.Array, bias: Optional[jax.Array], cfg: MoEConfig) -
   # Exclusive cumulative sum: mass included before slot j (exactly 0 at j=0).
   before = jnp.concatenate(
       [jnp.zeros_like(p_sel[:, :1]), jnp.cumsum(p_sel, axis=-1)[:, :-1]], axis=-1)
-  valid = before < rc.top_p
+  valid = before < rc.opts.top_p
   w = gate_weights(s, logits, ids, valid, rc.gating, rc.routed_scaling_factor)
   return make_result(ids, w, valid, p, logits)
 
@@ -53,3 +57,31 @@ def route_top_p(params, x, bias, cfg: MoEConfig, *, token_ids=None, rng=None,
                 train=False) -> RoutingResult:
   del token_ids
   return select_top_p(router_logits(params["w"], x, cfg.routing, rng, train), bias, cfg)
+
+
+@dataclasses.dataclass(frozen=True)
+class TopPOptions:
+  """top_p: cumulative-probability threshold; ``routing.top_k`` is the max k."""
+
+  top_p: float = 0.5
+
+  def __post_init__(self):
+    check_fraction("moe.routing.options.top_p", self.top_p,
+                   fix="pick a cumulative-probability threshold in (0, 1] such as 0.4")
+
+
+class TopP(RouterSpec):
+  """Dynamic k: experts added by score until their mass reaches top_p (at most top_k).
+
+  The accounting counts the maximum k (a budget bound, not the realised mean).
+  """
+
+  name = "top_p"
+  Options = TopPOptions
+  supports_bias = True
+
+  def route(self, params, x, bias, cfg, *, token_ids, rng, train):
+    return route_top_p(params, x, bias, cfg, token_ids=token_ids, rng=rng, train=train)
+
+
+register(TopP())

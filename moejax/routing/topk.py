@@ -33,6 +33,7 @@ from moejax.routing.groups import limit_to_groups
 from moejax.routing.logits import router_logits
 from moejax.routing.types import RoutingResult, make_result
 from moejax.routing.scores import probs_from_scores, scores
+from moejax.routing.spec import RouterSpec, register
 
 
 def selection_key(s: jax.Array, bias: Optional[jax.Array], cfg: MoEConfig) -> jax.Array:
@@ -62,3 +63,18 @@ def route_topk(params, x, bias, cfg: MoEConfig, *, token_ids=None, rng=None,
                train=False) -> RoutingResult:
   del token_ids
   return select_topk(router_logits(params["w"], x, cfg.routing, rng, train), bias, cfg)
+
+
+class TopK(RouterSpec):
+  """Token-choice top-k: one linear router, K experts per token."""
+
+  name = "topk"
+  supports_bias = True
+  supports_groups = True
+  isolates_shared = True
+
+  def route(self, params, x, bias, cfg, *, token_ids, rng, train):
+    return route_topk(params, x, bias, cfg, token_ids=token_ids, rng=rng, train=train)
+
+
+register(TopK())

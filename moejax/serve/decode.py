@@ -67,6 +67,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from moejax.config import ConfigError, ModelConfig, apply_overrides
+from moejax.config.registry import ROUTERS
 from moejax.nn.mod import MoDBlock
 from moejax.nn.scmoe import shortcut_input
 from moejax.serve import quantize as quant_lib
@@ -98,20 +99,19 @@ def check_decodable(cfg: ModelConfig) -> None:
   """
   if cfg.moe is None:
     return
-  kind = _get(cfg, FIELD_MOE_KIND)
-  if kind == "soft":
+  moe = cfg.moe
+  if not moe.layer.causal:
     raise ConfigError(
-        FIELD_MOE_KIND, kind,
-        "Soft MoE mixes every token of a sequence into each slot, so token t's output "
-        "depends on later tokens: it is not causal and cannot be decoded one token at a time",
-        "decode a model with moe.kind='sparse' and a token-choice router, or 'peer'")
-  if kind == "sparse" and _get(cfg, FIELD_ROUTER_KIND) == "expert_choice":
+        FIELD_MOE_KIND, moe.kind,
+        f"{moe.layer.why_not_causal}: it is not causal and cannot be decoded one token at "
+        "a time", "decode a model with moe.kind='sparse' and a token-choice router, or 'peer'")
+  if moe.layer.routed and not moe.router.causal:
+    causal = [n for n in ROUTERS.names() if ROUTERS.get(n).causal]
     raise ConfigError(
-        FIELD_ROUTER_KIND, "expert_choice",
-        "expert choice lets each expert pick its top tokens over the whole sequence, so "
-        "whether token t reaches an expert depends on later tokens: it is not causal and "
-        "cannot be decoded one token at a time",
-        "decode a token-choice router (topk, top_p, hash or hierarchical)")
+        FIELD_ROUTER_KIND, moe.routing.kind,
+        f"{moe.router.why_not_causal}, so whether token t reaches an expert depends on later "
+        "tokens: it is not causal and cannot be decoded one token at a time",
+        f"decode a causal router ({', '.join(causal)})")
 
 
 def serving_config(cfg: ModelConfig, backend: Optional[str] = None) -> ModelConfig:
@@ -119,7 +119,7 @@ def serving_config(cfg: ModelConfig, backend: Optional[str] = None) -> ModelConf
   if cfg.moe is None:
     return cfg
   changes: dict[str, Any] = {}
-  if _get(cfg, FIELD_MOE_KIND) == "sparse" and _get(cfg, FIELD_CAPACITY) is not None:
+  if cfg.moe.layer.routed and _get(cfg, FIELD_CAPACITY) is not None:
     changes[FIELD_CAPACITY] = None
   if backend is not None:
     changes[FIELD_BACKEND] = backend

@@ -176,52 +176,62 @@ def _attention_norm_params(arch: ArchitectureConfig) -> int:
   return 0
 
 
-def _routed_slots(moe: MoEConfig) -> tuple[float, float]:
-  """(expected FFN-expert slots per token, maximal slots)."""
-  r = moe.routing
-  if r.kind == "expert_choice":
-    # Each expert takes c T / E tokens, so a token is in c experts on average
-    # and in all E at most.
-    return r.expert_choice_capacity, float(moe.topology.num_experts)
-  return r.top_k * moe.topology.num_experts / moe.num_routed, float(r.top_k)
-
-
 def moe_components(moe: MoEConfig, d_model: int, seq_len: int) -> dict[str, Component]:
-  """Components of one MoE FFN slot (any ``moe.kind``)."""
-  d = d_model
-  if moe.kind == "peer":
-    h, n, dk, k = moe.topology.peer_heads, moe.topology.peer_num_keys, moe.topology.peer_key_dim, moe.topology.peer_top_k
-    per_expert = (3 if moe.topology.activation == "swiglu" else 2) * d
-    query = h * d * dk + 2 * h * dk  # W_q and the query LayerNorm
-    keys = n * dk  # two halves of n sub-keys, D/2 wide
-    total = n * n * per_expert + query + keys
-    active = h * k * per_expert + query + keys
-    flops = 2.0 * (h * k * per_expert + h * d * dk) + 2.0 * h * n * dk
-    return {"peer": Component(total, active, active, flops)}
+  """Components of one MoE FFN slot: the layer kind's ``components`` (any ``moe.kind``)."""
+  moe.check_resolved("moejax.topology.accounting")
+  return moe.layer.components(moe, d_model, seq_len)
 
+
+def peer_components(moe: MoEConfig, d_model: int, seq_len: int) -> dict[str, Component]:
+  """PEER: N^2 singleton experts, h heads of top-k retrieval over product keys."""
+  del seq_len
+  d = d_model
+  t = moe.topology
+  h, n, dk, k = t.peer_heads, t.peer_num_keys, t.peer_key_dim, t.peer_top_k
+  per_expert = (3 if t.activation == "swiglu" else 2) * d
+  query = h * d * dk + 2 * h * dk  # W_q and the query LayerNorm
+  keys = n * dk  # two halves of n sub-keys, D/2 wide
+  total = n * n * per_expert + query + keys
+  active = h * k * per_expert + query + keys
+  flops = 2.0 * (h * k * per_expert + h * d * dk) + 2.0 * h * n * dk
+  return {"peer": Component(total, active, active, flops)}
+
+
+def soft_components(moe: MoEConfig, d_model: int, seq_len: int) -> dict[str, Component]:
+  """Soft MoE: every expert processes its p slots per group of S tokens."""
+  d = d_model
+  sizes = [ffn_params(d, w, moe.topology.activation) for w in moe.widths]
+  out: dict[str, Component] = {}
+  # Each group of S tokens (one sequence) fills E p slots; every expert
+  # processes its p slots, so a token's share is p sum_e size_e / S.
+  p = moe.topology.slots_per_expert
+  share = p * sum(sizes) / seq_len
+  out["routed_experts"] = Component(sum(sizes), share, share, 2.0 * share)
+  slots = moe.topology.num_experts * p
+  phi = d * slots
+  # logits (the phi matmul), then dispatch and combine: 2 d E p FLOPs each.
+  out["soft_moe"] = Component(phi + 1, phi, phi, 2.0 * phi + 4.0 * d * slots)
+  return out
+
+
+def sparse_components(moe: MoEConfig, d_model: int, seq_len: int) -> dict[str, Component]:
+  """Routed experts (by the router spec's slots), router, shared and zero-compute experts."""
+  del seq_len
+  d = d_model
   sizes = [ffn_params(d, w, moe.topology.activation) for w in moe.widths]
   mean_e, max_e = sum(sizes) / len(sizes), max(sizes)
   out: dict[str, Component] = {}
-  if moe.kind == "soft":
-    # Each group of S tokens (one sequence) fills E p slots; every expert
-    # processes its p slots, so a token's share is p sum_e size_e / S.
-    p = moe.topology.slots_per_expert
-    share = p * sum(sizes) / seq_len
-    out["routed_experts"] = Component(sum(sizes), share, share, 2.0 * share)
-    slots = moe.topology.num_experts * p
-    phi = d * slots
-    # logits (the phi matmul), then dispatch and combine: 2 d E p FLOPs each.
-    out["soft_moe"] = Component(phi + 1, phi, phi, 2.0 * phi + 4.0 * d * slots)
-    return out
-
-  slots, slots_max = _routed_slots(moe)
+  spec = moe.router
+  slots, slots_max = spec.slots(moe)  # (expected, maximal) FFN-expert slots per token
   active = slots * mean_e
-  max_active = slots_max * max_e if moe.routing.kind != "expert_choice" else float(sum(sizes))
+  # A token-choice router fills at most K slots; otherwise a token may reach every expert.
+  max_active = slots_max * max_e if spec.token_choice else float(sum(sizes))
   out["routed_experts"] = Component(sum(sizes), active, max_active, 2.0 * active)
   r = moe.routing
-  if r.kind != "hash":
-    router = d * moe.num_routed + (d * r.n_families if r.kind == "hierarchical" else 0)
-    out["router"] = _dense(router)
+  router = spec.param_count(d, moe)  # counted from the spec's parameter shapes
+  if router:
+    flops = spec.router_flops(d, moe)
+    out["router"] = Component(router, router, router, flops)
   if moe.topology.num_shared_experts:
     fs = moe.topology.shared_expert_width or moe.topology.expert_width
     shared = moe.topology.num_shared_experts * ffn_params(d, fs, moe.topology.activation)
@@ -230,7 +240,7 @@ def moe_components(moe: MoEConfig, d_model: int, seq_len: int) -> dict[str, Comp
   if moe.topology.constant_experts:
     # Constant expert j: W_c[j] [d, 2] and v_j [d]; only W_c is a matmul.
     j = moe.topology.constant_experts
-    frac = (r.top_k if r.kind != "expert_choice" else 0) * j / moe.num_routed
+    frac = (r.top_k if spec.token_choice else 0) * j / moe.num_routed
     out["zero_compute"] = Component(j * 3 * d, frac * 3 * d, 0.0, frac * 2.0 * 2 * d)
   return out
 

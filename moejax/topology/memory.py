@@ -135,12 +135,12 @@ def matrices(cfg: ModelConfig,
       out["dense_ffn"] += _ffn_matrices(d, cfg.dense_ff_width, cfg.dense_activation, 1)
       continue
     moe = cfg.moe
-    if moe.kind == "sparse" or moe.kind == "soft":
+    if moe.layer.expert_bank:
       if seen[stack] % cfg.expert_sharing_group == 0:
         for w in moe.widths:
           out["routed_experts"] += _ffn_matrices(d, w, moe.topology.activation, 1)
       t = moe.topology
-      if moe.kind == "sparse" and t.num_shared_experts:
+      if t.num_shared_experts:
         fs = t.shared_expert_width or t.expert_width
         out["shared_experts"] += _ffn_matrices(d, t.num_shared_experts * fs, t.activation, 1)
     seen[stack] += 1

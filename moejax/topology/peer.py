@@ -51,7 +51,7 @@ def _trunc_normal(key: jax.Array, shape: tuple, std: float) -> jax.Array:
 
 
 def _check(cfg: MoEConfig) -> None:
-  if cfg.kind != "peer":
+  if not cfg.layer.product_keys:
     raise ConfigError("moe.kind", cfg.kind, "PEER functions need a PEER layer config",
                       "set moe.kind='peer'")
 

@@ -17,7 +17,7 @@ from tests.configs import moe_config as moe
     (dict(capacity_factor=0.0), "moe.balance.capacity_factor", "must be > 0"),
     (dict(capacity_factor=-1.25), "moe.balance.capacity_factor", "must be > 0"),
     (dict(num_shared_experts=1, routing=dict(kind="expert_choice")),
-     "moe.topology.num_shared_experts", "expert-choice"),
+     "moe.topology.num_shared_experts", "not token choice"),
     (dict(routing=dict(kind="expert_chioce")), "moe.routing.kind", "did you mean 'expert_choice'"),
     (dict(routing=dict(score_fn="tanh")), "moe.routing.score_fn", "unknown value"),
     (dict(routing=dict(gating="topk_softmax", score_fn="sigmoid")), "moe.routing.gating",
@@ -27,10 +27,10 @@ from tests.configs import moe_config as moe
      "one width per routed expert"),
     (dict(zero_experts=2, routing=dict(kind="hash")), "moe.routing.kind", "zero-computation"),
     (dict(routing=dict(kind="hierarchical", n_families=3), num_experts=8),
-     "moe.routing.n_families", "does not divide"),
-    (dict(routing=dict(top_p=1.5, kind="top_p")), "moe.routing.top_p", "(0, 1]"),
+     "moe.routing.options.n_families", "does not divide"),
+    (dict(routing=dict(top_p=1.5, kind="top_p")), "moe.routing.options.top_p", "(0, 1]"),
     (dict(capacity_factor=1.25, routing=dict(kind="expert_choice")),
-     "moe.balance.capacity_factor", "expert choice"),
+     "moe.balance.capacity_factor", "sets its own per-expert capacity"),
     (dict(num_experts=8, routing=dict(n_groups=4, topk_groups=1, top_k=3)), "moe.routing.top_k",
      "topk_groups"),
     (dict(balance=dict(device_loss_coef=0.05)), "moe.balance.device_loss_coef",
@@ -61,7 +61,7 @@ def test_error_message_format_is_exact():
      "moe.balance.bias_rate"),
     (dict(routing=dict(routed_scaling_factor=math.inf)), "moe.routing.routed_scaling_factor"),
     (dict(routing=dict(logit_noise=math.nan)), "moe.routing.logit_noise"),
-    (dict(routing=dict(kind="top_p", top_p=math.nan)), "moe.routing.top_p"),
+    (dict(routing=dict(kind="top_p", top_p=math.nan)), "moe.routing.options.top_p"),
     (dict(routing=dict(input_jitter=math.nan)), "moe.routing.input_jitter"),
 ])
 def test_nan_and_inf_are_refused(kw, field):
@@ -163,6 +163,7 @@ def test_registries_are_the_one_list_the_code_implements():
   from moejax.execution import gmm
   from moejax.routing import router
   assert C.EXPERT_BACKENDS == ("reference", *gmm.BACKENDS)
-  assert tuple(router.ROUTERS) == C.ROUTER_KINDS
+  assert router.ROUTERS is C.ROUTERS
+  assert set(C.ROUTERS.names()) >= {"topk", "expert_choice", "hash", "top_p", "hierarchical"}
   with pytest.raises(C.ConfigError, match="did you mean 'blocked'"):
     moe(backend="blockd")

@@ -91,9 +91,9 @@ def test_zero_compute_and_expert_choice_keep_active():
   assert (a["routed_experts"].total, a["routed_experts"].active) == \
       (b["routed_experts"].total, b["routed_experts"].active)
   assert b["zero_compute"].total == 2 * a["zero_compute"].total == 4 * 3 * D
-  ec = _moe(routing=RoutingConfig(kind="expert_choice", expert_choice_capacity=2.0))
+  ec = _moe(routing=RoutingConfig.build(kind="expert_choice", capacity=2.0))
   fine = segmentation.fine_grain(ec, 4)
-  assert fine.routing.expert_choice_capacity == 8.0
+  assert fine.routing.opts.capacity == 8.0
   assert _expert_budget(fine) == _expert_budget(ec)
 
 

@@ -12,7 +12,7 @@ from tests.configs import moe_config
 @pytest.mark.parametrize("cfg", [
     moe_config(num_experts=4, expert_width=16, routing=RoutingConfig(kind="topk", top_k=2)),
     moe_config(num_experts=4, expert_width=16,
-              routing=RoutingConfig(kind="top_p", top_k=3, top_p=0.5)),
+              routing=RoutingConfig.build(kind="top_p", top_k=3, top_p=0.5)),
     moe_config(num_experts=4, expert_width=16, zero_experts=1, copy_experts=1,
               routing=RoutingConfig(kind="topk", top_k=2)),
 ], ids=["topk", "top_p", "zero_compute"])

@@ -21,7 +21,7 @@ CASES = {
     "deepseek_v3": dict(num_experts=8, num_shared_experts=1,
                         routing=dict(top_k=2, score_fn="sigmoid", use_bias=True, n_groups=4,
                                     topk_groups=2, routed_scaling_factor=2.5)),
-    "expert_choice": dict(routing=dict(kind="expert_choice", expert_choice_capacity=2.0)),
+    "expert_choice": dict(routing=dict(kind="expert_choice", capacity=2.0)),
     "hash": dict(routing=dict(kind="hash", top_k=1)),
     "top_p_zero_compute": dict(zero_experts=1, copy_experts=1, constant_experts=1,
                                routing=dict(kind="top_p", top_k=3, top_p=0.5)),

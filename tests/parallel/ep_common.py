@@ -36,7 +36,7 @@ CASES = {
                                     topk_groups=2, routed_scaling_factor=2.5),
                         balance=dict(bias_update="sign", aux_loss_coef=1e-3,
                                      aux_loss_scope="sequence")),
-    "expert_choice": dict(routing=dict(kind="expert_choice", expert_choice_capacity=2.0)),
+    "expert_choice": dict(routing=dict(kind="expert_choice", capacity=2.0)),
     "hash": dict(routing=dict(kind="hash", top_k=1)),
     "top_p_zero_compute": dict(zero_experts=1, copy_experts=1, constant_experts=1,
                                routing=dict(kind="top_p", top_k=3, top_p=0.5)),

@@ -28,7 +28,7 @@ def test_hand_case_token_with_two_experts_and_token_with_none():
            [0.3, 0.1, 0.6],
            [0.4, 0.3, 0.3]]
   r = select_expert_choice(log_rows(probs), make_cfg(num_experts=3, kind="expert_choice",
-                                                     expert_choice_capacity=1.0))
+                                                     capacity=1.0))
   np.testing.assert_array_equal(r.valid, [[True, True, False],
                                           [False, False, True],
                                           [False, False, False]])
@@ -40,7 +40,7 @@ def test_hand_case_token_with_two_experts_and_token_with_none():
 def test_hand_case_capacity_two():
   # T=4, E=2, c=1 -> C=2. Expert 0 takes t0 (.9), t1 (.6); expert 1 takes t3 (.8), t2 (.7).
   probs = [[0.9, 0.1], [0.6, 0.4], [0.3, 0.7], [0.2, 0.8]]
-  cfg = make_cfg(num_experts=2, kind="expert_choice", expert_choice_capacity=1.0,
+  cfg = make_cfg(num_experts=2, kind="expert_choice", capacity=1.0,
                  routed_scaling_factor=2.0)
   r = select_expert_choice(log_rows(probs), cfg)
   np.testing.assert_array_equal(r.valid, [[True, False], [True, False],
@@ -55,7 +55,7 @@ def test_hand_case_capacity_two():
                   c=st.sampled_from([0.5, 3.0]),
                   score_fn=st.sampled_from(["softmax", "sigmoid"]), seed=st.integers(0, 2**16))
 def test_each_expert_gets_exactly_its_capacity(t, e, c, score_fn, seed):
-  cfg = make_cfg(num_experts=e, kind="expert_choice", expert_choice_capacity=c,
+  cfg = make_cfg(num_experts=e, kind="expert_choice", capacity=c,
                  score_fn=score_fn)
   logits = random_logits(seed, t, e)
   r = select_expert_choice(logits, cfg)

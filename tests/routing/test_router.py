@@ -11,7 +11,8 @@ import pytest
 from moejax import config as C
 from moejax.routing.expert_choice import select_expert_choice
 from moejax.routing.hierarchical import select_hierarchical
-from moejax.routing.router import ROUTERS, init_router_params, route
+from moejax.routing import ROUTERS
+from moejax.routing.router import init_router_params, route
 from moejax.routing.top_p import select_top_p
 from moejax.routing.topk import select_topk
 from moejax.routing.types import RouterState
@@ -19,8 +20,13 @@ from tests.routing.util import PROPS, identity_route_inputs, log_rows, make_cfg,
 from tests.configs import moe_config
 
 
-def test_every_config_kind_has_a_router():
-  assert set(ROUTERS) == set(C.ROUTER_KINDS)
+def test_every_registered_kind_is_a_spec_with_a_route():
+  from moejax.routing import RouterSpec
+  assert {"topk", "expert_choice", "hash", "top_p", "hierarchical"} <= set(ROUTERS)
+  for name in ROUTERS:
+    spec = ROUTERS.get(name)
+    assert isinstance(spec, RouterSpec) and spec.name == name
+    assert type(spec).route is not RouterSpec.route, name
 
 
 @pytest.mark.parametrize("kw,shapes", [

@@ -16,7 +16,7 @@ PROPS = hypothesis.settings(max_examples=25, deadline=None)
 
 def make_cfg(num_experts=4, zero_experts=0, copy_experts=0, **router) -> MoEConfig:
   return moe_config(num_experts=num_experts, zero_experts=zero_experts,
-                   copy_experts=copy_experts, routing=RoutingConfig(**router))
+                   copy_experts=copy_experts, routing=RoutingConfig.build(**router))
 
 
 def log_rows(rows) -> jnp.ndarray:

@@ -119,19 +119,19 @@ def test_zero_compute_expected_active():
 
 def test_expert_choice_hash_topp_shared():
   ec = moe_config(num_experts=4, expert_width=3,
-                 routing=RoutingConfig(kind="expert_choice", expert_choice_capacity=2.0))
+                 routing=RoutingConfig.build(kind="expert_choice", capacity=2.0))
   c = accounting.moe_components(ec, 4, 8)["routed_experts"]
   assert (c.active, c.active_max) == (2 * 36, 4 * 36)
-  hashed = moe_config(num_experts=4, expert_width=3, routing=RoutingConfig(kind="hash", top_k=1))
+  hashed = moe_config(num_experts=4, expert_width=3, routing=RoutingConfig.build(kind="hash", top_k=1))
   assert "router" not in accounting.moe_components(hashed, 4, 8)
-  top_p = moe_config(num_experts=4, expert_width=3, routing=RoutingConfig(kind="top_p", top_k=3))
+  top_p = moe_config(num_experts=4, expert_width=3, routing=RoutingConfig.build(kind="top_p", top_k=3))
   assert accounting.moe_components(top_p, 4, 8)["routed_experts"].active == 3 * 36
   shared = moe_config(num_experts=4, expert_width=3, num_shared_experts=2,
                      shared_expert_gate=True, routing=R1)
   assert accounting.moe_components(shared, 4, 8)["shared_experts"] == \
       Component(76, 76, 76, 152)  # 2 * 3*4*3 + gate [4, 1]
   hier = moe_config(num_experts=4, expert_width=3,
-                   routing=RoutingConfig(kind="hierarchical", n_families=2, top_k=1))
+                   routing=RoutingConfig.build(kind="hierarchical", n_families=2, top_k=1))
   assert accounting.moe_components(hier, 4, 8)["router"].total == 4 * 4 + 4 * 2
 
 
@@ -163,7 +163,7 @@ def _leaf_count(tree):
     moe_config(num_experts=3, expert_width=4, num_shared_experts=2, shared_expert_gate=True,
               zero_experts=1, copy_experts=1, constant_experts=2, routing=R1),
     moe_config(num_experts=4, expert_width=4, activation="gelu",
-              routing=RoutingConfig(kind="hierarchical", n_families=2, top_k=1)),
+              routing=RoutingConfig.build(kind="hierarchical", n_families=2, top_k=1)),
     moe_config(kind="soft", num_experts=2, expert_width=4, slots_per_expert=3),
     moe_config(kind="peer", peer_num_keys=3, peer_heads=2, peer_top_k=2, peer_key_dim=4,
               activation="swiglu"),
