@@ -53,9 +53,15 @@ def command_line(argv: Optional[Sequence[str]] = None) -> str:
   return "(called from Python: " + shlex.join([os.path.basename(argv[0]), *argv[1:]]) + ")"
 
 
-def run_provenance(command: Optional[str] = None) -> dict:
+def run_provenance(command: Optional[str] = None, plugins: Sequence[dict] = ()) -> dict:
+  """What produced a result; ``plugins``: the plugin modules its arms use
+  (:func:`moejax.config.plugins.used`: module, file, sha256), recorded next to
+  the commit only when there are any."""
   import jax  # pylint: disable=g-import-not-at-top
-  return {"command": command or command_line(), "commit": git_commit(),
-          "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
-          "machine": machine(), "jax_version": jax.__version__,
-          "python_version": platform.python_version()}
+  out = {"command": command or command_line(), "commit": git_commit(),
+         "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+         "machine": machine(), "jax_version": jax.__version__,
+         "python_version": platform.python_version()}
+  if plugins:
+    out["plugins"] = list(plugins)
+  return out

@@ -293,7 +293,7 @@ def run_suite(suite: Suite, workdir: str, *, out: TextIO = sys.stdout,
   from moejax.data import fingerprint as fingerprint_lib  # pylint: disable=g-import-not-at-top
   corpus = fingerprint_lib.corpus_fingerprint(suite.arms[0].experiment.data)
   say(f"corpus: {corpus['id']} (Python {corpus['python_version']})")
-  prov = provenance.run_provenance()
+  prov = provenance.run_provenance(plugins=_suite_plugins(suite))
   with lock_lib.WorkdirLock(workdir, say):
     _write_json(os.path.join(workdir, "suite.json"), {
         "name": suite.name, "description": suite.description, "fixed": dict(suite.fixed),
@@ -435,3 +435,14 @@ def _default(o):
   if isinstance(o, tuple):
     return list(o)
   raise TypeError(f"not JSON serialisable: {type(o)}")
+
+
+def _suite_plugins(suite) -> list:
+  """The plugin modules of every arm, once each (see moejax.config.plugins)."""
+  from moejax.config import plugins as plugins_lib  # pylint: disable=g-import-not-at-top
+  from moejax.config import to_dict  # pylint: disable=g-import-not-at-top
+  seen = {}
+  for arm in suite.arms:
+    for rec in plugins_lib.used(to_dict(arm.experiment)):
+      seen.setdefault((rec["registry"], rec["name"]), rec)
+  return list(seen.values())

@@ -122,9 +122,16 @@ def merge(base: Mapping[str, Any], overrides: Mapping[str, Any], path: str = "")
   """``base`` with ``overrides`` merged in; an override key absent from the base is an error.
 
   A sub-config that is None in the base (a dense model's ``moe``) may be
-  replaced by a whole dict.
+  replaced by a whole dict. A router's ``options`` belong to its kind: an
+  override that changes ``routing.kind`` replaces them (with its own
+  ``options``, or the new kind's defaults), instead of merging into the old
+  kind's.
   """
   out = copy.deepcopy(dict(base))
+  if "kind" in overrides and "options" in (set(out) | set(overrides)) and (
+      overrides["kind"] != out.get("kind")):
+    out["options"] = copy.deepcopy(overrides.get("options") or {})
+    overrides = {k: v for k, v in overrides.items() if k != "options"}
   for key, value in overrides.items():
     where = f"{path}.{key}" if path else key
     if key not in out:

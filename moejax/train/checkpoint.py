@@ -43,6 +43,8 @@ from typing import Any, Callable, Optional
 import jax
 import orbax.checkpoint as ocp
 
+from moejax.config import plugins as plugins_lib
+from moejax.config import to_dict
 from moejax.train.config import ExperimentConfig, diff, experiment_to_json
 
 CONFIG_FILE = "config.json"
@@ -245,6 +247,7 @@ def write_config(workdir: str, cfg: ExperimentConfig) -> None:
   with open(tmp, "w", encoding="utf-8") as f:
     f.write(experiment_to_json(cfg) + "\n")
   os.replace(tmp, path)
+  plugins_lib.write_record(workdir, to_dict(cfg))  # a plugin router's module, when one is used
 
 
 def append_history(workdir: str, event: str, **fields) -> None:

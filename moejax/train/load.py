@@ -16,10 +16,12 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 from typing import Optional
 
 from flax import nnx
 
+from moejax.config import plugins as plugins_lib
 from moejax.train import checkpoint as ckpt_lib
 from moejax.train import step as step_lib
 from moejax.train.config import ExperimentConfig, experiment_from_dict
@@ -33,6 +35,8 @@ def run_config(workdir: str) -> ExperimentConfig:
     raise ckpt_lib.WorkdirError(f"{workdir} has no {ckpt_lib.CONFIG_FILE}: not a moejax run "
                                 "directory. Fix: pass the --workdir of experiments.train (or a "
                                 "suite run directory DIR/<arm>[/seed_<s>])")
+  # A plugin idea the run used must be registered before its config is built.
+  plugins_lib.load_record(workdir, say=lambda text: print(text, file=sys.stderr))
   with open(path, encoding="utf-8") as f:
     return experiment_from_dict(json.load(f))
 

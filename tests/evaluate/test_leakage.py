@@ -17,7 +17,8 @@ B, S = 4, 6
 
 
 def _model(kind: str) -> Transformer:
-  router = RoutingConfig.build(kind=kind, top_k=2, capacity=1.0)
+  router = RoutingConfig.build(kind=kind, top_k=2,
+                               **(dict(capacity=1.0) if kind == "expert_choice" else {}))
   cfg = ModelConfig(vocab_size=16, d_model=16, n_layers=1, n_heads=2, dense_ff_width=32,
                     moe=moe_config(num_experts=4, expert_width=16, routing=router))
   return Transformer(cfg, rngs=nnx.Rngs(0))

@@ -70,8 +70,8 @@ def test_bad_option_combinations_are_one_line_errors(build, match):
 
 @pytest.mark.parametrize("moe, kind", [
     (dict(kind="peer", topology=dict(peer_num_keys=8, peer_heads=2, peer_top_k=2,
-                                     peer_key_dim=8)), "peer"),
-    (dict(routing=dict(kind="hash", top_k=1)), "hash routing"),
+                                     peer_key_dim=8)), "moe.kind='peer'"),
+    (dict(routing=dict(kind="hash", top_k=1)), "routing.kind='hash'"),
 ])
 def test_peer_and_hash_layers_have_no_router_to_freeze(moe, kind):
   cfg = experiment_from_dict({"model": {"d_model": 32, "n_heads": 4, "moe": moe}})
