@@ -1,10 +1,16 @@
-"""The balance (control) plane: losses, the bias controller, capacity, load metrics."""
+"""The balance (control) plane: losses, the bias controller, capacity, load metrics.
+
+Losses and bias-controller rules are registered objects
+(:mod:`moejax.balance.rules`): ``register_loss`` / ``register_bias_rule`` add
+one of your own.
+"""
 
 from moejax.balance.capacity import apply_capacity, expert_capacity
 from moejax.balance.controller import update_bias
 from moejax.balance.losses import (balance_losses, comm_balance_loss, device_balance_loss,
                                    entropy_loss, load_balance_loss, sequence_balance_loss,
                                    z_loss)
+from moejax.balance.rules import BalanceLoss, BiasRule, register_bias_rule, register_loss
 from moejax.balance.metrics import (MaxVioAccumulator, active_experts, coactivation,
                                     drop_rate, expert_load, load_entropy, max_vio,
                                     routing_metrics)
@@ -14,5 +20,5 @@ __all__ = [
     "comm_balance_loss", "device_balance_loss", "entropy_loss", "load_balance_loss",
     "sequence_balance_loss", "z_loss", "MaxVioAccumulator", "active_experts",
     "coactivation", "drop_rate", "expert_load", "load_entropy", "max_vio",
-    "routing_metrics",
+    "routing_metrics", "BalanceLoss", "BiasRule", "register_bias_rule", "register_loss",
 ]

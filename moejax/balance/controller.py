@@ -23,6 +23,7 @@ import jax
 import jax.numpy as jnp
 
 from moejax.config import BalanceConfig
+from moejax.config.registry import BIAS_RULES
 from moejax.routing.types import RouterState
 
 
@@ -32,7 +33,7 @@ def update_bias(state: RouterState, load: jax.Array, cfg: BalanceConfig) -> Rout
   Args:
     state: bias f32[E_r] and step int32[].
     load: f32[E_r] token copies per router output over the global batch.
-    cfg: ``bias_update`` none | sign | proportional, ``bias_rate`` u,
+    cfg: ``bias_update`` none or a registered rule (sign, proportional, ...), ``bias_rate`` u,
       ``bias_freeze_step`` (-1 never; else no change once state.step >= it).
 
   Returns:
@@ -52,11 +53,8 @@ def update_bias(state: RouterState, load: jax.Array, cfg: BalanceConfig) -> Rout
   load = jax.lax.stop_gradient(load).astype(jnp.float32)
   bias = jax.lax.stop_gradient(state.bias)
   mean = jnp.mean(load)
-  if cfg.bias_update == "sign":
-    delta = cfg.bias_rate * jnp.sign(mean - load)
-  else:
-    safe = jnp.where(mean > 0, mean, 1.0)
-    delta = jnp.where(mean > 0, cfg.bias_rate * (mean - load) / safe, 0.0)
+  # The rule is a registered BiasRule (moejax.balance.rules): sign, proportional, a plugin's.
+  delta = BIAS_RULES.get(cfg.bias_update).fn(load, mean, cfg.bias_rate)
   if cfg.bias_freeze_step >= 0:
     delta = jnp.where(state.step >= cfg.bias_freeze_step, 0.0, delta)
   return state.replace(bias=(bias + delta).astype(state.bias.dtype), step=state.step + 1)

@@ -45,6 +45,7 @@ import jax.numpy as jnp
 from moejax.balance import stats
 from moejax.balance.stats import AxisNames
 from moejax.config import AUX_CONVENTIONS, MoEConfig
+from moejax.config.registry import BALANCE_LOSSES
 from moejax.routing.types import RoutingResult
 
 LOSS_KEYS = ("aux_loss", "z_loss", "device_loss", "comm_loss", "entropy_loss")
@@ -229,7 +230,8 @@ def balance_losses(result: RoutingResult, cfg: MoEConfig, *,
 
   Keys (always all present, f32[] each, 0 where the coefficient is 0 and the
   loss is then not computed): aux_loss, z_loss, device_loss, comm_loss,
-  entropy_loss, total.
+  entropy_loss, the names of ``balance.extra_losses`` (registered losses),
+  total.
 
   * aux_loss: ``cfg.balance.aux_loss_coef`` x the expert-level loss in
     ``aux_loss_convention`` over all E_r router outputs, with scope ``batch``
@@ -254,29 +256,17 @@ def balance_losses(result: RoutingResult, cfg: MoEConfig, *,
         f"cfg.num_routed={cfg.num_routed} (num_experts={cfg.num_experts} + "
         f"{cfg.num_zero_compute} zero-computation). Fix: route with the same MoEConfig")
   _per_sequence(result, batch_shape)  # validates batch_shape against T
-  global_axes = stats.axes(axis_names) if b.aux_loss_scope == "global" else ()
   zero = jnp.zeros((), jnp.float32)
   out = dict.fromkeys(LOSS_KEYS, zero)
-  if b.aux_loss_coef:
-    if b.aux_loss_scope == "sequence":
-      aux = sequence_balance_loss(result, batch_shape=batch_shape,
-                                  convention=b.aux_loss_convention,
-                                  num_experts=cfg.num_routed)
-    else:
-      aux = load_balance_loss(result, convention=b.aux_loss_convention,
-                              num_experts=cfg.num_routed, axis_names=global_axes)
-    out["aux_loss"] = b.aux_loss_coef * aux
-  if b.z_loss_coef:
-    out["z_loss"] = b.z_loss_coef * z_loss(result.logits)
-  if b.device_loss_coef:
-    out["device_loss"] = b.device_loss_coef * device_balance_loss(
-        result, num_experts=cfg.num_experts, num_devices=b.loss_num_devices,
-        axis_names=global_axes)
-  if b.comm_loss_coef:
-    out["comm_loss"] = b.comm_loss_coef * comm_balance_loss(
-        result, num_experts=cfg.num_experts, num_devices=b.loss_num_devices,
-        max_devices=comm_max_devices(cfg, result.k), axis_names=global_axes)
-  if b.entropy_loss_coef:
-    out["entropy_loss"] = b.entropy_loss_coef * entropy_loss(result.probs)
-  out["total"] = sum(out[k] for k in LOSS_KEYS)
+  for name, _ in b.extra_losses:
+    out[name] = zero
+  # Every loss is a registered BalanceLoss (moejax.balance.rules); one whose
+  # coefficient is 0 is not computed.
+  for name in out:
+    loss = BALANCE_LOSSES.get(name)
+    coef = loss.coefficient(b)
+    if coef:
+      value = loss.fn(result, cfg, batch_shape=batch_shape, axis_names=axis_names)
+      out[name] = coef * jnp.asarray(value, jnp.float32)
+  out["total"] = sum(out.values())
   return out

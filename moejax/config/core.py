@@ -193,13 +193,17 @@ def from_dict(cls, data: Mapping[str, Any] | None, path: str = ""):
     elif dataclasses.is_dataclass(tp) and (isinstance(value, Mapping | type(None))
                                          or hasattr(value, "to_dict")):
       value = from_dict(tp, value, where)
-    elif isinstance(value, list):
-      value = tuple(value)
+    elif isinstance(value, (list, tuple)):
+      value = _tuples(value)  # nested too: configs are hashable (jit's static arguments)
     kwargs[key] = value
   complete = getattr(cls, "complete", None)
   obj = cls(**(complete(kwargs) if complete is not None else kwargs))
   resolved = getattr(obj, "resolved", None)
   return resolved() if callable(resolved) else obj
+
+
+def _tuples(value):
+  return tuple(_tuples(v) for v in value) if isinstance(value, (list, tuple)) else value
 
 
 # Option classes of every registered idea, searched when a key is unknown for

@@ -183,6 +183,9 @@ class BalanceConfig:
     whole global batch (the router's decisions before capacity drops);
     ``sign`` b_i += u sign(mean c - c_i), ``proportional`` b_i += u (mean c -
     c_i) / mean c. It stops updating at ``bias_freeze_step`` (-1: never).
+  extra_losses: ((name, coefficient), ...) of balance losses registered with
+    ``moejax.balance.register_loss`` (a researcher's own), each added to the
+    objective times its coefficient and logged under its name.
   capacity_factor: None for dropless; otherwise each FFN expert keeps at most
     ceil(cf * T * K / E) token copies and drops the rest by ``drop_priority``
     (``position``: slot-major, earlier tokens first; ``score``: highest gate
@@ -202,12 +205,14 @@ class BalanceConfig:
   bias_freeze_step: int = -1
   capacity_factor: Optional[float] = None
   drop_priority: str = "position"
+  extra_losses: tuple = ()
 
   def __post_init__(self):
     p = "moe.balance"
     check_choice(f"{p}.aux_loss_scope", self.aux_loss_scope, reg.AUX_SCOPES)
     check_choice(f"{p}.aux_loss_convention", self.aux_loss_convention, reg.AUX_CONVENTIONS)
-    check_choice(f"{p}.bias_update", self.bias_update, reg.BIAS_UPDATES)
+    if self.bias_update != "none":  # "none": the controller is off
+      reg.BIAS_RULES.get(self.bias_update, f"{p}.bias_update")
     check_choice(f"{p}.drop_priority", self.drop_priority, reg.DROP_PRIORITIES)
     for name in ("aux_loss_coef", "z_loss_coef", "device_loss_coef",
                  "comm_loss_coef", "entropy_loss_coef", "bias_rate"):
@@ -216,6 +221,21 @@ class BalanceConfig:
     check_count(f"{p}.bias_freeze_step", self.bias_freeze_step, minimum=-1)
     if self.capacity_factor is not None:
       check_positive(f"{p}.capacity_factor", self.capacity_factor)
+    for i, item in enumerate(self.extra_losses):
+      if not (isinstance(item, tuple) and len(item) == 2):
+        raise ConfigError(f"{p}.extra_losses", self.extra_losses,
+                          f"entry {i} is {item!r}, not a (name, coefficient) pair",
+                          "write extra_losses=(('my_loss', 1e-2),)")
+      spec = reg.BALANCE_LOSSES.get(item[0], f"{p}.extra_losses")
+      if spec.coef_field:
+        raise ConfigError(f"{p}.extra_losses", item[0],
+                          f"is a shipped loss with its own coefficient {p}.{spec.coef_field}",
+                          f"set {p}.{spec.coef_field} instead")
+      check_positive(f"{p}.extra_losses[{item[0]}]", item[1], allow_zero=True)
+    names = [n for n, _ in self.extra_losses]
+    if len(set(names)) != len(names):
+      raise ConfigError(f"{p}.extra_losses", self.extra_losses, "names a loss twice",
+                        "give each loss once")
 
 
 @dataclasses.dataclass(frozen=True)

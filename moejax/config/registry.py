@@ -135,10 +135,17 @@ GATINGS = ("topk_softmax", "scores", "normalized")
 GROUP_SCORES = ("auto", "top2_sum", "max")
 ROUTER_DTYPES = ("float32", "bfloat16", "float16")
 
-# Balance plane.
+# Balance plane: balance losses and bias-controller rules
+# (moejax.balance.rules.BalanceLoss / BiasRule objects).
+BALANCE_LOSSES = Registry("balance loss", "moe.balance.extra_losses", ("moejax.balance",),
+                          "a loss of your own is registered with "
+                          "@moejax.balance.register_loss('name') in a module your config imports")
+BIAS_RULES = Registry("bias rule", "moe.balance.bias_update", ("moejax.balance",),
+                      "a rule of your own is registered with "
+                      "@moejax.balance.register_bias_rule('name') in a module your config "
+                      "imports")
 AUX_SCOPES = ("batch", "sequence", "global")
 AUX_CONVENTIONS = ("switch", "topk")
-BIAS_UPDATES = ("none", "sign", "proportional")
 DROP_PRIORITIES = ("position", "score")
 
 # Layer kinds (sparse, soft, peer: moejax.layer's LayerKind objects).

@@ -1,0 +1,128 @@
+"""Balance rules as registered objects: losses and bias-controller rules.
+
+Legend: T tokens, E_r router outputs, B sequences, S tokens per sequence.
+
+A balance loss is one function and its registration::
+
+    @register_loss("my_loss")
+    def my_loss(result, cfg, *, batch_shape, axis_names):
+      return jnp.mean(result.probs.max(-1))     # f32[], before its coefficient
+
+used with ``moe.balance.extra_losses=(("my_loss", 1e-2),)``: the layer adds
+coefficient x loss to its ``losses`` (under the loss's name) and to
+``total``. A bias-controller rule is one function of the global load::
+
+    @register_bias_rule("my_rule")
+    def my_rule(load, mean, rate):               # f32[E_r], f32[], float
+      return rate * jnp.tanh(mean - load)        # the bias change, f32[E_r]
+
+used with ``moe.balance.bias_update='my_rule'``. The shipped losses (whose
+coefficients are their own BalanceConfig fields) and rules (``sign``,
+``proportional``) are registered here the same way, so there is one path.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Callable
+
+import jax.numpy as jnp
+
+from moejax.balance import losses as L
+from moejax.balance import stats
+from moejax.config.registry import BALANCE_LOSSES, BIAS_RULES
+
+
+@dataclasses.dataclass(frozen=True)
+class BalanceLoss:
+  """fn(result, cfg, *, batch_shape, axis_names) -> f32[] (without its coefficient).
+
+  coef_field: the BalanceConfig field holding a shipped loss's coefficient;
+  '' for a plugin loss, whose coefficient comes from ``balance.extra_losses``.
+  """
+
+  name: str
+  fn: Callable
+  coef_field: str = ""
+
+  def coefficient(self, balance) -> float:
+    if self.coef_field:
+      return getattr(balance, self.coef_field)
+    return dict(balance.extra_losses).get(self.name, 0.0)
+
+
+@dataclasses.dataclass(frozen=True)
+class BiasRule:
+  """fn(load f32[E_r], mean f32[], rate) -> bias change f32[E_r]."""
+
+  name: str
+  fn: Callable
+
+
+def register_loss(name: str, coef_field: str = ""):
+  """Decorator: registers ``fn`` as the balance loss ``name`` (a taken name is an error)."""
+  def deco(fn):
+    BALANCE_LOSSES.register(BalanceLoss(name, fn, coef_field))
+    return fn
+  return deco
+
+
+def register_bias_rule(name: str):
+  """Decorator: registers ``fn`` as the bias-controller rule ``name``."""
+  def deco(fn):
+    BIAS_RULES.register(BiasRule(name, fn))
+    return fn
+  return deco
+
+
+def _global_axes(cfg, axis_names):
+  return stats.axes(axis_names) if cfg.balance.aux_loss_scope == "global" else ()
+
+
+@register_loss("aux_loss", "aux_loss_coef")
+def _aux(result, cfg, *, batch_shape, axis_names):
+  b = cfg.balance
+  if b.aux_loss_scope == "sequence":
+    return L.sequence_balance_loss(result, batch_shape=batch_shape,
+                                   convention=b.aux_loss_convention, num_experts=cfg.num_routed)
+  return L.load_balance_loss(result, convention=b.aux_loss_convention,
+                             num_experts=cfg.num_routed,
+                             axis_names=_global_axes(cfg, axis_names))
+
+
+@register_loss("z_loss", "z_loss_coef")
+def _z(result, cfg, *, batch_shape, axis_names):
+  return L.z_loss(result.logits)
+
+
+@register_loss("device_loss", "device_loss_coef")
+def _device(result, cfg, *, batch_shape, axis_names):
+  return L.device_balance_loss(result, num_experts=cfg.num_experts,
+                               num_devices=cfg.balance.loss_num_devices,
+                               axis_names=_global_axes(cfg, axis_names))
+
+
+@register_loss("comm_loss", "comm_loss_coef")
+def _comm(result, cfg, *, batch_shape, axis_names):
+  return L.comm_balance_loss(result, num_experts=cfg.num_experts,
+                             num_devices=cfg.balance.loss_num_devices,
+                             max_devices=L.comm_max_devices(cfg, result.k),
+                             axis_names=_global_axes(cfg, axis_names))
+
+
+@register_loss("entropy_loss", "entropy_loss_coef")
+def _entropy(result, cfg, *, batch_shape, axis_names):
+  return L.entropy_loss(result.probs)
+
+
+@register_bias_rule("sign")
+def _sign(load, mean, rate):
+  # Wang et al. Algorithm 1, DeepSeek-V3 §2.1.2: b_i += u sign(mean c - c_i).
+  return rate * jnp.sign(mean - load)
+
+
+@register_bias_rule("proportional")
+def _proportional(load, mean, rate):
+  # Wang et al. Table 4's variant; no change when nothing was routed.
+  safe = jnp.where(mean > 0, mean, 1.0)
+  return jnp.where(mean > 0, rate * (mean - load) / safe, 0.0)
