@@ -49,7 +49,7 @@ import jax.numpy as jnp
 import qwix
 from flax import nnx
 
-from moejax.config import ConfigError
+from moejax.config import ConfigError, MoEConfig
 
 BITS = {8: jnp.int8, 4: jnp.int4}
 SCALE_DTYPES = ("float32", "bfloat16", "float16")
@@ -157,7 +157,7 @@ def moe_ffns(model: nnx.Module):
     params = getattr(node, "params", None)
     cfg = getattr(node, "cfg", None)
     if (isinstance(node, nnx.Module) and isinstance(params, Mapping) and "experts" in params
-        and getattr(cfg, "kind", None) == "sparse"):
+        and isinstance(cfg, MoEConfig) and cfg.layer.routed):
       yield node
 
 
