@@ -36,7 +36,7 @@ the budget of a run is the accounting of what it builds, as audited here.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Mapping, Optional, Sequence
+from typing import Any, Optional, Sequence
 
 import jax
 
@@ -254,7 +254,3 @@ def table(rows: Sequence[ComponentAudit]) -> str:
   lines = [f"{'component':<16} {'initialised':>14} {'accounting':>14}"]
   lines += [f"{r.name:<16} {r.initialised:>14,} {r.expected:>14,}" for r in rows]
   return "\n".join(lines)
-
-
-def by_component(rows: Sequence[ComponentAudit]) -> Mapping[str, int]:
-  return {r.name: r.initialised for r in rows}

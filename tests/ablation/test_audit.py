@@ -49,6 +49,7 @@ def test_every_shipped_config_passes_the_audit(name):
   assert all(r.ok for r in rows)
   # The audit covers the whole init: its components sum to the accounting's total.
   assert sum(r.initialised for r in rows) == accounting.budget(exp.model).total
+  assert "routed_experts" in audit.table(rows) or exp.model.moe is None
 
 
 @pytest.mark.parametrize("name", helpers.SUITES)
