@@ -136,6 +136,7 @@ def main(argv):
   from moejax.config import ConfigError
   from moejax.data import DatasetUnavailableError
   from moejax.train import guard
+  from moejax.train.audit import AuditError
   from moejax.train.checkpoint import WorkdirError
   from moejax.train.config import experiment_to_json
   source = _SOURCE.value
@@ -154,7 +155,8 @@ def main(argv):
       cli.fail("--workdir is required (unless --print_config, --accounting or --dry_run)")
     from moejax.train import loop
     loop.train(cfg, _WORKDIR.value)
-  except (ConfigError, DatasetUnavailableError, WorkdirError, guard.NonFiniteError) as e:
+  except (ConfigError, AuditError, DatasetUnavailableError, WorkdirError,
+          guard.NonFiniteError) as e:
     cli.fail(f"{type(e).__name__}: {e}")
   except OSError as e:
     cli.fail(f"{type(e).__name__}: {e}")

@@ -106,6 +106,7 @@ def main(argv):
   from moejax.config import ConfigError
   from moejax.data import DatasetUnavailableError
   from moejax.train import guard
+  from moejax.train.audit import AuditError
   from moejax.train.checkpoint import WorkdirError
   from moejax.train.config import experiment_from_dict, experiment_to_json
   try:
@@ -120,7 +121,8 @@ def main(argv):
       cli.fail("--workdir is required (unless --print_config or --dry_run)")
     from moejax.train import loop
     loop.train(cfg, _WORKDIR.value, extend=_EXTEND.value)
-  except (ConfigError, DatasetUnavailableError, WorkdirError, guard.NonFiniteError) as e:
+  except (ConfigError, AuditError, DatasetUnavailableError, WorkdirError,
+          guard.NonFiniteError) as e:
     cli.fail(f"{type(e).__name__}: {e}")
   except OSError as e:  # an unwritable path found late (disk full, permissions)
     cli.fail(f"{type(e).__name__}: {e}")

@@ -24,6 +24,13 @@ says so. The data configs must be equal except ``data.loss_domains`` (the
 data mixture a fine-tuning suite varies: same corpus, same order, other
 targets scored), which is reported.
 
+Every number above is the analytic accounting's; before it is used, each
+arm is audited (:func:`moejax.train.audit.audit`): its model is initialised
+abstractly (``jax.eval_shape``) and every component's initialised parameters
+must equal the accounting's count, else :class:`BudgetAuditError` names the
+arm and the component. So a component the accounting does not know (a router
+with an extra parameter) cannot pass the check below by being invisible to it.
+
 :func:`check` compares the arms on the quantities a suite holds fixed: the
 relative spread (max - min) / max of a number must be <= its tolerance, the
 optimizer strings must be equal, and the data config must always be equal
@@ -43,6 +50,7 @@ from typing import Mapping, Optional, Sequence
 
 from moejax.topology.accounting import budget as model_budget
 from moejax.topology.accounting import human
+from moejax.train import audit as audit_lib
 from moejax.train.config import ExperimentConfig
 
 NUMERIC = ("total", "active", "flops_per_token", "tokens")
@@ -50,6 +58,10 @@ NUMERIC = ("total", "active", "flops_per_token", "tokens")
 
 class BudgetError(ValueError):
   """The arms differ beyond the suite's tolerance on what it holds fixed."""
+
+
+class BudgetAuditError(BudgetError, audit_lib.AuditError):
+  """An arm's initialised parameters differ from the accounting its budget comes from."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -79,7 +91,17 @@ def optimizer_string(exp: ExperimentConfig) -> str:
           f"steps={t.steps}")
 
 
-def arm_budget(exp: ExperimentConfig) -> ArmBudget:
+def arm_budget(exp: ExperimentConfig, label: str = "this run") -> ArmBudget:
+  """The budget of one arm (``label``, e.g. ``"arm 'aux'"``, names it in errors).
+
+  Raises BudgetAuditError when the parameters its model initialises differ
+  from the accounting (:func:`moejax.train.audit.audit`, abstract: no compute).
+  """
+  params = audit_lib.abstract_params(exp)
+  try:
+    audit_lib.audit(exp, params, label)
+  except audit_lib.AuditError as e:
+    raise BudgetAuditError(str(e)) from e
   b = model_budget(exp.model, exp.data.seq_len)
   tokens = exp.train.steps * exp.data.batch_size * exp.data.seq_len
   total, trainable = int(b.total), int(b.total)
@@ -87,10 +109,9 @@ def arm_budget(exp: ExperimentConfig) -> ArmBudget:
     # Imported here: the accounting builds the model's shapes (jax), the rest needs no model.
     from moejax.finetune import accounting  # pylint: disable=g-import-not-at-top
     from moejax.finetune.adapters import lora_param_count  # pylint: disable=g-import-not-at-top
-    from moejax.train import step as step_lib  # pylint: disable=g-import-not-at-top
     from moejax.train.optim import make_optimizer  # pylint: disable=g-import-not-at-top
     tx = make_optimizer(exp.train, exp.model, exp.finetune)
-    acc = accounting.accounting(exp, step_lib.abstract_state(exp, tx)[1].params, tx)
+    acc = accounting.accounting(exp, params, tx)
     ft = exp.finetune
     total += lora_param_count(exp.model, ft.lora, ft.lora_rank) if ft.lora else 0
     trainable = acc.trainable

@@ -59,7 +59,7 @@ ROUTING_FILE = "routing.json"
 
 
 def budgets(suite: Suite) -> dict[str, budget_lib.ArmBudget]:
-  return {a.name: budget_lib.arm_budget(a.experiment) for a in suite.arms}
+  return {a.name: budget_lib.arm_budget(a.experiment, f"arm {a.name!r}") for a in suite.arms}
 
 
 def check_suite(suite: Suite, out: TextIO = sys.stdout) -> dict[str, budget_lib.ArmBudget]:
@@ -87,7 +87,7 @@ def ladder_table(tree) -> str:
   for name, rung in scale_lib.SCALES.items():
     suite = suite_lib.suite_from_dict(dict(tree, scale=name))
     exp = suite.arm(suite.baseline).experiment
-    b = budget_lib.arm_budget(exp)
+    b = budget_lib.arm_budget(exp, f"arm {suite.baseline!r} at scale {name}")
     first = first or b.train_flops
     rows.append(f"| {name} | {rung.describe()} | {exp.model.d_model} | {exp.model.n_layers} | "
                 f"{exp.data.seq_len} x {exp.data.batch_size} x {exp.train.steps} | "

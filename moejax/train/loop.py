@@ -49,6 +49,7 @@ from moejax.execution import parallel as parallel_lib
 from moejax.finetune import accounting as accounting_lib
 from moejax.finetune import source as source_lib
 from moejax.model import ExpertParallel
+from moejax.train import audit as audit_lib
 from moejax.train import checkpoint as ckpt_lib
 from moejax.train import guard
 from moejax.train import lock as lock_lib
@@ -218,6 +219,7 @@ def train(cfg: ExperimentConfig, workdir: str, *, out: TextIO = sys.stdout,
   plan = ckpt_lib.check_workdir(workdir, cfg, extend=extend)
   tx = make_optimizer(tc, cfg.model, cfg.finetune)
   graphdef, abstract = step_lib.abstract_state(cfg, tx, layout.expert_parallel)
+  audit_lib.audit(cfg, abstract.params)  # init vs the accounting: AuditError before training
   # Restored straight into this run's layout: a checkpoint written under
   # another layout (another process count or mesh) is resharded by orbax,
   # and every process reads only the shards it holds.
