@@ -1,8 +1,10 @@
 """moejax: Mixture-of-Experts research in JAX/Flax.
 
 ``moejax.load(workdir)`` returns ``(model, config)`` of a trained run (see
-:mod:`moejax.train.load`). Importing ``moejax`` itself imports nothing heavy:
-``moejax.config`` stays free of JAX.
+:mod:`moejax.train.load`). Importing ``moejax`` itself imports nothing heavy.
+``moejax.config``'s modules import no other moejax package; building a
+config reads the registries of ideas (routers, layer kinds, balance rules),
+which imports the planes that ship them on first use.
 """
 
 

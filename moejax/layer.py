@@ -346,6 +346,7 @@ class LayerKind:
   why = ""
   routing_fix = "use moe.kind='sparse'"
   components = None
+  router_component = "router"  # what the budget audit counts its params["router"] as
 
   def has_router_weights(self, cfg: MoEConfig) -> bool:
     """Whether the layer has router weights (what fine-tuning can freeze)."""
@@ -411,6 +412,7 @@ class SoftKind(LayerKind):
   why = ("Soft MoE mixes every token into every slot: there is no per-token routing, "
          "selection bias, balance loss, capacity or grouped-matmul backend")
   routing_fix = "use moejax.routing.soft.soft_weights"
+  router_component = "soft_moe"
   components = staticmethod(accounting_lib.soft_components)
 
   def has_router_weights(self, cfg):

@@ -29,8 +29,8 @@ def _moe(kind="topk", top_k=2, top_p=0.5, zero=0, copy=0, const=0):
   return dict(topology=dict(num_experts=8, expert_width=128, zero_experts=zero,
                             copy_experts=copy, constant_experts=const),
               execution=dict(backend="blocked"),
-              routing=dict(kind=kind, top_k=top_k, top_p=top_p, score_fn="softmax",
-                           gating="normalized"),
+              routing=dict(kind=kind, top_k=top_k, score_fn="softmax", gating="normalized",
+                           **(dict(options=dict(top_p=top_p)) if kind == "top_p" else {})),
               balance=dict(aux_loss_coef=1e-2, aux_loss_scope="batch"))
 
 

@@ -57,7 +57,8 @@ COMPONENTS = accounting.COMPONENTS + (LORA,)
 #   embed/...                                   embedding
 #   lm_head/...                                 lm_head
 #   final_norm/...                              norms
-#   blocks/i/[block/]ffn/params/<sub>/...       MOE_SUBTREES[sub] (soft layers: SOFT_SUBTREES)
+#   blocks/i/[block/]ffn/params/<sub>/...       MOE_SUBTREES[sub] (router: the layer kind's
+#                                               router_component; Soft MoE: soft_moe)
 #   blocks/i/[block/]<module>/...               BLOCK_MODULES[module]
 #   anything else                               unmapped (the accounting counts 0)
 #
@@ -66,7 +67,6 @@ COMPONENTS = accounting.COMPONENTS + (LORA,)
 TOP_MODULES = {"embed": "embedding", "lm_head": "lm_head", "final_norm": "norms"}
 MOE_SUBTREES = {"router": "router", "experts": "routed_experts", "shared": "shared_experts",
                 "zero_compute": "zero_compute", "peer": "peer"}
-SOFT_SUBTREES = {"router": "soft_moe", "experts": "routed_experts"}
 BLOCK_MODULES = {"attn": "attention", "attn_norm": "norms", "ffn_norm": "norms",
                  "ffn": "dense_ffn", "router": "mod_router"}
 
@@ -112,8 +112,12 @@ def _key(k) -> str:
   return str(getattr(k, "key", getattr(k, "idx", getattr(k, "name", k))))
 
 
-def component_of(keys: Sequence[Any], moe_kind: Optional[str] = None) -> str:
-  """The accounting component of the parameter at path ``keys`` (see the table above)."""
+def component_of(keys: Sequence[Any], layer: Any = None) -> str:
+  """The accounting component of the parameter at path ``keys`` (see the table above).
+
+  ``layer``: the MoE layer kind (``cfg.moe.layer``); its ``router_component``
+  names what its ``router`` subtree is counted as (Soft MoE: ``soft_moe``).
+  """
   keys = [str(k) for k in keys]
   if any(k.startswith("lora") or k == "adapters" for k in keys):
     return LORA
@@ -129,8 +133,9 @@ def component_of(keys: Sequence[Any], moe_kind: Optional[str] = None) -> str:
   elif rest[0] == "router":
     return "mod_router"
   if rest[0] == "ffn" and len(rest) > 2 and rest[1] == "params":
-    subtrees = SOFT_SUBTREES if moe_kind == "soft" else MOE_SUBTREES
-    return subtrees.get(rest[2], UNMAPPED)
+    if rest[2] == "router" and layer is not None:
+      return layer.router_component
+    return MOE_SUBTREES.get(rest[2], UNMAPPED)
   if rest[0] == "router":  # a router module inside the inner block: not one we know
     return UNMAPPED
   return BLOCK_MODULES.get(rest[0], UNMAPPED)
@@ -142,7 +147,7 @@ def initialised_counts(params: Any, model: ModelConfig) -> tuple[dict, dict]:
   ``params``: the model's ``nnx.Param`` state as a pure dict (arrays or
   ShapeDtypeStructs; shared weights appear once).
   """
-  kind = model.moe.kind if model.moe is not None else None
+  kind = model.moe.layer if model.moe is not None else None
   counts: dict = {}
   paths: dict = {}
   for path, leaf in jax.tree_util.tree_flatten_with_path(params)[0]:
@@ -157,7 +162,7 @@ def initialised_counts(params: Any, model: ModelConfig) -> tuple[dict, dict]:
 def _padding(model: ModelConfig) -> int:
   """Zero padding of heterogeneous expert stacks: E x max width minus the real widths."""
   moe = model.moe
-  if moe is None or moe.kind == "peer" or moe.topology.expert_widths is None:
+  if moe is None or not moe.layer.expert_bank or moe.topology.expert_widths is None:
     return 0
   d, act, widths = model.d_model, moe.topology.activation, list(moe.widths)
   per_stack = sum(accounting.ffn_params(d, max(widths) - w, act) for w in widths)

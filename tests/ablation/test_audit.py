@@ -96,7 +96,7 @@ LAYER_KINDS = {
                                                       constant_experts=2))),
     "heterogeneous_widths": dict(moe=HETERO),
     "heterogeneous_shared_group": dict(moe=HETERO, n_layers=4, expert_sharing_group=2),
-    "hierarchical": dict(moe=dict(routing=dict(kind="hierarchical", n_families=2,
+    "hierarchical": dict(moe=dict(routing=dict(kind="hierarchical", options=dict(n_families=2),
                                                use_bias=False), balance=NO_BALANCE)),
     "hash": dict(moe=dict(routing=dict(kind="hash", use_bias=False),
                           balance=NO_BALANCE)),
@@ -155,7 +155,8 @@ def test_component_table():
   assert of(["blocks", "0", "ffn", "adapters", "experts", "w_up", "a"]) == audit.LORA
   assert of(["blocks", "0", "ffn", "w_up", "kernel"]) == "dense_ffn"
   assert of(["blocks", "0", "ffn", "params", "router", "w"]) == "router"
-  assert of(["blocks", "0", "ffn", "params", "router", "phi"], "soft") == "soft_moe"
+  from moejax.config.registry import LAYERS
+  assert of(["blocks", "0", "ffn", "params", "router", "phi"], LAYERS.get("soft")) == "soft_moe"
   assert of(["blocks", "0", "ffn", "params", "experts", "w_up"]) == "routed_experts"
   assert of(["blocks", "0", "ffn", "params", "shared", "w_up"]) == "shared_experts"
   assert of(["blocks", "0", "ffn", "params", "zero_compute", "v"]) == "zero_compute"

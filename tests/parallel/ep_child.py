@@ -281,7 +281,10 @@ def check_scmoe_model():
   logits0, aux0, g0 = run(one)
   logits1, aux1, g1 = run(ep)
   H.close(logits1, logits0, "scmoe logits")
-  H.close_tree(g1, g0, "scmoe grad")
+  # Whole-model gradients (magnitudes ~10) sum f32 contributions of every token in
+  # another order on 8 devices than on one: 2e-5 was seen to miss by one element at
+  # 5.7e-5 relative on this machine (same result at the commit before), so 1e-4 here.
+  H.close_tree(g1, g0, "scmoe grad", tol=1e-4)
   for name in aux0["moe"]:
     H.close(aux1["moe"][name]["router_load"], aux0["moe"][name]["router_load"],
             f"scmoe {name} router load")

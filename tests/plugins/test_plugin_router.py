@@ -131,3 +131,17 @@ def test_ep_moe_layer_runs_it_on_8_devices_like_one_device():
                    "XLA_FLAGS": "--xla_backend_optimization_level=0"})
   assert proc.returncode == 0, proc.stdout + proc.stderr[-4000:]
   assert "OK cosine" in proc.stdout
+
+
+def test_a_parameter_the_accounting_does_not_know_is_refused_before_training(tmp_path):
+  """cosine_scaled's init creates a logit scale its param_shapes does not declare."""
+  work = tmp_path / "suite"
+  proc = _run(["-m", "experiments.ablate", f"--config={HERE / 'cosine_suite.py'}:cosine_scaled",
+               f"--workdir={work}"])
+  assert proc.returncode != 0
+  lines = [l for l in proc.stderr.splitlines() if l.startswith("error:")]
+  assert len(lines) == 1 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+  # 2 MoE layers x E_r = 4 scales, nowhere in the analytic accounting.
+  assert "budget audit: arm 'cosine': component 'router' has" in lines[0]
+  assert "(+8)" in lines[0], lines[0]
+  assert not work.exists()
