@@ -15,8 +15,12 @@ Entry points:
 * :mod:`moejax.execution.permute`: dropless sort-by-expert layout, [E, C]
   capacity buffers with the slot-major drop rule, permute / unpermute with
   gather-only custom VJPs.
-* :mod:`moejax.execution.registry`: the backend names, importable without
+* :mod:`moejax.execution.registry`: the backend names and the registries
+  of expert-parallel executor and transport classes, importable without
   JAX (config validation).
+* :mod:`moejax.execution.dispatch`: the expert-parallel executors, one
+  class per dispatch unit, each holding a :mod:`~moejax.execution.transport`
+  object; :func:`moejax.execution.parallel.prepare` picks them.
 
 See docs/execution.md for the contracts and the measured benchmark.
 """
@@ -38,9 +42,10 @@ _LAZY = {
 __all__ = ["BACKENDS", "DEFAULT_BACKEND", "GmmError", "routed_experts", "routed_ffn"]
 
 
-_SUBMODULES = ("blocked", "comm", "fused", "gmm", "grouped_ffn", "mesh", "pallas_gather",
+_SUBMODULES = ("blocked", "comm", "dedup", "dispatch", "fused", "gmm", "grouped_ffn", "mesh",
+               "pallas_gather",
                "pallas_gpu", "pallas_tpu", "parallel", "permute", "placement", "registry",
-               "tiling")
+               "tiling", "transport")
 
 
 def __getattr__(name):

@@ -37,9 +37,12 @@ One hop (:func:`hop`), for rows x[R, d] with targets tgt[R, Kh] (ids in
 
 Gate weights travel with the rows (4 bytes per slot, plus a 4-byte id),
 so the gradient reaches them through the exchange; the expert ids are
-integers. The capacity transport picks a static bucket per step from the
-global maximum count (:mod:`moejax.execution.transport`); the ragged
-transport moves exact-size segments (native) or emulates them.
+integers. The hops take their transport as an object
+(:mod:`moejax.execution.transport`): the padded one picks a static bucket
+per step from the global maximum count; the ragged ones move exact-size
+segments (native) or emulate them. The hops of each unit are
+:func:`token_hops` and :func:`node_hops`; the executors that run them are
+in :mod:`moejax.execution.dispatch`.
 """
 
 from __future__ import annotations
@@ -53,7 +56,7 @@ import numpy as np
 
 from moejax.execution import comm as comm_lib
 from moejax.execution import permute as permute_lib
-from moejax.execution import transport
+from moejax.execution import transport as transport_lib
 
 META_BYTES_PER_SLOT = 8  # int32 local id + f32 gate weight
 
@@ -72,7 +75,7 @@ class Hop:
   members: int
   targets: int
   upper: int
-  groups: transport.Groups = None
+  groups: transport_lib.Groups = None
   span: str = "all"
   per_node: int = 1
 
@@ -86,24 +89,36 @@ class Hop:
     return g
 
 
-def make_hops(unit: str, num_devices: int, slots: int, per_node: Optional[int],
-              tokens: int, capacity: Optional[int]) -> tuple[Hop, ...]:
-  """The hops of ``unit`` ('token' or 'node') for T = ``tokens`` rows.
+def _bound(rows: int, q: int, capacity: Optional[int], sources: int = 1) -> int:
+  """U: rows one source may send one member; with capacity C, at most sources * Q * C."""
+  return rows if capacity is None else max(1, min(rows, sources * q * capacity))
+
+
+def token_hops(num_devices: int, slots: int, tokens: int,
+               capacity: Optional[int]) -> tuple[Hop, ...]:
+  """The ``token`` unit's one hop over the whole expert axis, for T = ``tokens`` rows.
 
   ``capacity``: the layer's per-expert capacity (None: dropless); a member
   then receives at most Q * C rows from one source, which bounds U.
   """
-  def bound(rows, q, sources=1):
-    return rows if capacity is None else max(1, min(rows, sources * q * capacity))
+  return (Hop(num_devices, slots, _bound(tokens, slots, capacity)),)
 
-  d, p = num_devices, per_node or num_devices
-  if unit == "token" or p >= d or p == 1:
-    return (Hop(d, slots, bound(tokens, slots)),)
+
+def node_hops(num_devices: int, slots: int, per_node: int, tokens: int,
+              capacity: Optional[int]) -> tuple[Hop, ...]:
+  """The ``node`` unit's hops: across nodes (one peer per node), then inside the node.
+
+  One node (P >= D) or one device per node (P = 1) has nothing to
+  deduplicate twice: the single token hop.
+  """
+  d, p = num_devices, per_node
+  if p >= d or p == 1:
+    return token_hops(d, slots, tokens, capacity)
   n = d // p
   across = tuple(tuple(i + j * p for j in range(n)) for i in range(p))
   within = tuple(tuple(j * p + i for i in range(p)) for j in range(n))
-  first = Hop(n, p * slots, bound(tokens, p * slots), across, "across", p)
-  return first, Hop(p, slots, bound(n * first.upper, slots, n), within, "within", p)
+  first = Hop(n, p * slots, _bound(tokens, p * slots, capacity), across, "across", p)
+  return first, Hop(p, slots, _bound(n * first.upper, slots, capacity, n), within, "within", p)
 
 
 def _expand(tgt, w, valid, members: int, targets: int):
@@ -153,58 +168,33 @@ class Tally:
     self.lost = self.lost + lost
 
 
-def hop(x, tgt, w, valid, spec: Hop, inner: Inner, *, impl: str, buckets: int, axes,
-        tally: Tally) -> jax.Array:
+def hop(x, tgt, w, valid, spec: Hop, inner: Inner, *, transport: transport_lib.Transport,
+        buckets: int, axes, tally: Tally) -> jax.Array:
   """z[R, d]: sum over valid slots of w * (the inner stage's value of the slot), via one exchange.
 
   ``inner(rows[R', d], ids[R', Kc], weights[R', Kc], valid[R', Kc])`` returns
-  the gate-weighted sum per received row.
+  the gate-weighted sum per received row; ``transport`` lays the rows out by
+  member and moves them (one sub-group per member).
   """
   r, dm = x.shape
   g, q, u = spec.members, spec.targets, spec.upper
   hit, ids, wts, lost = _expand(tgt, w, valid, g, q)
   kc = ids.shape[-1]
   member_ids = jnp.broadcast_to(jnp.arange(g, dtype=jnp.int32)[None, :], (r, g))
-  sizes = transport.bucket_sizes(u, buckets)
-  if impl == "capacity":
-    plan = permute_lib.capacity_layout(member_ids, hit, g, u)
-  else:
-    plan = permute_lib.sort_by_expert(member_ids, hit, g)
+  plan = transport.layout(member_ids, hit, g, u)
   xs = permute_lib.permute(x, plan)
   ms = jnp.take(ids.reshape(r * g, kc), plan.src_slot, axis=0, mode="fill", fill_value=q)
   mw = jnp.take(wts.reshape(r * g, kc), plan.src_slot, axis=0, mode="fill", fill_value=0)
   send = plan.group_sizes                                     # [G] rows per member
-  index = transport.choose_bucket(jnp.max(send), sizes, axes)
-  recv_counts = transport.all_to_all(send, spec.groups)       # [G] rows per source
-  if impl == "capacity":
-    rx, rs, rw = transport.bucketed_all_to_all(
-        (xs.reshape(g, u, dm), ms.reshape(g, u, kc), mw.reshape(g, u, kc)), index, sizes,
-        spec.groups)
-    filled = jnp.arange(u)[None, :] < recv_counts[:, None]   # [G, U]
-    rx, rs, rw, filled = (rx.reshape(g * u, dm), rs.reshape(g * u, kc), rw.reshape(g * u, kc),
-                          filled.reshape(-1))
-    out = inner(rx, rs, rw, filled[:, None] & (rs < q))
-    (back,) = transport.bucketed_all_to_all((out.reshape(g, u, dm),), index, sizes,
-                                            spec.groups)
-    back = back.reshape(g * u, dm)
-    wire_rows = jnp.full((g,), jnp.asarray(sizes, jnp.int32)[index])
-  else:
-    move = transport.ragged_move(impl, sizes, index, spec.groups)
-    in_off = (jnp.cumsum(send) - send).astype(jnp.int32)
-    recv_off = (jnp.cumsum(recv_counts) - recv_counts).astype(jnp.int32)
-    out_off = transport.all_to_all(recv_off, spec.groups)   # my segment's place on member j
-    n_out = g * u
-    args = (in_off, send, out_off, recv_counts)
-    rx, rs, rw = move((xs, ms, mw), (jnp.zeros((n_out, dm), x.dtype),
-                                     jnp.zeros((n_out, kc), jnp.int32),
-                                     jnp.zeros((n_out, kc), jnp.float32)), *args)
-    filled = jnp.arange(n_out) < jnp.sum(recv_counts)
-    out = inner(rx, rs, rw, filled[:, None] & (rs < q))
-    back_off = transport.all_to_all(in_off, spec.groups)     # my rows' place on each source
-    (back,) = move((out,), (jnp.zeros((r * g, dm), out.dtype),), recv_off, recv_counts,
-                   back_off, send)
-    wire_rows = send if impl == "ragged_native" else jnp.full(
-        (g,), jnp.asarray(sizes, jnp.int32)[index])
+
+  def received(arrays, sub, filled):
+    del sub  # one sub-group: the metadata names the slots
+    rx, rs, rw = arrays
+    return inner(rx, rs, rw, filled[:, None] & (rs < q))
+
+  back, wire_rows = transport.round_trip((xs, ms, mw), send[:, None], received, capacity=u,
+                                         max_rows=u, buckets=buckets, axes=axes,
+                                         groups=spec.groups)
   kept = plan.dispatched()                                    # [R, G]
   member = jnp.clip(tgt // q, 0, g - 1)
   lost = lost + jnp.sum(valid & ~jnp.take_along_axis(kept, member, axis=1), dtype=jnp.int32)
@@ -213,11 +203,13 @@ def hop(x, tgt, w, valid, spec: Hop, inner: Inner, *, impl: str, buckets: int, a
 
 
 def dispatch_combine(x, phys, weights, sent, hops: tuple[Hop, ...], local: Inner, *,
-                     impl: str, buckets: int, axes, tally: Tally) -> jax.Array:
+                     transport: transport_lib.Transport, buckets: int, axes,
+                     tally: Tally) -> jax.Array:
   """y[T, d] = sum_k weights * FFN_{phys}(x) over sent slots, through ``hops`` then ``local``."""
   def stage(i):
     if i == len(hops):
       return local
-    return lambda rows, ids, w, v: hop(rows, ids, w, v, hops[i], stage(i + 1), impl=impl,
-                                       buckets=buckets, axes=axes, tally=tally)
+    return lambda rows, ids, w, v: hop(rows, ids, w, v, hops[i], stage(i + 1),
+                                       transport=transport, buckets=buckets, axes=axes,
+                                       tally=tally)
   return stage(0)(x, phys, weights, sent)

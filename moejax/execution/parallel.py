@@ -1,4 +1,4 @@
-"""The expert-parallel executor: dispatch over the ``expert`` mesh axis, then back.
+"""Preparing the expert-parallel layer: layout checks, the executor choice, shard_map inputs.
 
 Legend: B batch, S sequence length, T tokens on one device, d model width,
 K slots per token, E logical FFN experts, D devices on the ``expert`` axis,
@@ -8,18 +8,22 @@ L = T * min(K, S_p) most rows one device can send to another.
 
 The expert-parallel MoE layer is :func:`moejax.layer.ep_moe_layer`: the one
 MoE layer (:func:`moejax.layer.moe_layer`) run under ``jax.shard_map`` with
-the :class:`ExpertParallelExecutor` of this module and the mesh axes as
-``axis_names`` (so loads, MaxVio and global-scope losses are reduced over
-the whole mesh). Per device, the executor does::
+an expert-parallel executor (:mod:`moejax.execution.dispatch`, one class
+per ``ParallelConfig.dispatch_unit``) and the mesh axes as ``axis_names``
+(so loads, MaxVio and global-scope losses are reduced over the whole mesh).
+Per device, the executor does::
 
     local permute -> all_to_all over 'expert' -> grouped matmul on the S_p
     local experts -> all_to_all back -> combine (unpermute, gate, sum)
 
 Routing, capacity, zero-computation and shared experts, losses and metrics
-stay in the layer. This module also prepares the inputs of that
-``shard_map`` (:func:`prepare`: placement replicas, partition specs).
+stay in the layer. This module prepares the inputs of that ``shard_map``
+(:func:`prepare`: placement replicas, partition specs) and picks, once,
+the executor class registered under ``dispatch_unit`` and the transport
+object registered under :func:`resolve_dispatch`'s name (:func:`select`,
+:mod:`moejax.execution.registry`).
 
-Dispatch paths (``ParallelConfig.dispatch``):
+Transports (``ParallelConfig.dispatch``, :mod:`moejax.execution.transport`):
 
 * ``capacity``: every device fills an [E_p, C] buffer (``permute.
   capacity_layout``) and the all_to_all moves fixed [S_p, C, d] slices;
@@ -49,7 +53,6 @@ module); the per-device work shows in ``aux['execution']['device_load']``.
 from __future__ import annotations
 
 import dataclasses
-import functools
 from typing import Any, Optional
 
 import jax
@@ -57,19 +60,23 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, PartitionSpec as P
 
-from moejax.balance import stats
 from moejax.config import MoEConfig, ParallelConfig, check_experts, check_route_limit
-from moejax.execution import comm as comm_lib
-from moejax.execution import dedup as dedup_lib
-from moejax.execution import grouped_ffn
+from moejax.execution import dispatch as dispatch_lib
 from moejax.execution import mesh as mesh_lib
-from moejax.execution import permute as permute_lib
 from moejax.execution import placement as placement_lib
+from moejax.execution import registry
 from moejax.execution import transport
 from moejax.execution.mesh import EXPERT, FSDP
-from moejax.routing.types import RoutingResult
 
-NATIVE_RAGGED_PLATFORMS = ("gpu", "cuda", "rocm", "tpu")
+# The executors live in moejax.execution.dispatch (kept importable here).
+ExpertParallelExecutor = dispatch_lib.ExpertParallelExecutor
+local_experts = dispatch_lib.local_experts
+node_size = dispatch_lib.node_size
+# The emulated collective lives in moejax.execution.transport.
+emulated_ragged_all_to_all = transport.emulated_ragged_all_to_all
+
+# Kept importable here; the platforms belong to the native transport.
+NATIVE_RAGGED_PLATFORMS = transport.NATIVE_RAGGED_PLATFORMS
 
 
 class RaggedUnsupportedError(ValueError):
@@ -77,7 +84,7 @@ class RaggedUnsupportedError(ValueError):
 
 
 def resolve_dispatch(pcfg: ParallelConfig, platform: str) -> str:
-  """'capacity', 'ragged_native' or 'ragged_emulated' for ``platform``."""
+  """'capacity', 'ragged_native' or 'ragged_emulated' for ``platform`` (a transport's name)."""
   if pcfg.dispatch == "capacity":
     return "capacity"
   native = platform in NATIVE_RAGGED_PLATFORMS
@@ -92,162 +99,21 @@ def resolve_dispatch(pcfg: ParallelConfig, platform: str) -> str:
   return "ragged_native"
 
 
+def select(pcfg: ParallelConfig, platform: str) -> tuple[type, transport.Transport]:
+  """(executor class, transport object) the config names on ``platform``: the one choice.
+
+  The class is the one registered under ``pcfg.dispatch_unit``, the
+  transport the one registered under :func:`resolve_dispatch`'s name.
+  Raises RaggedUnsupportedError (native ragged off GPU/TPU) or
+  ``registry.RegistryError`` (a name nothing registered).
+  """
+  cls = registry.EXECUTORS.get(pcfg.dispatch_unit)
+  return cls, registry.TRANSPORTS.get(resolve_dispatch(pcfg, platform))()
+
+
 def gmm_backend_for(cfg: MoEConfig) -> str:
   """The local experts' grouped-matmul backend (the layer's ``reference`` -> ``ragged_dot``)."""
   return "ragged_dot" if cfg.execution.backend == "reference" else cfg.execution.backend
-
-
-# --- Local pieces (run per device inside shard_map). ------------------------
-
-def _a2a(x: jax.Array) -> jax.Array:
-  """all_to_all over 'expert' of [D * n, ...]: chunk j goes to device j."""
-  return transport.all_to_all(x)
-
-
-def local_experts(params: dict, rows: jax.Array, slot: jax.Array, filled: jax.Array,
-                  num_slots: int, *, activation: str, backend: str,
-                  width_mask: Optional[jax.Array] = None,
-                  weights: Optional[jax.Array] = None) -> jax.Array:
-  """ys[R, d] = sum_k weights[r, k] FFN_{slot[r, k]}(rows[r]) over filled slots (grouped matmul).
-
-  ``slot`` / ``filled`` / ``weights`` are [R, Kc] (a deduplicating dispatch:
-  a row names its experts on this device) or [R] (per-copy: one expert per
-  row, weight 1). rows[R, d] arrive in any order (by source device); a
-  dropless sort by local expert gives the grouped-matmul layout, so empty
-  buffer rows cost nothing in backends that skip rows past the groups
-  (``blocked``).
-  """
-  if slot.ndim == 1:
-    slot, filled = slot[:, None], filled[:, None]
-    weights = None if weights is None else weights[:, None]
-  w = filled.astype(jnp.float32) if weights is None else weights
-  return grouped_ffn.routed_ffn(params, rows, slot.astype(jnp.int32), filled, w,
-                                num_experts=num_slots, activation=activation,
-                                backend=backend, width_mask=width_mask)
-
-
-# The emulated collective lives in moejax.execution.transport (kept importable here).
-emulated_ragged_all_to_all = transport.emulated_ragged_all_to_all
-
-
-def _physical_ids(result: RoutingResult, sent: jax.Array, plc: placement_lib.Placement):
-  """int32[T, K] physical expert of every slot (replica chosen by token index)."""
-  logical = jnp.where(sent, result.expert_ids, 0)
-  if int(plc.num_replicas.max()) == 1:
-    return jnp.asarray(plc.replicas[:, 0], jnp.int32)[logical]
-  reps = jnp.asarray(plc.replicas, jnp.int32)
-  n = jnp.asarray(plc.num_replicas, jnp.int32)[logical]
-  tok = jnp.arange(result.num_tokens, dtype=jnp.int32)[:, None]
-  return reps[logical, tok % n]
-
-
-def _copy_dispatch(x, phys, weights, sent, ffn, *, plc, impl, cap, buckets, axes):
-  """The per-copy dispatch: one row per token copy. (y, wire_rows int32[D], plan)."""
-  t, dm = x.shape
-  k = phys.shape[1]
-  s, d = plc.slots_per_device, plc.num_devices
-  if impl == "capacity":
-    c = t if cap is None else cap
-    plan = permute_lib.capacity_layout(phys, sent, d * s, c)
-    xs = permute_lib.permute(x, plan).reshape(d, s, c, dm)   # [E_p * C, d] by device
-    sizes = transport.bucket_sizes(c, buckets)
-    index = transport.choose_bucket(jnp.max(plan.group_sizes), sizes, axes)
-    (recv,) = transport.bucketed_all_to_all((xs,), index, sizes, axis=2)  # [D(src), S_p, C, d]
-    counts = _a2a(plan.group_sizes.reshape(d, s))            # [D(src), S_p]
-    p = jnp.arange(c, dtype=jnp.int32)
-    filled = p[None, None, :] < counts[:, :, None]           # [D, S_p, C]
-    slot = jnp.broadcast_to(jnp.arange(s, dtype=jnp.int32)[None, :, None], filled.shape)
-    ys = ffn(recv.reshape(-1, dm), slot.reshape(-1), filled.reshape(-1))
-    (back,) = transport.bucketed_all_to_all((ys.reshape(d, s, c, dm),), index, sizes, axis=2)
-    back = back.reshape(-1, dm)                              # [E_p * C, d]
-    wire_rows = jnp.full((d,), s, jnp.int32) * jnp.asarray(sizes, jnp.int32)[index]
-  else:
-    max_rows = t * min(k, s)
-    plan = permute_lib.sort_by_expert(phys, sent, d * s)
-    xs = permute_lib.permute(x, plan)                        # [T K, d] by physical expert
-    gs = plan.group_sizes.reshape(d, s)
-    send_sizes = jnp.sum(gs, axis=1).astype(jnp.int32)
-    sizes = transport.bucket_sizes(max_rows, buckets)
-    index = transport.choose_bucket(jnp.max(send_sizes), sizes, axes)
-    move = transport.ragged_move(impl, sizes, index)
-    in_off = (jnp.cumsum(send_sizes) - send_sizes).astype(jnp.int32)
-    counts = _a2a(gs)                                        # [D(src), S_p]
-    recv_sizes = jnp.sum(counts, axis=1).astype(jnp.int32)
-    recv_off = (jnp.cumsum(recv_sizes) - recv_sizes).astype(jnp.int32)
-    out_off = _a2a(recv_off)                                 # my segment's place on device j
-    n_out = d * max_rows
-    (recv,) = move((xs,), (jnp.zeros((n_out, dm), x.dtype),), in_off, send_sizes, out_off,
-                   recv_sizes)
-    # Received rows: by source, then by local slot. Row r's slot comes from
-    # the (source, slot) segment ends, which never decrease in r.
-    ends = (recv_off[:, None] + jnp.cumsum(counts, axis=1)).reshape(-1)
-    seg = jnp.searchsorted(ends, jnp.arange(n_out, dtype=jnp.int32), side="right")
-    filled = seg < d * s
-    ys = ffn(recv, jnp.where(filled, seg % s, 0), filled)
-    back_off = _a2a(in_off)                                  # my rows' place on each source
-    (back,) = move((ys,), (jnp.zeros((t * k, dm), x.dtype),), recv_off, recv_sizes, back_off,
-                   send_sizes)
-    wire_rows = send_sizes if impl == "ragged_native" else jnp.full(
-        (d,), jnp.asarray(sizes, jnp.int32)[index])
-  return permute_lib.unpermute(back, plan, weights).astype(x.dtype), wire_rows, plan
-
-
-def _dispatch_combine(experts, width_mask, x, result, *, ex: "ExpertParallelExecutor", cap):
-  """Routed-expert output y[T, d] plus (comm bytes, per-physical-expert rows, transport drops)."""
-  plc = ex.placement
-  e, s, d = ex.num_experts, plc.slots_per_device, plc.num_devices
-  sent = result.valid & (result.expert_ids >= 0) & (result.expert_ids < e)
-  phys = _physical_ids(result, sent, plc)
-  weights = jnp.where(result.valid, result.weights, 0)
-  ffn = functools.partial(local_experts, experts, num_slots=s, activation=ex.activation,
-                          backend=ex.backend, width_mask=width_mask)
-  me = jax.lax.axis_index(EXPERT)
-  row_bytes = x.shape[-1] * x.dtype.itemsize
-  if ex.unit == "copy":
-    y, wire_rows, plan = _copy_dispatch(x, phys, weights, sent, ffn, plc=plc, impl=ex.impl,
-                                        cap=cap, buckets=ex.buckets, axes=ex.axes)
-    dispatched = plan.dispatched()
-    bytes_local = comm_lib.local_dispatch_bytes(phys // s, dispatched, wire_rows, me,
-                                                ex.node_of, row_bytes)
-    lost = jnp.sum(sent & ~dispatched, dtype=jnp.int32)
-  else:
-    hops = dedup_lib.make_hops(ex.unit, d, s, ex.per_node, x.shape[0], cap)
-    tally = dedup_lib.Tally(row_bytes, ex.node_of, me)
-    local = lambda rows, ids, w, valid: ffn(rows, ids, valid, weights=w)
-    y = dedup_lib.dispatch_combine(x, phys, weights, sent, hops, local, impl=ex.impl,
-                                   buckets=ex.buckets, axes=ex.axes, tally=tally)
-    bytes_local = dict(tally.bytes)
-    bytes_local.update(comm_lib.minimum_bytes(phys // s, sent, me, ex.node_of, row_bytes))
-    lost, dispatched = tally.lost, sent
-  rows = jnp.bincount(jnp.where(dispatched & sent, phys, d * s).reshape(-1),
-                      length=d * s + 1)[: d * s]
-  return y, bytes_local, rows, lost
-
-
-def _gather_fsdp(experts: dict, has_fsdp: bool) -> dict:
-  """Full-width local expert weights: the d axis was sharded over 'fsdp'."""
-  if not has_fsdp:
-    return experts
-  # all_gather's transpose is a reduce-scatter: gradients come back sharded.
-  return {k: jax.lax.all_gather(v, FSDP, axis=2 if k == "w_down" else 1, tiled=True)
-          for k, v in experts.items()}
-
-
-
-
-def node_size(node_of: np.ndarray) -> int:
-  """P when the expert axis is N nodes of P consecutive positions; ValueError otherwise.
-
-  The node dispatch exchanges among one device per node, then inside each
-  node, which needs equal, contiguous nodes.
-  """
-  node_of = np.asarray(node_of)
-  p = int(np.sum(node_of == node_of[0]))
-  if len(node_of) % p or not np.array_equal(node_of, np.arange(len(node_of)) // p):
-    raise ValueError(f"parallel.dispatch_unit='node' needs the expert axis split into equal "
-                     f"nodes of consecutive devices; its nodes are {node_of.tolist()}. Fix: "
-                     "set parallel.devices_per_node, or dispatch_unit='token'")
-  return p
 
 
 def device_index(axes) -> jax.Array:
@@ -256,40 +122,6 @@ def device_index(axes) -> jax.Array:
   for a in axes:
     idx = idx * jax.lax.axis_size(a) + jax.lax.axis_index(a)
   return idx
-
-
-@dataclasses.dataclass(frozen=True, eq=False)
-class ExpertParallelExecutor:
-  """The routed experts of one layer over the ``expert`` mesh axis (inside shard_map).
-
-  Built by :func:`prepare`; called by :func:`moejax.layer.moe_layer` like any
-  executor. ``extras``: ``device_load`` f32[D] token copies each expert-axis
-  position computed (summed over data groups) and ``comm``
-  (:mod:`moejax.execution.comm` byte counts, plus ``transport_dropped``,
-  always 0 by construction).
-  """
-
-  num_experts: int
-  activation: str
-  impl: str                      # capacity | ragged_native | ragged_emulated
-  placement: placement_lib.Placement
-  backend: str                   # grouped-matmul backend of the local experts
-  node_of: np.ndarray            # int[D] node of each expert-axis position
-  axes: tuple                    # every mesh axis (the global statistics' scope)
-  has_fsdp: bool
-  unit: str = "token"            # copy | token | node (ParallelConfig.dispatch_unit)
-  buckets: int = 8               # ParallelConfig.capacity_buckets
-  per_node: Optional[int] = None  # P when the node unit runs two hops
-
-  def __call__(self, experts, x, result, *, width_mask=None, capacity=None):
-    experts = _gather_fsdp(experts, self.has_fsdp)
-    y, bytes_local, phys_rows, lost = _dispatch_combine(experts, width_mask, x, result,
-                                                        ex=self, cap=capacity)
-    d, sp = self.placement.num_devices, self.placement.slots_per_device
-    comm = comm_lib.summarize(bytes_local, self.axes)
-    comm["transport_dropped"] = stats.psum(lost, self.axes)
-    device_load = stats.psum(phys_rows.astype(jnp.float32), self.axes).reshape(d, sp).sum(-1)
-    return y, {"device_load": device_load, "comm": comm}
 
 
 def check_placement(plc: placement_lib.Placement, cfg: MoEConfig, pcfg: ParallelConfig,
@@ -324,14 +156,15 @@ class Prepared:
   params: the layer params with the routed experts in physical order (replica
   weights gathered from the logical ones, so every replica's gradient sums
   into its expert); param_specs / token_spec: their PartitionSpecs;
-  width_mask: [E_p, f] or None; executor: the expert-parallel executor.
+  width_mask: [E_p, f] or None; executor: the expert-parallel executor (an
+  instance of the registered class :func:`select` picked).
   """
 
   params: dict
   param_specs: Any
   token_spec: P
   width_mask: Optional[jax.Array]
-  executor: ExpertParallelExecutor
+  executor: dispatch_lib.ExpertParallelExecutor
 
 
 def prepare(params: dict, cfg: MoEConfig, mesh: Mesh, pcfg: ParallelConfig, batch: int,
@@ -361,7 +194,7 @@ def prepare(params: dict, cfg: MoEConfig, mesh: Mesh, pcfg: ParallelConfig, batc
   node_of = mesh_lib.nodes_of_expert_axis(mesh, pcfg.devices_per_node)
   plc = placement or placement_lib.identity_placement(cfg.num_experts, d)
   check_placement(plc, cfg, pcfg, node_of)
-  impl = resolve_dispatch(pcfg, mesh.devices.flat[0].platform)
+  executor_cls, transport_obj = select(pcfg, mesh.devices.flat[0].platform)
   params = dict(params)
   identity = plc.slots_per_device * d == cfg.num_experts and \
       np.array_equal(plc.phys_to_logical, np.arange(cfg.num_experts))
@@ -370,10 +203,9 @@ def prepare(params: dict, cfg: MoEConfig, mesh: Mesh, pcfg: ParallelConfig, batc
     params["experts"] = jax.tree.map(lambda w: jnp.take(w, p2l, axis=0), params["experts"])
     if width_mask is not None:
       width_mask = jnp.take(width_mask, p2l, axis=0)
-  executor = ExpertParallelExecutor(
-      num_experts=cfg.num_experts, activation=cfg.topology.activation, impl=impl,
-      placement=plc, backend=gmm_backend_for(cfg), node_of=node_of, axes=axes,
-      has_fsdp=has_fsdp, unit=pcfg.dispatch_unit, buckets=pcfg.capacity_buckets,
-      per_node=node_size(node_of) if pcfg.dispatch_unit == "node" else None)
+  executor = executor_cls.from_config(
+      pcfg, node_of, num_experts=cfg.num_experts, activation=cfg.topology.activation,
+      placement=plc, backend=gmm_backend_for(cfg), axes=axes, has_fsdp=has_fsdp,
+      transport=transport_obj)
   return Prepared(params, mesh_lib.param_specs(params, mesh), mesh_lib.batch_spec(mesh),
                   width_mask, executor)

@@ -20,7 +20,16 @@ global maximum), so the collectives match. Exact: the bucket always holds
 every row, and the result is the same for every bucket.
 
 The same bucket choice sizes the padded all_to_all of the emulated
-``ragged_all_to_all`` (:func:`ragged_move`).
+``ragged_all_to_all`` (:class:`EmulatedRaggedTransport`).
+
+The three transports are objects (:class:`PaddedTransport`,
+:class:`NativeRaggedTransport`, :class:`EmulatedRaggedTransport`), registered
+by name (``moejax.execution.registry.TRANSPORTS``) and held by the
+expert-parallel executors: an executor asks its transport for a layout and
+a round trip and never compares a transport name. One round trip moves rows
+grouped by (member, sub-group): S sub-groups per member (the per-copy
+dispatch's local experts of a destination device; 1 for a deduplicating
+hop).
 
 Groups (``axis_index_groups``) restrict one exchange to a subset of the
 expert axis, in the order listed: the node-deduplicating dispatch first
@@ -30,14 +39,20 @@ node), then inside each node.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
-from typing import Optional, Sequence
+from typing import Callable, ClassVar, Optional, Protocol, Sequence
 
 import jax
 import jax.numpy as jnp
 
+from moejax.execution import permute as permute_lib
 from moejax.execution.mesh import EXPERT
+from moejax.execution.registry import register_transport
+
+# Platforms whose XLA implements ragged-all-to-all (XLA:CPU does not).
+NATIVE_RAGGED_PLATFORMS = ("gpu", "cuda", "rocm", "tpu")
 
 # Consecutive buckets differ by this factor, so a step moves at most ~26% more
 # rows than its maximum count (plus the spread of counts over devices); 8
@@ -134,25 +149,183 @@ def emulated_ragged_all_to_all(operand, output, input_offsets, send_sizes, outpu
                            groups)
 
 
-def ragged_move(impl: str, sizes: Sequence[int], index: Optional[jax.Array],
-                groups: Groups = None):
-  """``move(operands, outputs, in_off, send_sizes, out_off, recv_sizes) -> outputs``.
+# --- Transport objects (one per ParallelConfig dispatch / ragged_impl). ----
 
-  Moves every array of the tuple ``operands`` by the same segments (like
-  ``jax.lax.ragged_all_to_all`` each). ``ragged_native``: the XLA collective
-  (exact sizes on the wire). ``ragged_emulated``: a padded all_to_all of
-  [G, U] buffers (U = ``sizes[-1]``) that moves only the bucket
-  ``sizes[index]`` (every segment, over all devices, fits it); the
-  gathers and scatters stay outside the bucket switch.
+# inner(received arrays, sub int32[n], filled bool[n]) -> out[n, d]: the work
+# on the rows a member received (sub: their sub-group, filled: a real row).
+Received = Callable[[tuple, jax.Array, jax.Array], jax.Array]
+
+
+class Transport(Protocol):
+  """How an expert-parallel exchange lays rows out and moves them there and back.
+
+  ``layout(ids[R, K], valid, groups, capacity)`` -> a
+  :class:`~moejax.execution.permute.Dispatch` with rows by group;
+  ``round_trip(arrays, counts[G, S], inner, *, capacity, max_rows, buckets,
+  axes, groups)`` -> (the rows ``inner`` returned, back in the layout's
+  order; wire_rows int32[G] rows on the wire per member). Class attributes:
+  ``name`` (the registry key), ``ragged`` (segments, dropless), ``exact_wire``
+  (the wire carries exactly the counts) and ``platforms`` (None: all).
   """
-  if impl == "ragged_native":
+
+  name: ClassVar[str]
+  ragged: ClassVar[bool]
+  exact_wire: ClassVar[bool]
+  platforms: ClassVar[Optional[tuple]]
+
+  def layout(self, ids, valid, groups: int, capacity: int) -> permute_lib.Dispatch:
+    ...
+
+  def round_trip(self, arrays, counts, inner: Received, *, capacity: int, max_rows: int,
+                 buckets: int, axes, groups: Groups = None):
+    ...
+
+
+@register_transport
+@dataclasses.dataclass(frozen=True)
+class PaddedTransport:
+  """Static [G, S, C] buffers moved by a bucketed all_to_all (every backend, CPU included).
+
+  ``layout`` is the capacity layout (C rows per (member, sub-group), slot-major
+  priority); the bucket is chosen from the largest (member, sub-group) count.
+  """
+
+  name: ClassVar[str] = "capacity"
+  ragged: ClassVar[bool] = False      # False: fixed-size buffers
+  exact_wire: ClassVar[bool] = False  # the wire carries the chosen bucket, not the count
+  platforms: ClassVar[Optional[tuple]] = None  # None: every platform
+
+  def layout(self, ids, valid, groups: int, capacity: int) -> permute_lib.Dispatch:
+    """Rows by group ([groups * capacity] rows, copies past ``capacity`` dropped)."""
+    return permute_lib.capacity_layout(ids, valid, groups, capacity)
+
+  def round_trip(self, arrays, counts, inner: Received, *, capacity: int, max_rows: int,
+                 buckets: int, axes, groups: Groups = None):
+    """(back[G * S * C, d] in the layout's order, wire_rows int32[G]).
+
+    arrays: [G * S * C, ...] in the layout's order; counts: int32[G, S] filled
+    rows per (member, sub-group). ``max_rows`` (the ragged bound) is unused.
+    """
+    del max_rows
+    g, s = counts.shape
+    c = capacity
+    sizes = bucket_sizes(c, buckets)
+    index = choose_bucket(jnp.max(counts), sizes, axes)
+    bufs = tuple(a.reshape((g, s, c) + a.shape[1:]) for a in arrays)
+    recv = bucketed_all_to_all(bufs, index, sizes, groups, axis=2)   # [G(src), S, C, ...]
+    recv_counts = all_to_all(counts, groups)                          # [G(src), S]
+    filled = jnp.arange(c, dtype=jnp.int32)[None, None, :] < recv_counts[:, :, None]
+    sub = jnp.broadcast_to(jnp.arange(s, dtype=jnp.int32)[None, :, None], filled.shape)
+    out = inner(tuple(r.reshape((g * s * c,) + r.shape[3:]) for r in recv), sub.reshape(-1),
+                filled.reshape(-1))
+    (back,) = bucketed_all_to_all((out.reshape((g, s, c) + out.shape[1:]),), index, sizes,
+                                  groups, axis=2)
+    wire_rows = jnp.full((g,), s, jnp.int32) * jnp.asarray(sizes, jnp.int32)[index]
+    return back.reshape((g * s * c,) + back.shape[3:]), wire_rows
+
+
+@dataclasses.dataclass(frozen=True)
+class _RaggedTransport:
+  """Exact-size segments, one per member, rows sorted by (member, sub-group); dropless.
+
+  Subclasses say how segments move (:meth:`_move`) and what the wire
+  carries (:meth:`_wire_rows`); the offsets bookkeeping is shared, so the
+  emulation exercises it on CPU.
+  """
+
+  ragged: ClassVar[bool] = True
+
+  def layout(self, ids, valid, groups: int, capacity: int) -> permute_lib.Dispatch:
+    """Rows sorted by group, dropless (``capacity`` does not apply)."""
+    del capacity
+    return permute_lib.sort_by_expert(ids, valid, groups)
+
+  def _move(self, sizes, index, groups: Groups):
+    raise NotImplementedError
+
+  def _wire_rows(self, send, sizes, index):
+    raise NotImplementedError
+
+  def round_trip(self, arrays, counts, inner: Received, *, capacity: int, max_rows: int,
+                 buckets: int, axes, groups: Groups = None):
+    """(back[R, d] in the layout's order, wire_rows int32[G]); see PaddedTransport.
+
+    arrays: [R, ...] sorted by (member, sub-group); counts: int32[G, S];
+    ``max_rows``: most rows one source sends one member (the bucket bound).
+    """
+    del capacity
+    g, s = counts.shape
+    send = jnp.sum(counts, axis=1).astype(jnp.int32)                  # [G] rows per member
+    sizes = bucket_sizes(max_rows, buckets)
+    index = choose_bucket(jnp.max(send), sizes, axes)
+    move = self._move(sizes, index, groups)
+    in_off = (jnp.cumsum(send) - send).astype(jnp.int32)
+    recv_counts = all_to_all(counts, groups)                          # [G(src), S]
+    recv_sizes = jnp.sum(recv_counts, axis=1).astype(jnp.int32)
+    recv_off = (jnp.cumsum(recv_sizes) - recv_sizes).astype(jnp.int32)
+    out_off = all_to_all(recv_off, groups)           # my segment's place on member j
+    n_out = g * max_rows
+    recv = move(arrays, tuple(jnp.zeros((n_out,) + a.shape[1:], a.dtype) for a in arrays),
+                in_off, send, out_off, recv_sizes)
+    if s == 1:
+      filled = jnp.arange(n_out) < jnp.sum(recv_sizes)
+      sub = jnp.zeros((n_out,), jnp.int32)
+    else:
+      # Received rows: by source, then by sub-group. Row r's sub-group comes
+      # from the (source, sub) segment ends, which never decrease in r.
+      ends = (recv_off[:, None] + jnp.cumsum(recv_counts, axis=1)).reshape(-1)
+      seg = jnp.searchsorted(ends, jnp.arange(n_out, dtype=jnp.int32), side="right")
+      filled = seg < g * s
+      sub = jnp.where(filled, seg % s, 0)
+    out = inner(recv, sub, filled)
+    back_off = all_to_all(in_off, groups)             # my rows' place on each source
+    (back,) = move((out,), (jnp.zeros((arrays[0].shape[0],) + out.shape[1:], out.dtype),),
+                   recv_off, recv_sizes, back_off, send)
+    return back, self._wire_rows(send, sizes, index)
+
+
+@register_transport
+@dataclasses.dataclass(frozen=True)
+class NativeRaggedTransport(_RaggedTransport):
+  """``jax.lax.ragged_all_to_all``: exact sizes on the wire (GPU/TPU)."""
+
+  name: ClassVar[str] = "ragged_native"
+  exact_wire: ClassVar[bool] = True
+  platforms: ClassVar[Optional[tuple]] = NATIVE_RAGGED_PLATFORMS
+
+  def _move(self, sizes, index, groups: Groups):
+    del sizes, index
     native = functools.partial(jax.lax.ragged_all_to_all, axis_name=EXPERT,
                                axis_index_groups=None if groups is None else
                                [list(g) for g in groups])
     return lambda ops, outs, *args: tuple(native(a, o, *args) for a, o in zip(ops, outs))
 
-  def move(ops, outs, in_off, send, out_off, recv):
-    bufs = tuple(_segments_to_buffer(a, in_off, send, sizes[-1]) for a in ops)
-    got = bucketed_all_to_all(bufs, index, sizes, groups)
-    return tuple(_buffer_to_output(b, o, out_off, recv, groups) for b, o in zip(got, outs))
-  return move
+  def _wire_rows(self, send, sizes, index):
+    del sizes, index
+    return send
+
+
+@register_transport
+@dataclasses.dataclass(frozen=True)
+class EmulatedRaggedTransport(_RaggedTransport):
+  """The native collective's segments and offsets over a bucketed padded all_to_all.
+
+  A [G, U] buffer per array (U = ``sizes[-1]``) of which only the bucket
+  ``sizes[index]`` moves (every segment, over all devices, fits it); the
+  gathers and scatters stay outside the bucket switch. Same results as
+  native; the wire carries the bucket.
+  """
+
+  name: ClassVar[str] = "ragged_emulated"
+  exact_wire: ClassVar[bool] = False
+  platforms: ClassVar[Optional[tuple]] = None
+
+  def _move(self, sizes, index, groups: Groups):
+    def move(ops, outs, in_off, send, out_off, recv):
+      bufs = tuple(_segments_to_buffer(a, in_off, send, sizes[-1]) for a in ops)
+      got = bucketed_all_to_all(bufs, index, sizes, groups)
+      return tuple(_buffer_to_output(b, o, out_off, recv, groups) for b, o in zip(got, outs))
+    return move
+
+  def _wire_rows(self, send, sizes, index):
+    return jnp.full(send.shape, jnp.asarray(sizes, jnp.int32)[index])

@@ -52,9 +52,9 @@ def test_expand_counts_a_repeated_expert_past_the_metadata_as_lost():
 
 def test_hops_of_each_unit():
   # 8 devices, 2 slots each, 4 devices per node, T = 16 tokens, dropless.
-  (one,) = dedup.make_hops("token", 8, 2, 4, 16, None)
+  (one,) = dedup.token_hops(8, 2, 16, None)
   assert (one.members, one.targets, one.upper, one.groups) == (8, 2, 16, None)
-  across, within = dedup.make_hops("node", 8, 2, 4, 16, None)
+  across, within = dedup.node_hops(8, 2, 4, 16, None)
   assert (across.members, across.targets, across.upper) == (2, 8, 16)
   assert across.groups == ((0, 4), (1, 5), (2, 6), (3, 7))
   assert (within.members, within.targets, within.upper) == (4, 2, 32)
@@ -62,7 +62,8 @@ def test_hops_of_each_unit():
   np.testing.assert_array_equal(across.positions(jnp.int32(6)), [2, 6])
   np.testing.assert_array_equal(within.positions(jnp.int32(6)), [4, 5, 6, 7])
   # One node (or nodes of one device): the node unit is the token unit.
-  assert dedup.make_hops("node", 8, 2, 8, 16, None) == (one,)
+  assert dedup.node_hops(8, 2, 8, 16, None) == (one,)
+  assert dedup.node_hops(8, 2, 1, 16, None) == (one,)
   # A capacity C bounds the rows per member: Q * C from one source.
-  (capped,) = dedup.make_hops("token", 8, 2, None, 16, 3)
+  (capped,) = dedup.token_hops(8, 2, 16, 3)
   assert capped.upper == 6
