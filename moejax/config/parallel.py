@@ -72,7 +72,7 @@ class ParallelConfig:
   def __post_init__(self):
     p = "parallel"
     check_choice(f"{p}.dispatch", self.dispatch, reg.DISPATCHES)
-    check_choice(f"{p}.dispatch_unit", self.dispatch_unit, reg.DISPATCH_UNITS)
+    reg.EXECUTORS.get(self.dispatch_unit, f"{p}.dispatch_unit")  # a registered executor
     check_choice(f"{p}.ragged_impl", self.ragged_impl, reg.RAGGED_IMPLS)
     check_choice(f"{p}.route_limit", self.route_limit, reg.ROUTE_LIMITS)
     if self.data != -1:

@@ -36,7 +36,8 @@ class Registry:
   shipped idea can never be registered again by a plugin imported earlier.
   """
 
-  def __init__(self, what: str, field: str, builtins: tuple[str, ...], fix: str):
+  def __init__(self, what: str, field: str = "", builtins: tuple[str, ...] = (),
+               fix: str = ""):
     self.what, self.field, self.fix = what, field, fix
     self._builtins, self._items, self._origin = builtins, {}, {}
     self._state = "new"  # new -> loading -> loaded
@@ -61,16 +62,16 @@ class Registry:
     name = getattr(obj, "name", None)
     if not isinstance(name, str) or not name.isidentifier():
       raise RegistryError(f"a {self.what} needs a `name` that is a Python identifier, got "
-                          f"{name!r} on {type(obj).__name__}. Fix: set name = 'my_"
+                          f"{name!r} on {_qualname(obj)}. Fix: set name = 'my_"
                           f"{self.what.replace(' ', '_')}'")
     self._load()
     if name in self._items:
       raise RegistryError(
-          f"{self.what} {name!r} is already registered (by {self._origin[name]}); "
-          f"{type(obj).__module__}.{type(obj).__name__} cannot take the name. Fix: give "
-          f"your {self.what} another name")
+          f"{self.what} {name!r} is already registered (by {self._origin[name]}."
+          f"{_qualname(self._items[name])}); {_module_of(obj)}.{_qualname(obj)} cannot take "
+          f"the name. Fix: give your {self.what} another name")
     self._items[name] = obj
-    self._origin[name] = type(obj).__module__
+    self._origin[name] = _module_of(obj)
     return obj
 
   def unregister(self, name: str) -> None:
@@ -85,10 +86,11 @@ class Registry:
       return self._items[name]
     from moejax.config.core import ConfigError, check_choice  # pylint: disable=g-import-not-at-top
     try:
-      check_choice(field or self.field, name, self.names())
+      check_choice(field or self.field or self.what, name, self.names())
     except ConfigError as e:
+      fix = str(e).split('Fix: ', 1)[1] + (f"; {self.fix}" if self.fix else "")
       raise ConfigError(e.field, name, f"no {self.what} of that name is registered",
-                        f"{str(e).split('Fix: ', 1)[1]}; {self.fix}") from None
+                        fix) from None
     raise AssertionError("unreachable")
 
   def names(self) -> tuple:
@@ -114,6 +116,15 @@ class Registry:
 
   def __len__(self) -> int:
     return len(self.names())
+
+
+def _module_of(obj: Any) -> str:
+  """The module that defines ``obj`` (an instance's class, or a class itself)."""
+  return obj.__module__ if isinstance(obj, type) else type(obj).__module__
+
+
+def _qualname(obj: Any) -> str:
+  return (obj if isinstance(obj, type) else type(obj)).__qualname__
 
 
 def _is_shipped(module: str) -> bool:
@@ -168,7 +179,16 @@ GMM_BACKEND_MODULES = {
 GMM_BACKENDS = tuple(GMM_BACKEND_MODULES)
 EXPERT_BACKENDS = ("reference",) + GMM_BACKENDS
 DISPATCHES = ("capacity", "ragged")
-DISPATCH_UNITS = ("token", "copy", "node")
+# Expert-parallel strategies: executor classes by dispatch unit (token, copy,
+# node; moejax.execution.dispatch) and transport classes (padded capacity,
+# native and emulated ragged; moejax.execution.transport).
+EXECUTORS = Registry("expert-parallel dispatch unit", "parallel.dispatch_unit",
+                     ("moejax.execution.dispatch",),
+                     "a strategy of your own is a class decorated with "
+                     "@moejax.execution.registry.register_dispatch in a module your config "
+                     "imports")
+TRANSPORTS = Registry("expert-parallel transport", "parallel.dispatch",
+                      ("moejax.execution.transport",))
 RAGGED_IMPLS = ("auto", "native", "emulated")
 ROUTE_LIMITS = ("none", "nodes", "devices")
 

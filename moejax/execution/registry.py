@@ -18,7 +18,9 @@ This module holds the tables, not the classes, so it imports nothing.
 from __future__ import annotations
 
 from moejax.config.registry import GMM_BACKENDS  # noqa: F401  (ragged_dot, the reference, first)
-from moejax.config.registry import DISPATCH_UNITS  # noqa: F401  (names a config may select)
+from moejax.config import registry as config_registry
+from moejax.config.registry import Registry, RegistryError  # noqa: F401  (re-exported)
+
 DEFAULT_GMM_BACKEND = "blocked"
 
 # Row-gather backends of permute / unpermute (moejax.execution.permute).
@@ -28,48 +30,10 @@ GATHER_BACKENDS = ("xla", "pallas_tpu", "pallas_gpu")
 TRANSPORT_NAMES = ("capacity", "ragged_native", "ragged_emulated")
 
 
-class RegistryError(ValueError):
-  """A name registered twice, or looked up but never registered."""
-
-
-class Registry:
-  """Classes by their ``name`` class attribute; registering a taken name raises."""
-
-  def __init__(self, what: str):
-    self.what = what
-    self._classes: dict[str, type] = {}
-
-  def register(self, cls: type) -> type:
-    """Adds ``cls`` under ``cls.name`` (usable as a class decorator); returns ``cls``."""
-    name = getattr(cls, "name", None)
-    if not isinstance(name, str) or not name:
-      raise RegistryError(f"{cls.__qualname__} has no string class attribute 'name'; a "
-                          f"{self.what} registers under its name")
-    if name in self._classes:
-      old = self._classes[name]
-      raise RegistryError(f"{self.what} {name!r} is already registered by "
-                          f"{old.__module__}.{old.__qualname__}; {cls.__module__}."
-                          f"{cls.__qualname__} needs another name")
-    self._classes[name] = cls
-    return cls
-
-  def get(self, name: str) -> type:
-    """The class registered as ``name``; RegistryError naming the registered ones otherwise."""
-    try:
-      return self._classes[name]
-    except KeyError:
-      raise RegistryError(f"unknown {self.what} {name!r}; registered: "
-                          f"{sorted(self._classes)}") from None
-
-  def names(self) -> tuple[str, ...]:
-    return tuple(self._classes)
-
-  def __contains__(self, name: str) -> bool:
-    return name in self._classes
-
-
-EXECUTORS = Registry("expert-parallel dispatch unit")
-TRANSPORTS = Registry("expert-parallel transport")
+# One registry type for every idea (moejax.config.registry.Registry); the two
+# of the execution plane live there too, so ParallelConfig can check a name.
+EXECUTORS = config_registry.EXECUTORS
+TRANSPORTS = config_registry.TRANSPORTS
 
 
 def register_dispatch(cls: type) -> type:

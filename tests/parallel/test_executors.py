@@ -33,7 +33,7 @@ def test_registering_a_taken_name_raises():
 
   class Second:
     name = "same"
-  with pytest.raises(registry.RegistryError, match="'same' is already registered by .*First"):
+  with pytest.raises(registry.RegistryError, match=r"'same' is already registered \(by .*First\)"):
     reg.register(Second)
   assert reg.get("same") is First
   # The real table too: a second 'token' executor is refused, the first kept.
@@ -47,14 +47,17 @@ def test_registering_a_taken_name_raises():
 
 
 def test_unknown_or_unnamed_is_a_clear_error():
-  with pytest.raises(registry.RegistryError, match=r"unknown .* 'warp'; registered: \["):
+  with pytest.raises(C.ConfigError, match=r"^parallel\.dispatch_unit='warp': no "
+                                          r"expert-parallel dispatch unit of that name.*token"):
     registry.EXECUTORS.get("warp")
-  with pytest.raises(registry.RegistryError, match="no string class attribute 'name'"):
+  with pytest.raises(C.ConfigError, match="parallel.dispatch_unit='warp'"):
+    C.ParallelConfig(dispatch_unit="warp")
+  with pytest.raises(registry.RegistryError, match="needs a `name`"):
     registry.Registry("x").register(type("Nameless", (), {}))
 
 
 def test_registered_names_are_the_configs():
-  assert set(registry.EXECUTORS.names()) == set(config_registry.DISPATCH_UNITS)
+  assert set(registry.EXECUTORS.names()) == {"token", "copy", "node"}
   assert set(registry.TRANSPORTS.names()) == set(registry.TRANSPORT_NAMES)
   for name in registry.EXECUTORS.names():
     cls = registry.EXECUTORS.get(name)
@@ -67,7 +70,7 @@ UNIT_CLASS = {"copy": dispatch.CopyExecutor, "token": dispatch.TokenExecutor,
 
 @pytest.mark.parametrize("platform", ["cpu", "gpu", "tpu"])
 def test_select_picks_the_class_and_transport_of_every_combination(platform):
-  combos = itertools.product(config_registry.DISPATCHES, config_registry.DISPATCH_UNITS,
+  combos = itertools.product(config_registry.DISPATCHES, config_registry.EXECUTORS.names(),
                              config_registry.RAGGED_IMPLS)
   for dispatch_name, unit, impl in combos:
     pcfg = C.ParallelConfig(dispatch=dispatch_name, dispatch_unit=unit, ragged_impl=impl)
