@@ -153,8 +153,9 @@ def main(argv):
       return
     if not _WORKDIR.value:
       cli.fail("--workdir is required (unless --print_config, --accounting or --dry_run)")
+    from moejax.finetune.start import finetune_start
     from moejax.train import loop
-    loop.train(cfg, _WORKDIR.value)
+    loop.train(cfg, _WORKDIR.value, start=finetune_start)
   except (ConfigError, AuditError, DatasetUnavailableError, WorkdirError,
           guard.NonFiniteError) as e:
     cli.fail(f"{type(e).__name__}: {e}")

@@ -28,8 +28,8 @@ from typing import Mapping, Optional, Sequence
 
 import numpy as np
 
-from moejax.ablation.summary import METRICS, VERDICT_METRICS
-from moejax.ablation.tables import ARM_COLUMNS, _present, _skip_constant_zero
+from moejax.ablation.columns import (ARM_COLUMNS, METRICS, VERDICT_METRICS, present,
+                                     skip_constant_zero)
 from moejax.train import metrics_log
 
 DPI = 150
@@ -65,7 +65,7 @@ def _grid(n: int, ncol: int, size=(4.2, 2.9)):
 
 def plot_metrics(summary: Mapping, path: Optional[str] = None):
   """One dot plot per metric the arms have: mean, 95% interval over seeds, each seed."""
-  keys = _skip_constant_zero(summary, _present(summary, ARM_COLUMNS))
+  keys = skip_constant_zero(summary, present(summary, ARM_COLUMNS))
   names = list(summary["arms"])
   if not keys:
     return None

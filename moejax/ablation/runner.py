@@ -276,12 +276,15 @@ def run_suite(suite: Suite, workdir: str, *, out: TextIO = sys.stdout,
   """
   from moejax.ablation import summary as summary_lib  # pylint: disable=g-import-not-at-top
   if train_fn is None:
-    from moejax.train import loop  # pylint: disable=g-import-not-at-top
-    # The trainer also shows the suite's ETA (the steps of the runs after this one), and
-    # its final evaluation is the runner's (final_eval.evaluate_state, kept in `hook`).
+    # pylint: disable=g-import-not-at-top
+    from moejax.finetune.start import finetune_start
+    from moejax.train import loop
+    # The trainer also shows the suite's ETA (the steps of the runs after this one), its
+    # final evaluation is the runner's (final_eval.evaluate_state, kept in `hook`), and
+    # arms that fine-tune start from their source (finetune_start).
     train_fn = lambda exp, path, out, eta, hook: loop.train(
         exp, path, out=out, extend=extend, then_steps=eta[0], then_seconds=eta[1],
-        final_eval=hook)
+        final_eval=hook, start=finetune_start)
   else:
     custom = train_fn
     train_fn = lambda exp, path, out, eta, hook: custom(exp, path, out=out)

@@ -5,10 +5,11 @@ Legend: n seeds of an arm, N validation documents.
 :func:`summarise_results` groups runs by a label (the arm, or
 ``<suite>/<arm>`` across directories), and per label and metric keeps the
 value of every seed with its mean and 95% interval over seeds; per label
-other than the baseline and per metric of :data:`VERDICT_METRICS` the paired
-difference with the baseline, for the validation loss the document bootstrap
-of the per-document losses, and the computed verdict; and per metric the
-suite's minimal detectable difference. The statistics are those of
+other than the baseline and per metric of
+:data:`~moejax.ablation.columns.VERDICT_METRICS` the paired difference with
+the baseline, for the validation loss the document bootstrap of the
+per-document losses, and the computed verdict; and per metric the suite's
+minimal detectable difference. The statistics are those of
 :mod:`moejax.ablation.stats` (formulas there and in docs/ablations.md).
 
 :func:`write_summary` writes, for a suite directory, ``summary.json`` (that
@@ -27,56 +28,13 @@ from typing import Callable, Iterable, Mapping, Optional, Sequence
 
 import numpy as np
 
-from moejax.ablation import final_eval, stats
+from moejax.ablation import final_eval, plots, stats, tables
 from moejax.ablation.budget import corpus_check, spread
+from moejax.ablation.columns import BUDGET_KEYS, METRICS, NOTE_KEYS, VERDICT_METRICS
 from moejax.topology.accounting import human
 
 FORMAT = 1
 SUMMARY_FILE = "summary.json"
-
-# key in result.json -> (title, unit, direction: -1 lower is better, +1 higher, 0 neither)
-METRICS = {
-    "val_loss": ("val loss", "nats/token", -1),
-    "train_loss": ("train loss", "nats/token", -1),
-    "max_vio_batch": ("MaxVio batch", "max/mean load - 1", -1),
-    "max_vio_global": ("MaxVio global", "max/mean load - 1", -1),
-    "drop_rate": ("drop rate", "share of token copies", -1),
-    "specialisation_mi_norm": ("spec. MI/H", "I(expert; domain) / H(domain)", 0),
-    "active_experts_mean": ("active experts mean", "FFN experts per token", 0),
-    "active_experts_var": ("active experts var", "(experts per token)^2", 0),
-    "soft_dispatch_entropy": ("Soft MoE dispatch entropy", "entropy / log S", 0),
-    "soft_combine_entropy": ("Soft MoE combine entropy", "entropy / log slots", 0),
-    "peer_experts_touched": ("PEER experts touched", "share of experts per batch", 0),
-    "peer_key_max_vio": ("PEER sub-key MaxVio", "max/mean use - 1", -1),
-    "mod_capacity_use": ("MoD capacity use", "share of tokens processed", 0),
-    "mod_causal_agreement": ("MoD causal agreement", "share of tokens", 0),
-    "a2a_bytes_per_token": ("a2a B/token", "bytes per token", 0),
-    "moe_latency_p50_ms": ("MoE P50 ms", "ms", 0),
-    "moe_latency_p99_ms": ("MoE P99 ms", "ms", 0),
-    "probe_teacher_forced_loss": ("probe TF loss", "nats/token", 0),
-    "probe_prefix_loss": ("probe prefix loss", "nats/token", 0),
-    "probe_leak_gap": ("leak gap", "(prefix - TF) / prefix", 0),
-}
-VERDICT_METRICS = ("val_loss", "max_vio_global", "max_vio_batch", "drop_rate",
-                   "specialisation_mi_norm", "probe_leak_gap")
-# Speed-up to a reference arm (moejax.ablation.speedup) and fine-tuning against the suite's
-# source (moejax.ablation.sources); absent from other suites' results, so not shown there.
-METRICS.update({
-    "steps_to_reference": ("steps to ref. loss", "steps", -1),
-    "speedup_steps": ("speed-up, steps", "reference steps / steps", 1),
-    "speedup_time": ("speed-up, time", "reference seconds / seconds", 1),
-    "tokens_per_s": ("tokens/s", "training tokens per second", 0),
-    "forgetting": ("forgetting", "Δ loss on pre-training domains, nats/token", -1),
-    "target_gain": ("target gain", "-Δ loss on target domains, nats/token", 1),
-    "spec_change": ("Δ spec. MI/H", "change of I(expert; domain) / H(domain)", 0),
-})
-VERDICT_METRICS = VERDICT_METRICS + ("speedup_steps", "speedup_time", "forgetting",
-                                     "target_gain", "spec_change")
-BUDGET_KEYS = (("total", "total params"), ("active", "active/token"),
-               ("flops_per_token", "FLOPs/token"), ("tokens", "train tokens"))
-NOTE_KEYS = (("a2a_bytes_per_token", "a2a_note"), ("exposed_comm", "exposed_comm_note"),
-             ("speedup_steps", "speedup_note"))
-
 
 def find_results(root: str) -> list[dict]:
   """Every ``result.json`` under ``root`` (a suite dir, an arm dir or a parent of several)."""
@@ -327,7 +285,6 @@ def write_json(obj, path: str) -> str:
 
 def write_summary(workdir: str, suite_name: str = "") -> dict:
   """summary.json, summary.md, summary.csv and plots/*.png of the suite directory."""
-  from moejax.ablation import plots, tables  # pylint: disable=g-import-not-at-top
   summary = suite_summary(workdir)
   if suite_name:
     summary["suite"] = suite_name

@@ -16,23 +16,13 @@ from __future__ import annotations
 
 from typing import Mapping, Optional
 
+from moejax.ablation.columns import (ARM_COLUMNS, BUDGET_KEYS, METRICS, NOTE_KEYS,
+                                     SPEEDUP_COLUMNS, VERDICT_METRICS, present,
+                                     skip_constant_zero)
 from moejax.ablation.scale import get_scale
-from moejax.ablation.summary import BUDGET_KEYS, METRICS, NOTE_KEYS, VERDICT_METRICS
 from moejax.topology.accounting import human
 
 _HUMAN = ("total", "active", "flops_per_token", "tokens", "a2a_bytes_per_token")
-# Columns of the arms table, in order (a column no arm has is left out).
-ARM_COLUMNS = ("val_loss", "max_vio_batch", "max_vio_global", "drop_rate",
-               "specialisation_mi_norm", "active_experts_mean", "active_experts_var",
-               "soft_dispatch_entropy", "soft_combine_entropy", "peer_experts_touched",
-               "peer_key_max_vio", "mod_capacity_use", "mod_causal_agreement",
-               "a2a_bytes_per_token", "moe_latency_p99_ms", "probe_teacher_forced_loss",
-               "probe_prefix_loss", "probe_leak_gap",
-               # fine-tuning against the suite's source (moejax.ablation.sources)
-               "target_gain", "forgetting", "spec_change")
-# The speed-up table (moejax.ablation.speedup), for suites with a speed-up reference.
-SPEEDUP_COLUMNS = ("val_loss", "steps_to_reference", "speedup_steps", "speedup_time",
-                   "tokens_per_s")
 
 
 def fmt(v: Optional[float], key: str = "") -> str:
@@ -63,22 +53,6 @@ def _cell(metric: Optional[Mapping], key: str) -> str:
   return s
 
 
-def _present(summary: Mapping, keys) -> list[str]:
-  return [k for k in keys if any(k in a["metrics"] for a in summary["arms"].values())]
-
-
-def _skip_constant_zero(summary: Mapping, keys: list[str]) -> list[str]:
-  """Drop columns that are exactly 0 for every arm (drop rate without capacity, var of top-k)."""
-  keep = []
-  for k in keys:
-    vals = [a["metrics"][k]["interval"]["mean"] for a in summary["arms"].values()
-            if k in a["metrics"]]
-    if k in ("drop_rate", "active_experts_var") and all(v == 0 for v in vals):
-      continue
-    keep.append(k)
-  return keep
-
-
 def _has_trainable(summary: Mapping) -> bool:
   """Whether some arm trains fewer parameters than it has (fine-tuning: the trainable column)."""
   return any(a["budget"].get("trainable") not in (None, a["budget"].get("total"))
@@ -87,7 +61,7 @@ def _has_trainable(summary: Mapping) -> bool:
 
 def arms_table(summary: Mapping) -> str:
   base = summary.get("baseline")
-  cols = _skip_constant_zero(summary, _present(summary, ARM_COLUMNS))
+  cols = skip_constant_zero(summary, present(summary, ARM_COLUMNS))
   trainable = _has_trainable(summary)
   head = (["arm", "seeds", "total params"] + (["trainable"] if trainable else [])
           + ["active/token"] + [METRICS[k][0] for k in cols])
@@ -105,9 +79,9 @@ def arms_table(summary: Mapping) -> str:
 
 def speedup_table(summary: Mapping) -> str:
   """Steps and time to the reference's loss, speed-ups and tokens/s (empty without them)."""
-  if not _present(summary, ("speedup_steps", "steps_to_reference")):
+  if not present(summary, ("speedup_steps", "steps_to_reference")):
     return ""
-  cols = _present(summary, SPEEDUP_COLUMNS)
+  cols = present(summary, SPEEDUP_COLUMNS)
   head = ["arm", "seeds"] + [METRICS[k][0] for k in cols]
   lines = ["| " + " | ".join(head) + " |", "|---|---:|" + "---:|" * (len(head) - 2)]
   for name, a in summary["arms"].items():

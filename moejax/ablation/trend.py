@@ -30,7 +30,7 @@ from __future__ import annotations
 
 from typing import Mapping
 
-from moejax.ablation.summary import METRICS
+from moejax.ablation.columns import METRICS
 from moejax.ablation.tables import fmt
 
 PREFIX = "trend."

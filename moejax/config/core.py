@@ -170,11 +170,12 @@ def from_dict(cls, data: Mapping[str, Any] | None, path: str = ""):
     data = data.to_dict()
   hints = typing.get_type_hints(cls)
   fields = {f.name: f for f in dataclasses.fields(cls) if f.init}
-  # A class may type a field by its siblings (routing.options by routing.kind):
-  # ``field_type(name, data)``; ``complete(kwargs)`` adds what a built config
-  # holds besides the given keys; ``resolved()`` applies knobs that build a new
-  # config (granularity). Each returns new values; nothing is set after the fact.
-  field_type = getattr(cls, "field_type", None)
+  # A class may build a field from its siblings (routing.options by routing.kind):
+  # ``build_field(name, value, data, where)`` (None: not such a field);
+  # ``complete(kwargs)`` adds what a built config holds besides the given keys;
+  # ``resolved()`` applies knobs that build a new config (granularity). Each
+  # returns new values; nothing is set after the fact.
+  build_field = getattr(cls, "build_field", None)
   kwargs = {}
   for key, value in data.items():
     where = f"{path}.{key}" if path else key
@@ -187,9 +188,9 @@ def from_dict(cls, data: Mapping[str, Any] | None, path: str = ""):
           f"valid keys: {', '.join(sorted(fields))}")
       raise ConfigError(where, value, f"unknown key for {cls.__name__}", fix)
     tp = unwrap_optional(hints[key])
-    dynamic = field_type(key, data) if field_type is not None else None
-    if dynamic is not None and isinstance(value, Mapping | type(None)):
-      value = None if value is None else options_from_dict(dynamic, value, where)
+    built = build_field(key, value, data, where) if build_field is not None else None
+    if built is not None:
+      value = built
     elif dataclasses.is_dataclass(tp) and (isinstance(value, Mapping | type(None))
                                          or hasattr(value, "to_dict")):
       value = from_dict(tp, value, where)
@@ -206,48 +207,7 @@ def _tuples(value):
   return tuple(_tuples(v) for v in value) if isinstance(value, (list, tuple)) else value
 
 
-# Option classes of every registered idea, searched when a key is unknown for
-# the kind in use (a field of another router's options names that router).
-def _owners_of(key: str) -> list[tuple[str, Any]]:
-  from moejax.config.registry import ROUTERS  # pylint: disable=g-import-not-at-top
-  out = []
-  for name in ROUTERS.names():
-    opts = ROUTERS.get(name).Options
-    for f in dataclasses.fields(opts):
-      if f.name == key:
-        out.append((name, f.default))
-  return out
 
-
-def options_from_dict(cls, data: Mapping[str, Any], path: str):
-  """An idea's options dataclass from a mapping.
-
-  A key of another kind's options is refused naming that kind, unless it has
-  that kind's default value (then it was not set: switching ``routing.kind``
-  on the command line leaves the old kind's defaults in the tree).
-  """
-  if hasattr(data, "to_dict"):
-    data = data.to_dict()
-  own = {f.name for f in dataclasses.fields(cls)}
-  kept = {}
-  for key, value in data.items():
-    if key in own:
-      kept[key] = tuple(value) if isinstance(value, list) else value
-      continue
-    owners = _owners_of(key)
-    if owners and all(value == default for _, default in owners):
-      continue
-    where = f"{path}.{key}"
-    if owners:
-      kinds = ", ".join(repr(n) for n, _ in owners)
-      raise ConfigError(where, value, f"is an option of routing.kind={kinds}, not of this "
-                        f"kind ({cls.__name__})",
-                        f"remove {key} or set the kind that reads it")
-    close = difflib.get_close_matches(key, sorted(own), n=1)
-    raise ConfigError(where, value, f"unknown option for {cls.__name__}",
-                      f"did you mean {close[0]!r}?" if close else
-                      f"valid options: {', '.join(sorted(own)) or 'none'}")
-  return cls(**kept)
 
 
 def to_dict(cfg) -> dict:

@@ -93,10 +93,15 @@ class RoutingConfig:
     return self.spec.Options() if self.options is None else self.options
 
   @classmethod
-  def field_type(cls, name: str, data: Mapping[str, Any]):
-    """The type of a field whose type depends on the others (``options`` on ``kind``)."""
-    if name == "options":
-      return reg.ROUTERS.get(data.get("kind", cls.kind), "moe.routing.kind").Options
+  def options_type(cls, data: Mapping[str, Any]) -> type:
+    """The options class of the kind ``data`` names (the spec's ``Options``)."""
+    return reg.ROUTERS.get(data.get("kind", cls.kind), "moe.routing.kind").Options
+
+  @classmethod
+  def build_field(cls, name: str, value: Any, data: Mapping[str, Any], where: str):
+    """``options`` from a mapping, typed by ``kind`` (from_dict's hook; None otherwise)."""
+    if name == "options" and (isinstance(value, Mapping) or hasattr(value, "to_dict")):
+      return reg.options_from_dict(cls.options_type(data), value, where)
     return None
 
   @classmethod
@@ -122,7 +127,7 @@ class RoutingConfig:
   def complete(cls, kwargs: dict) -> dict:
     """What a built-from-dict config holds besides the given keys: the kind's options."""
     if "options" not in kwargs:
-      kwargs = {**kwargs, "options": cls.field_type("options", kwargs)()}
+      kwargs = {**kwargs, "options": cls.options_type(kwargs)()}
     return kwargs
 
   def __post_init__(self):

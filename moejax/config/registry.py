@@ -14,14 +14,18 @@ Two kinds of name live here:
   first time a registry is read, so a config naming ``kind='topk'`` finds it
   without the caller importing the routing plane first.
 
-This module imports nothing from moejax; reading a registry imports the
-package that ships its ideas (the routing plane for routers), which is the
+This module imports only :mod:`moejax.config.core`; reading a registry imports
+the package that ships its ideas (the routing plane for routers), which is the
 one way the config learns what a kind can do.
 """
 
+import dataclasses
+import difflib
 import importlib
 import sys
 from typing import Any, Iterator
+
+from moejax.config.core import ConfigError, check_choice
 
 
 class RegistryError(ValueError):
@@ -84,7 +88,6 @@ class Registry:
     self._load()
     if isinstance(name, str) and name in self._items:
       return self._items[name]
-    from moejax.config.core import ConfigError, check_choice  # pylint: disable=g-import-not-at-top
     try:
       check_choice(field or self.field or self.what, name, self.names())
     except ConfigError as e:
@@ -198,3 +201,46 @@ MOE_SCHEDULES = ("serial", "scmoe")
 DENSE_TWINS = ("none", "active", "total")
 COMPUTE_DTYPES = ("float32", "bfloat16")
 MOD_GATES = ("sigmoid", "raw")
+
+
+# Option classes of every registered idea, searched when a key is unknown for
+# the kind in use (a field of another router's options names that router).
+def _owners_of(key: str) -> list[tuple[str, Any]]:
+  out = []
+  for name in ROUTERS.names():
+    opts = ROUTERS.get(name).Options
+    for f in dataclasses.fields(opts):
+      if f.name == key:
+        out.append((name, f.default))
+  return out
+
+
+def options_from_dict(cls, data: Any, path: str):
+  """An idea's options dataclass from a mapping.
+
+  A key of another kind's options is refused naming that kind, unless it has
+  that kind's default value (then it was not set: switching ``routing.kind``
+  on the command line leaves the old kind's defaults in the tree).
+  """
+  if hasattr(data, "to_dict"):
+    data = data.to_dict()
+  own = {f.name for f in dataclasses.fields(cls)}
+  kept = {}
+  for key, value in data.items():
+    if key in own:
+      kept[key] = tuple(value) if isinstance(value, list) else value
+      continue
+    owners = _owners_of(key)
+    if owners and all(value == default for _, default in owners):
+      continue
+    where = f"{path}.{key}"
+    if owners:
+      kinds = ", ".join(repr(n) for n, _ in owners)
+      raise ConfigError(where, value, f"is an option of routing.kind={kinds}, not of this "
+                        f"kind ({cls.__name__})",
+                        f"remove {key} or set the kind that reads it")
+    close = difflib.get_close_matches(key, sorted(own), n=1)
+    raise ConfigError(where, value, f"unknown option for {cls.__name__}",
+                      f"did you mean {close[0]!r}?" if close else
+                      f"valid options: {', '.join(sorted(own)) or 'none'}")
+  return cls(**kept)

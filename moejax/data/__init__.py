@@ -38,7 +38,7 @@ from moejax.data.documents import SEPARATOR_ID, VOCAB_SIZE, Document, Documents
 from moejax.data.labels import (CODE, COMMENT, DOCSTRING, PYTHON_DOMAINS, STRING, LabelError,
                                 label_python_source, label_spans)
 from moejax.data.packing import BatchIterator, make_batch_iterator
-from moejax.data.stats import byte_counts, domain_fractions, token_counts, unigram_cross_entropy
+from moejax.data.stats import domain_fractions, token_counts, unigram_cross_entropy
 from moejax.data.stdlib import PythonStdlib, StdlibConfig
 from moejax.data.synthetic import SYNTHETIC_DOMAINS, SyntheticConfig, SyntheticDomains
 
@@ -128,8 +128,8 @@ __all__ = [
     "DataConfig", "DatasetUnavailableError", "Document", "Documents", "LabelError",
     "PYTHON_DOMAINS", "PythonStdlib", "SEPARATOR_ID", "STRING", "SYNTHETIC_DOMAINS",
     "StdlibConfig", "SyntheticConfig", "SyntheticDomains", "TOKENIZERS", "VOCAB_SIZE",
-    "available_datasets", "builtin_builder", "byte_counts", "check_vocab_size",
-    "domain_fractions", "domain_names", "get_dataset", "label_python_source", "label_spans", "load_documents",
+    "available_datasets", "builtin_builder", "check_vocab_size", "domain_fractions",
+    "domain_names", "get_dataset", "label_python_source", "label_spans", "load_documents",
     "load_tokenizer", "loss_labels", "make_batch_iterator", "make_batches", "resolve_data_dir",
     "token_counts", "tokenizer_identity", "unigram_cross_entropy", "vocab_size",
 ]

@@ -24,8 +24,6 @@ def token_counts(docs: Documents) -> np.ndarray:
   return counts
 
 
-byte_counts = token_counts  # the byte-level name (V = 256 there)
-
 
 def unigram_cross_entropy(train: Documents, evaluation: Documents, smoothing: float = 1.0) -> float:
   """Nats per token of ``evaluation`` under add-``smoothing`` unigrams of ``train``."""

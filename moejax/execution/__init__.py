@@ -30,6 +30,7 @@ See docs/execution.md for the contracts and the measured benchmark.
 # names with their main functions, so use the modules:
 # ``from moejax.execution import gmm; gmm.gmm(...)``.
 import importlib
+import pkgutil
 
 _LAZY = {
     "BACKENDS": ("moejax.execution.registry", "GMM_BACKENDS"),
@@ -42,10 +43,8 @@ _LAZY = {
 __all__ = ["BACKENDS", "DEFAULT_BACKEND", "GmmError", "routed_experts", "routed_ffn"]
 
 
-_SUBMODULES = ("blocked", "comm", "dedup", "dispatch", "fused", "gmm", "grouped_ffn", "mesh",
-               "pallas_gather",
-               "pallas_gpu", "pallas_tpu", "parallel", "permute", "placement", "registry",
-               "tiling", "transport")
+# Every module of this directory, read from it (a hand-kept list went stale).
+_SUBMODULES = frozenset(m.name for m in pkgutil.iter_modules(__path__))
 
 
 def __getattr__(name):

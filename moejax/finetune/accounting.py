@@ -50,7 +50,7 @@ from typing import Optional
 
 import jax
 
-from moejax.finetune.config import ADAPTERS, component
+from moejax.config.finetune import ADAPTERS, component
 from moejax.train.config import ExperimentConfig
 from moejax.train.optim import frozen_components
 

@@ -17,8 +17,8 @@ import dataclasses
 from typing import Any, Mapping
 
 from moejax.config import ModelConfig, ParallelConfig, from_dict, to_dict
+from moejax.config.finetune import present_components
 from moejax.data import DataConfig, vocab_size
-from moejax.finetune.config import present_components
 from moejax.train.config import ExperimentConfig, TrainConfig, _to_config_dict_tree
 
 SECTIONS = ("data", "train", "parallel", "finetune")

@@ -97,7 +97,7 @@ class MoEFFN(nnx.Module):
 
   ``adapters``: None, or LoRA adapters on the experts / shared experts
   (:func:`moejax.nn.lora.init_moe_adapters`, attached by
-  :mod:`moejax.finetune.adapters`), merged into the weights before the layer
+  :mod:`moejax.nn.adapters`), merged into the weights before the layer
   runs (:func:`moejax.nn.lora.merge_adapters`), so every executor runs them.
   """
 

@@ -14,7 +14,7 @@ the model's blocks, what decoding does with capacity, expert choice, Soft
 MoE and mixture-of-depths), :mod:`~moejax.serve.generate` (left-padded
 batches, the sampling loop), :mod:`~moejax.serve.sampling`,
 :mod:`~moejax.serve.tokenize`, :mod:`~moejax.serve.quantize` (int8 / int4
-expert weights) and :mod:`~moejax.serve.memory` (weight and KV-cache bytes
+expert weights) and :mod:`~moejax.topology.memory` (weight and KV-cache bytes
 of any config). docs/serving.md has the measurements.
 """
 

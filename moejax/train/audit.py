@@ -41,7 +41,7 @@ from typing import Any, Optional, Sequence
 import jax
 
 from moejax.config import ModelConfig
-from moejax.finetune.adapters import lora_param_count
+from moejax.nn.adapters import lora_param_count
 from moejax.topology import accounting
 from moejax.train.config import ExperimentConfig
 

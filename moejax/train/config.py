@@ -18,8 +18,8 @@ from typing import Any, Mapping, Optional
 from moejax.config import (ConfigError, ModelConfig, ParallelConfig, check_count, check_experts,
                            check_fraction, check_number, check_positive, from_dict,
                            resolve_route_limit, to_dict, unwrap_optional)
+from moejax.config.finetune import FinetuneConfig, resolve_model
 from moejax.data import DataConfig, check_vocab_size
-from moejax.finetune.config import FinetuneConfig, resolve_model
 from moejax.model import check_buildable, dense_twin
 
 
@@ -103,7 +103,7 @@ class TrainConfig:
 @dataclasses.dataclass(frozen=True)
 class ExperimentConfig:
   """One training run: the model, its data, its optimisation, its device layout and, for a
-  fine-tuning run, where it starts from (``finetune``, :mod:`moejax.finetune.config`).
+  fine-tuning run, where it starts from (``finetune``, :mod:`moejax.config.finetune`).
 
   ``parallel`` (:class:`moejax.config.ParallelConfig`): the default
   (``expert=1``) is data parallelism over every device. ``expert > 1`` runs

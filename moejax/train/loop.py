@@ -23,8 +23,9 @@ reports its final numbers from ``metrics.jsonl``.
 NaN / inf (:mod:`moejax.train.guard`): every step's loss and gradient norm
 are checked when metrics are next read back (every log, eval and checkpoint
 step), and the whole state (params, optimizer state, router state) before
-every checkpoint; a failure stops the run with :class:`NonFiniteLossError`
-naming the newest checkpoint on disk, which passed the same check.
+every checkpoint; a failure stops the run with
+:class:`~moejax.train.guard.NonFiniteError` naming the newest checkpoint on
+disk, which passed the same check.
 """
 
 from __future__ import annotations
@@ -46,8 +47,6 @@ from moejax.evaluate.validation import evaluate, make_eval_step
 from moejax.execution import gmm
 from moejax.execution import mesh as mesh_lib
 from moejax.execution import parallel as parallel_lib
-from moejax.finetune import accounting as accounting_lib
-from moejax.finetune import source as source_lib
 from moejax.model import ExpertParallel
 from moejax.train import audit as audit_lib
 from moejax.train import checkpoint as ckpt_lib
@@ -56,10 +55,9 @@ from moejax.train import lock as lock_lib
 from moejax.train import metrics_log
 from moejax.train import step as step_lib
 from moejax.train.config import ExperimentConfig
+from moejax.train.context import RunContext, StartHook, check_start
 from moejax.train.optim import make_optimizer
 
-# The former name of guard.NonFiniteError (a NaN/inf loss, gradient norm or state).
-NonFiniteLossError = guard.NonFiniteError
 # Key of the checkpoint's data item holding the metric rows logged since the
 # last train row, so a resumed run's first row averages the same steps.
 WINDOW_KEY = "unlogged_metrics"
@@ -123,7 +121,7 @@ def device_layout(cfg: ExperimentConfig) -> DeviceLayout:
   :func:`moejax.execution.mesh.make_mesh`; the batch rows are split over every
   axis, the routed expert weights (and their optimizer moments) over
   'expert' (d over 'fsdp'), everything else is replicated, and the model's
-  MoE layers run :func:`moejax.execution.parallel.ep_moe_layer` on the mesh.
+  MoE layers run :func:`moejax.layer.ep_moe_layer` on the mesh.
   """
   pcfg, n = cfg.parallel, jax.device_count()
   pcfg.axis_sizes(n)  # ConfigError naming the axes when their product is not n
@@ -178,7 +176,8 @@ def _mean_rows(rows: list[dict]) -> dict[str, float]:
 def train(cfg: ExperimentConfig, workdir: str, *, out: TextIO = sys.stdout,
           extend: bool = False, then_steps: int = 0,
           then_seconds: Optional[float] = None,
-          final_eval: Optional[Callable] = None) -> dict:
+          final_eval: Optional[Callable] = None,
+          start: Optional[StartHook] = None) -> dict:
   """Trains (or resumes) the run in ``workdir``; returns a summary dict.
 
   Args:
@@ -195,6 +194,10 @@ def train(cfg: ExperimentConfig, workdir: str, *, out: TextIO = sys.stdout,
       :func:`moejax.evaluate.validation.summarise` over the whole split): the
       ablation runner passes its per-document evaluation, so the split is
       read once per run instead of twice. None: the trainer's own.
+    start: how the run starts when it does not start from its
+      initialisation (:class:`moejax.train.context.StartHook`); a
+      fine-tuning config needs one (``moejax.finetune.start.finetune_start``),
+      a run from scratch ignores it.
 
   Returns:
     ``{"step", "train_loss", "val_loss", "unigram_baseline",
@@ -212,6 +215,7 @@ def train(cfg: ExperimentConfig, workdir: str, *, out: TextIO = sys.stdout,
 
   # --- 1. Read-only checks. -------------------------------------------------
   check_runnable(cfg)
+  check_start(cfg, start)
   layout = device_layout(cfg)
   lead = jax.process_index() == 0   # writes the workdir for every process of the run
   if lead:  # the other processes run under the lock process 0 takes
@@ -236,14 +240,10 @@ def train(cfg: ExperimentConfig, workdir: str, *, out: TextIO = sys.stdout,
       for change in plan.changes:
         say(f"  (not recorded: {change})")
       return report(workdir, _summary(workdir), say)
-  source = None
-  if cfg.finetune.enabled:
-    if restored is None:  # a fine-tuning run starts from its source (checked here, read-only)
-      source = source_lib.open_source(cfg)
-      for note in source.notes:
-        say(f"note: this run's model differs from its source in {note}")
-    say(f"fine-tuning ({_options(cfg)}); accounting before training:")
-    say(accounting_lib.table({"this run": accounting_lib.accounting(cfg, abstract.params, tx)}))
+  initial = None
+  if start is not None:  # fine-tuning: checks (and opens) its source, says its accounting
+    initial = start(cfg, fresh=restored is None, abstract_params=abstract.params, tx=tx,
+                    say=say)
   # Process 0 first: a dataset prepared on first use is written once, then read
   # by the others (a shared data_dir would otherwise be prepared concurrently).
   # The barrier also orders every process's read-only checks above before
@@ -274,9 +274,12 @@ def train(cfg: ExperimentConfig, workdir: str, *, out: TextIO = sys.stdout,
     writer = metrics_log.MetricsWriter(workdir, restored.step if restored else 0, enabled=lead)
     progress = metrics_log.Progress(tc.steps, out=out, enabled=tc.progress,
                                     then_steps=then_steps, then_seconds=then_seconds)
+    ctx = RunContext(cfg=cfg, workdir=workdir, graphdef=graphdef, tx=tx, restored=restored,
+                     train_it=train_it, val_docs=val_docs, ckpt=ckpt, writer=writer,
+                     progress=progress, say=say, layout=layout, final_eval=final_eval,
+                     initial=initial)
     try:
-      step = _run(cfg, workdir, graphdef, tx, restored, train_it, val_docs, ckpt, writer,
-                  progress, say, layout, final_eval, source)
+      step = _run(ctx)
     except guard.NonFiniteError as e:
       _history(workdir, "stopped", reason=str(e).split(":")[0],
                               train_seconds=progress.train_seconds)
@@ -294,18 +297,6 @@ def _sync(name: str) -> None:
   """A barrier of every process of a multi-process run (nothing on one process)."""
   if jax.process_count() > 1:
     multihost_utils.sync_global_devices(name)
-
-
-def _options(cfg: ExperimentConfig) -> str:
-  ft = cfg.finetune
-  parts = [f"from {ft.source}"]
-  if ft.freeze:
-    parts.append(f"frozen: {', '.join(ft.freeze)}")
-  if ft.lora:
-    parts.append(f"LoRA rank {ft.lora_rank} (x{ft.lora_scale:g}) on {', '.join(ft.lora)}")
-  if ft.controller != "auto":
-    parts.append(f"bias controller {ft.controller}")
-  return "; ".join(parts)
 
 
 def _record_start(workdir, cfg, plan, restored, say) -> None:
@@ -388,31 +379,39 @@ def report(workdir: str, summary: dict, say) -> dict:
   return summary
 
 
-def _run(cfg, workdir, graphdef, tx, restored, train_it, val_docs, ckpt, writer, progress, say,
-         layout, final_eval=None, source=None) -> int:
-  """The steps; returns the last step done."""
-  tc = cfg.train
-  put_batch, put_state = layout.put_batch, layout.put_state
-  unigram = data_lib.unigram_cross_entropy(train_it.docs, val_docs)
-  window: list[dict] = []     # host metrics since the last log line
-  if restored is None:
-    _, state = step_lib.init_state(cfg, tx, layout.expert_parallel)
-    start = 0
+def _first_state(ctx: RunContext, unigram: float):
+  """(placed state, unlogged metric rows, its step): fresh (initialised, then
+  ``ctx.initial``) or from the restored checkpoint, whose data position it restores."""
+  cfg, workdir, say = ctx.cfg, ctx.workdir, ctx.say
+  if ctx.restored is None:
+    _, state = step_lib.init_state(cfg, ctx.tx, ctx.layout.expert_parallel)
     n_params = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(state.params))
-    say(f"{workdir}: new run, {n_params / 1e6:.2f}M params, {tc.steps} steps of "
+    say(f"{workdir}: new run, {n_params / 1e6:.2f}M params, {cfg.train.steps} steps of "
         f"{cfg.data.batch_size}x{cfg.data.seq_len} tokens on {cfg.data.name}; "
         f"unigram baseline {unigram:.3f} nats/token")
-    if source is not None:
-      state = source.apply(state, tx)
-      say(f"{workdir}: initialised from {source.describe()}")
-  else:
-    state = step_lib.TrainState(**restored.tree)
-    data_state = dict(restored.data_state)
-    window = list(data_state.pop(WINDOW_KEY, []))
-    train_it.set_state(data_state)
-    start = int(state.step)
-    say(f"{workdir}: resumed from checkpoint at step {start}")
-  state = put_state(state)
+    if ctx.initial is not None:
+      state = ctx.initial.apply(state, ctx.tx)
+      say(f"{workdir}: initialised from {ctx.initial.describe()}")
+    return ctx.layout.put_state(state), [], 0
+  state = step_lib.TrainState(**ctx.restored.tree)
+  data_state = dict(ctx.restored.data_state)
+  window = list(data_state.pop(WINDOW_KEY, []))
+  ctx.train_it.set_state(data_state)
+  start = int(state.step)
+  say(f"{workdir}: resumed from checkpoint at step {start}")
+  return ctx.layout.put_state(state), window, start
+
+
+def _run(ctx: RunContext) -> int:
+  """The steps of the run described by ``ctx``; returns the last step done."""
+  cfg, workdir, say = ctx.cfg, ctx.workdir, ctx.say
+  train_it, val_docs, ckpt, writer, progress = (ctx.train_it, ctx.val_docs, ctx.ckpt,
+                                                ctx.writer, ctx.progress)
+  graphdef, tx, final_eval = ctx.graphdef, ctx.tx, ctx.final_eval
+  put_batch = ctx.layout.put_batch
+  tc = cfg.train
+  unigram = data_lib.unigram_cross_entropy(train_it.docs, val_docs)
+  state, window, start = _first_state(ctx, unigram)  # window: host metrics not yet logged
 
   train_step = step_lib.make_train_step(graphdef, cfg, tx)
   eval_step = make_eval_step(graphdef, cfg.model, len(val_docs.domain_names))
@@ -506,7 +505,7 @@ def _check_rows(rows: list[dict], step: int, ckpt, workdir: str) -> None:
   if bad is None:
     return
   at, key, row = bad
-  raise NonFiniteLossError(
+  raise guard.NonFiniteError(
       f"{'loss' if key == 'loss' else 'gradient norm'} is {row[key]} at step {at} (loss "
       f"{row.get('loss')}, cross-entropy {row.get('ce')}, aux {row.get('aux_loss')}, grad norm "
       f"{row.get('grad_norm')}): stopping; nothing was saved after it, "
@@ -517,7 +516,7 @@ def _check_state(tree, step: int, ckpt, workdir: str) -> None:
   bad = guard.nonfinite_leaves(tree)
   if not bad:
     return
-  raise NonFiniteLossError(
+  raise guard.NonFiniteError(
       f"the train state after step {step} is not finite ({guard.describe(bad)}), though every "
       f"loss and gradient norm up to it was: stopping without saving it; "
       f"{_last_good(ckpt, workdir)}. Fix: a router_state leaf points at the bias controller "

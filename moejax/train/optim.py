@@ -11,7 +11,7 @@ shrink them by ``lr * weight_decay`` every step. They then stay
 bit-identical, and the train step zeroes their gradients
 (:func:`frozen_gradients`), so they neither count in the gradient norm nor
 cost a weight gradient. What is frozen, by the components of
-:func:`moejax.finetune.config.component`:
+:func:`moejax.config.finetune.component`:
 
 - the MoE routers of a model with ``model.moe.routing.freeze`` (the router
   also stops its own gradient, and its bias controller stops);
@@ -28,7 +28,7 @@ import jax.numpy as jnp
 import optax
 
 from moejax.config import ModelConfig
-from moejax.finetune.config import FinetuneConfig, component
+from moejax.config.finetune import FinetuneConfig, component
 from moejax.train.config import TrainConfig
 
 # Where the freeze switch lives in a ModelConfig. The router params live in
@@ -64,7 +64,7 @@ def _key_name(k) -> str:
 
 def frozen_components(model: Optional[ModelConfig],
                       finetune: Optional[FinetuneConfig] = None) -> frozenset:
-  """The components (:func:`moejax.finetune.config.component`) that do not train."""
+  """The components (:func:`moejax.config.finetune.component`) that do not train."""
   out = set()
   if router_frozen(model):
     out.add("router")

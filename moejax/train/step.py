@@ -27,10 +27,10 @@ import jax.numpy as jnp
 import optax
 from flax import nnx, struct
 
-from moejax.finetune import adapters as adapters_lib
 from moejax.model import ExpertParallel, RouterStateVar, Transformer
-from moejax.train.config import ExperimentConfig
+from moejax.nn import adapters as adapters_lib
 from moejax.nn.losses import masked_cross_entropy
+from moejax.train.config import ExperimentConfig
 from moejax.train.optim import frozen_gradients, learning_rate_schedule
 
 Batch = dict[str, jax.Array]

@@ -35,7 +35,7 @@ def test_a2a_uneven_placement_and_one_device():
 def test_layer_kind_metrics_reach_the_result_and_the_table(tmp_path):
   """Soft MoE / PEER / MoD metrics logged in training are averaged into result.json
   and get a column in the suite tables."""
-  from moejax.ablation import runner, tables
+  from moejax.ablation import columns, runner
   from moejax.train import metrics_log
   writer = metrics_log.MetricsWriter(str(tmp_path))
   for step, ent in ((1, 0.9), (2, 0.5), (3, 0.3), (4, 0.1)):
@@ -45,4 +45,4 @@ def test_layer_kind_metrics_reach_the_result_and_the_table(tmp_path):
   out = runner.train_metrics(str(tmp_path))
   assert out["soft_dispatch_entropy"] == pytest.approx((0.3 + 0.1) / 2)  # second half
   assert out["mod_capacity_use"] == 0.25
-  assert {"soft_dispatch_entropy", "mod_capacity_use"} <= set(tables.ARM_COLUMNS)
+  assert {"soft_dispatch_entropy", "mod_capacity_use"} <= set(columns.ARM_COLUMNS)

@@ -7,6 +7,7 @@ import io
 import jax
 import pytest
 
+from moejax.finetune.start import finetune_start
 from moejax.train import loop
 from tests.train import helpers
 
@@ -69,5 +70,5 @@ def ft_run(tmp_path_factory, ft_data_dir, source_run):
                             finetune__lora=("attention", "experts"),
                             finetune__lora_rank=4)
   out = io.StringIO()
-  loop.train(cfg, workdir, out=out)
+  loop.train(cfg, workdir, out=out, start=finetune_start)
   return cfg, workdir, out.getvalue()

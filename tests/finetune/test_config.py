@@ -9,7 +9,7 @@ import pytest
 from flax import nnx
 
 from moejax.config import ConfigError, apply_overrides
-from moejax.finetune import config as ft_config
+from moejax.config import finetune as ft_config
 from moejax.model import Transformer
 from moejax.train.config import experiment_from_dict, experiment_to_json
 from tests.train import helpers

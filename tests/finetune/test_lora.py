@@ -13,7 +13,7 @@ from flax import nnx
 
 from moejax.config import apply_overrides
 from moejax.finetune import adapters as adapters_lib
-from moejax.finetune.config import present_components
+from moejax.config.finetune import present_components
 from moejax.model import Transformer
 from moejax.nn import lora as lora_lib
 from tests.train import helpers

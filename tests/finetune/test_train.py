@@ -15,6 +15,7 @@ import moejax
 from moejax import data as data_lib
 from moejax.config import ConfigError
 from moejax.finetune import source as source_lib
+from moejax.finetune.start import finetune_start
 from moejax.nn import lora as lora_lib
 from moejax.train import loop, metrics_log
 from moejax.train import step as step_lib
@@ -106,7 +107,7 @@ def test_resume_mid_fine_tune_repeats_the_same_steps_without_the_source(ft_run, 
   monkeypatch.setattr(source_lib, "open_source",
                       lambda cfg: pytest.fail("a resumed fine-tune opened its source"))
   out = io.StringIO()
-  loop.train(cfg, copy, out=out)
+  loop.train(cfg, copy, out=out, start=finetune_start)
   assert "resumed from checkpoint at step 3" in out.getvalue()
   want = {r["step"]: r for r in metrics_log.read_metrics(workdir, "train")}
   got = {r["step"]: r for r in metrics_log.read_metrics(copy, "train")}
@@ -127,7 +128,7 @@ def test_a_source_of_another_model_shape_is_refused_before_any_write(source_run,
   with pytest.raises(ConfigError, match=r"^finetune\.source='.*': its model has other parameter "
                                         r"shapes than this run's \(params .*: source \(.*\), "
                                         r"here \(.*\); model\.d_model: source 32, here 64\)") as e:
-    loop.train(cfg, workdir, out=io.StringIO())
+    loop.train(cfg, workdir, out=io.StringIO(), start=finetune_start)
   assert "\n" not in str(e.value)
   assert not os.path.exists(workdir)
 
@@ -139,7 +140,7 @@ def test_a_source_of_another_model_shape_is_refused_before_any_write(source_run,
 def test_a_source_that_is_not_a_run_is_refused(ft_data_dir, tmp_path, make, match):
   cfg = finetune_experiment(ft_data_dir, make(tmp_path))
   with pytest.raises(ConfigError, match=match):
-    loop.train(cfg, str(tmp_path / "ft"), out=io.StringIO())
+    loop.train(cfg, str(tmp_path / "ft"), out=io.StringIO(), start=finetune_start)
   assert not os.path.exists(tmp_path / "ft")
 
 
@@ -149,3 +150,16 @@ def test_source_step_must_be_a_kept_checkpoint(source_run, ft_data_dir):
   with pytest.raises(ConfigError, match=r"finetune\.source_step=5: .* no checkpoint there\. "
                                         r"Fix: pick one of \[12\]"):
     source_lib.open_source(cfg)
+
+
+def test_the_trainer_refuses_a_fine_tune_without_its_start_hook(source_run, ft_data_dir,
+                                                                tmp_path):
+  """moejax.train imports nothing of moejax.finetune: a fine-tuning config given to the trainer
+  without the hook that loads its source is refused, not trained from scratch."""
+  _, source = source_run
+  cfg = finetune_experiment(ft_data_dir, source)
+  workdir = str(tmp_path / "never")
+  with pytest.raises(ConfigError, match=r"^finetune\.source='.*': names a run to fine-tune, but "
+                                        r"the trainer was given no start hook"):
+    loop.train(cfg, workdir, out=io.StringIO())
+  assert not os.path.exists(workdir)

@@ -46,7 +46,7 @@ def test_huge_learning_rate_stops_at_the_nan_gradient_and_names_a_finite_checkpo
   cfg = helpers.experiment("tiny", data_dir, train__learning_rate=1e6, train__checkpoint_every=1,
                            train__keep_checkpoints=50, train__eval_every=0)
   workdir = str(tmp_path / "run")
-  with pytest.raises(loop.NonFiniteLossError,
+  with pytest.raises(guard.NonFiniteError,
                      match=r"gradient norm is nan at step 3 .*last good checkpoint.* is step 2"):
     loop.train(cfg, workdir, out=io.StringIO())
   assert ckpt_lib.checkpoint_steps(workdir) == [1, 2]
@@ -79,7 +79,7 @@ def test_a_router_bias_gone_inf_is_never_checkpointed(tmp_path, data_dir, monkey
   monkeypatch.setattr(loop.step_lib, "make_train_step", poisoned)
   cfg = helpers.experiment("tiny", data_dir, train__checkpoint_every=5, train__eval_every=0)
   workdir = str(tmp_path / "run")
-  with pytest.raises(loop.NonFiniteLossError, match=(
+  with pytest.raises(guard.NonFiniteError, match=(
       r"state after step 10 is not finite \(router_state: 1 leaf "
       r"\(blocks/0/ffn/router_state/bias\)\).*last good checkpoint.* is step 5")):
     loop.train(cfg, workdir, out=io.StringIO())

@@ -17,7 +17,7 @@ import pytest
 
 from moejax.data import DatasetUnavailableError
 from moejax.train import checkpoint as ckpt_lib
-from moejax.train import loop, metrics_log
+from moejax.train import guard, loop, metrics_log
 from moejax.train.optim import make_optimizer
 from moejax.train import step as step_lib
 from tests.train import helpers
@@ -103,7 +103,7 @@ def test_nan_loss_stops_the_run_and_keeps_the_last_good_checkpoint(tmp_path, dat
   cfg = helpers.experiment("tiny", data_dir, train__nan_at_step=13, train__checkpoint_every=5,
                            train__eval_every=0)
   workdir = str(tmp_path / "run")
-  with pytest.raises(loop.NonFiniteLossError,
+  with pytest.raises(guard.NonFiniteError,
                      match=r"loss is nan at step 13 .*last good checkpoint .*is step 10"):
     loop.train(cfg, workdir, out=io.StringIO())
   assert ckpt_lib.checkpoint_steps(workdir) == [5, 10]

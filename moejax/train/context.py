@@ -1,0 +1,113 @@
+"""What the training loop's steps run with (:class:`RunContext`) and how a run may start.
+
+:func:`moejax.train.loop.train` does its read-only checks, takes the
+workdir and then hands one frozen :class:`RunContext` to the step loop,
+instead of fourteen positional arguments whose order every caller had to
+know.
+
+A run that does not start from a random initialisation (fine-tuning) is
+the trainer's business only through two small protocols, so that
+:mod:`moejax.train` needs nothing of the packages built on it:
+
+- :class:`StartHook`: called with the read-only checks, on every start and
+  resume; it checks and describes how the run starts and, for a fresh run,
+  returns an :class:`InitialState`. :func:`moejax.finetune.start.finetune_start`
+  is the one the binaries pass (it opens and checks the source and prints
+  the run's accounting);
+- :class:`InitialState`: turns the freshly initialised state into the run's
+  first state (:class:`moejax.finetune.source.Source`: the source's weights
+  and router state, a new optimizer state).
+
+A config with ``finetune.source`` set and no hook is refused
+(:func:`check_start`) rather than silently trained from scratch.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable, Optional, Protocol
+
+import optax
+
+from moejax.config import ConfigError
+from moejax.train import checkpoint as ckpt_lib
+from moejax.train import metrics_log
+from moejax.train.config import ExperimentConfig
+
+
+class InitialState(Protocol):
+  """A fresh run's first state from its initialised one (see the module docstring)."""
+
+  def apply(self, state: Any, tx: optax.GradientTransformation) -> Any:
+    """``state`` (a fresh :class:`~moejax.train.step.TrainState`) as the run starts it."""
+
+  def describe(self) -> str:
+    """Where the state comes from, for the ``initialised from ...`` line."""
+
+
+class StartHook(Protocol):
+  """Checks how a run starts; returns its :class:`InitialState` (None: the initialisation).
+
+  Called before anything is written, with the run's config, whether the run
+  starts fresh (no checkpoint to resume), the abstract params and optimizer
+  (for accounting) and the loop's ``say``. It may raise ConfigError.
+  """
+
+  def __call__(self, cfg: ExperimentConfig, *, fresh: bool, abstract_params: Any,
+               tx: optax.GradientTransformation,
+               say: Callable[[str], None]) -> Optional[InitialState]:
+    ...
+
+
+def check_start(cfg: ExperimentConfig, start: Optional[StartHook]) -> None:
+  """ConfigError when ``cfg`` fine-tunes but nothing would load its source."""
+  if cfg.finetune.enabled and start is None:
+    raise ConfigError("finetune.source", cfg.finetune.source,
+                      "names a run to fine-tune, but the trainer was given no start hook to "
+                      "load it (moejax.train does not import moejax.finetune)",
+                      "run experiments.finetune, or pass "
+                      "start=moejax.finetune.start.finetune_start to moejax.train.loop.train")
+
+
+@dataclasses.dataclass(frozen=True)
+class RunContext:
+  """Everything the step loop of one run works with, fixed once the workdir is held.
+
+  Attributes:
+    cfg: the run's (validated, resolved) experiment config.
+    workdir: the run's directory (moejax.train.checkpoint).
+    graphdef: the model's static graph (:func:`moejax.train.step.abstract_state`).
+    tx: the run's optimizer (:func:`moejax.train.optim.make_optimizer`).
+    restored: the checkpoint resumed from (:class:`moejax.train.checkpoint.Restored`),
+      or None for a fresh run.
+    train_it: the training batch iterator (``moejax.data.make_batches``); its
+      position is restored on resume and saved with every checkpoint.
+    val_docs: the validation documents (``moejax.data.load_documents``).
+    ckpt: the :class:`moejax.train.checkpoint.Checkpointer` of the workdir.
+    writer: the :class:`moejax.train.metrics_log.MetricsWriter` of the workdir.
+    progress: the :class:`moejax.train.metrics_log.Progress` line.
+    say: prints one line of the run's output.
+    layout: the :class:`moejax.train.loop.DeviceLayout` (mesh and placement; typed
+      loosely here, as the loop that defines it imports this module).
+    final_eval: ``(params, router_state, other) -> metrics`` replacing the
+      trainer's whole-split evaluation at the last step, or None (the
+      trainer's own).
+    initial: what a fresh run's initialised state becomes (an
+      :class:`InitialState` from the :class:`StartHook`; fine-tuning: the
+      source), or None (the initialisation itself).
+  """
+
+  cfg: ExperimentConfig
+  workdir: str
+  graphdef: Any
+  tx: optax.GradientTransformation
+  restored: Optional[ckpt_lib.Restored]
+  train_it: Any
+  val_docs: Any
+  ckpt: ckpt_lib.Checkpointer
+  writer: metrics_log.MetricsWriter
+  progress: metrics_log.Progress
+  say: Callable[[str], None]
+  layout: Any
+  final_eval: Optional[Callable] = None
+  initial: Optional[InitialState] = None
