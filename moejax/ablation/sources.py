@@ -62,7 +62,7 @@ def resolve(suite: Suite, exp: ExperimentConfig, seed: int, workdir: str) -> Exp
   if exp.finetune.source != SUITE_SOURCE:
     return exp
   path = source_dirs(suite, workdir)[seed]
-  return dataclasses.replace(exp, finetune=dataclasses.replace(exp.finetune, source=path))
+  return dataclasses.replace(exp, finetune=dataclasses.replace(exp.finetune, source=path)).resolved()
 
 
 def _read(path: str) -> Optional[dict]:

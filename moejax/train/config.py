@@ -110,12 +110,16 @@ class ExperimentConfig:
   every MoE layer expert-parallel (``ep_moe_layer``) on a ('data', 'fsdp',
   'expert') mesh; the device count is checked when the run starts.
 
-  Built configs are resolved: ``model.dense_twin`` has replaced the MoE by
-  its dense twin, and node/device-limited routing (``parallel.route_limit``)
-  is written into ``model.moe.routing``, and the fine-tuning options into
-  the model they apply to (a frozen router's ``routing.freeze``, the bias
-  controller's ``balance.bias_freeze_step``), so the saved config.json says
-  exactly what runs, and resolving it again changes nothing.
+  Built configs are resolved (:meth:`resolved`, a new config; ``from_dict``
+  and so every config file, ``config.json`` and override return it):
+  ``model.dense_twin`` has replaced the MoE by its dense twin, node/device-
+  limited routing (``parallel.route_limit``) is written into
+  ``model.moe.routing``, and the fine-tuning options into the model they
+  apply to (a frozen router's ``routing.freeze``, the bias controller's
+  ``balance.bias_freeze_step``), so the saved config.json says exactly what
+  runs, and resolving it again changes nothing. Construction only checks
+  (the resolved model); it never rewrites a field. The trainer resolves a
+  config built in Python (or by ``dataclasses.replace``) before it runs.
   """
 
   model: ModelConfig = dataclasses.field(default_factory=ModelConfig)
@@ -124,21 +128,28 @@ class ExperimentConfig:
   parallel: ParallelConfig = dataclasses.field(default_factory=ParallelConfig)
   finetune: FinetuneConfig = dataclasses.field(default_factory=FinetuneConfig)
 
-  def __post_init__(self):
+  def _resolved_model(self) -> ModelConfig:
     model = self.model
     if model.dense_twin != "none" and model.moe is not None:
       model = dense_twin(model, model.dense_twin)
     if model.moe is not None and self.parallel.route_limit != "none":
       model = dataclasses.replace(model, moe=resolve_route_limit(model.moe, self.parallel))
-    model = resolve_model(model, self.finetune)
-    object.__setattr__(self, "model", model)
-    check_buildable(self.model)
+    return resolve_model(model, self.finetune)
+
+  def resolved(self) -> "ExperimentConfig":
+    """This config with its model resolved (``self`` when it already is)."""
+    model = self._resolved_model()
+    return self if model == self.model else dataclasses.replace(self, model=model)
+
+  def __post_init__(self):
+    model = self._resolved_model()  # every check reads what will run
+    check_buildable(model)
     if self.data.batch_size % self.train.microbatches:
       raise ConfigError("train.microbatches", self.train.microbatches,
                         f"does not divide data.batch_size={self.data.batch_size}",
                         "pick a divisor of the batch size")
-    check_vocab_size(self.model.vocab_size, self.data)  # the tokenizer's V (moejax.data)
-    _check_parallel(self.parallel, self.model)
+    check_vocab_size(model.vocab_size, self.data)  # the tokenizer's V (moejax.data)
+    _check_parallel(self.parallel, model)
 
 
 def _check_parallel(pcfg: ParallelConfig, model: ModelConfig) -> None:

@@ -210,6 +210,7 @@ def train(cfg: ExperimentConfig, workdir: str, *, out: TextIO = sys.stdout,
     guard.NonFiniteError: a NaN/inf loss, gradient norm or state (checkpoints
     before it kept).
   """
+  cfg = cfg.resolved()  # a config built in Python or by replace(): what will run
   tc = cfg.train
   say = lambda text: print(text, file=out, flush=True)
 
