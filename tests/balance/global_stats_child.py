@@ -8,9 +8,12 @@ with a message on the first mismatch.
 """
 
 import os
+import pathlib
 import sys
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+# The package of this checkout, not whichever one the interpreter has installed.
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[2]))
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
