@@ -131,7 +131,7 @@ def run_shape(shape: str, repeats: int) -> dict:
   def step(layer):
     def loss(p, x):
       y, aux = layer(p, x)
-      return jnp.vdot(y, cot) + aux["losses"]["total"], aux
+      return jnp.vdot(y, cot) + aux.losses["total"], aux
     return jax.jit(jax.value_and_grad(loss, (0, 1), has_aux=True))
 
   dev0 = jax.devices()[0]
@@ -146,8 +146,8 @@ def run_shape(shape: str, repeats: int) -> dict:
     pp, xx = mesh_lib.shard_params(params, mesh), mesh_lib.shard_batch(x, mesh)
     fns[name] = lambda f=f, pp=pp, xx=xx: f(pp, xx)
     (_, aux), _ = f(pp, xx)
-    meta[name] = {key: float(aux["execution"]["comm"][key]) for key in COMM_KEYS}
-    meta[name]["num_dropped"] = int(aux["num_dropped"])
+    meta[name] = {key: float(aux.execution["comm"][key]) for key in COMM_KEYS}
+    meta[name]["num_dropped"] = int(aux.num_dropped)
   timed = _time(fns, repeats)
   rows = {}
   for name, sec in timed.items():

@@ -215,10 +215,10 @@ def hf_rows(model_type: str, schemes) -> dict:
       def fn(_module, args, out):
         y_hf = out[0] if isinstance(out, tuple) else out
         x = jnp.asarray(args[0].detach().float().numpy())
-        y, _, aux = apply(params_by_layer[i], x, blocks[i].state, blocks[i].cfg)
+        y, aux = apply(params_by_layer[i], x, blocks[i].state, blocks[i].cfg)
         b, s = x.shape[:2]
-        routing[i] = (np.asarray(aux["routing"].expert_ids).reshape(b, s, -1),
-                      np.asarray(aux["routing"].valid).reshape(b, s, -1))
+        routing[i] = (np.asarray(aux.routing.expert_ids).reshape(b, s, -1),
+                      np.asarray(aux.routing.valid).reshape(b, s, -1))
         parity[0] = max(parity[0], float(np.max(np.abs(np.asarray(y) -
                                                        y_hf.detach().float().numpy()))))
         new = torch.from_numpy(np.array(y, np.float32))

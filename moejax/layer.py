@@ -26,12 +26,13 @@ One token's walk through a routed (``kind='sparse'``) layer:
 4. topology plane: zero-computation and shared experts are added per token.
 
 Nothing is stored on the side and nothing is updated: ``state`` (the router
-bias) is read, never written. ``aux['router_load']`` is the controller's
+bias) is read, never written. ``aux.router_load`` is the controller's
 input; the train step applies :func:`moejax.balance.controller.update_bias`
 once per optimizer step on the loads of the whole global batch, outside the
 differentiated function.
 
-``aux``: ``losses`` (weighted, with ``total``: what the trainer adds to the
+``aux``: a :class:`~moejax.balance.aux.MoEAux` (the fields a kind does not
+fill are None): ``losses`` (weighted, with ``total``: what the trainer adds to the
 objective), ``metrics`` (per layer kind, see :mod:`moejax.balance.metrics`),
 and for routed layers ``load`` f32[E] and ``router_load`` f32[E_r] (token
 copies the router sent, before capacity, summed over ``axis_names``),
@@ -52,6 +53,7 @@ import jax.numpy as jnp
 from jax.sharding import Mesh, PartitionSpec as P
 
 from moejax.balance import capacity as capacity_lib
+from moejax.balance.aux import MoEAux
 from moejax.balance import losses, metrics, stats
 from moejax.config import MoEConfig, ParallelConfig
 from moejax.config.registry import LAYERS
@@ -136,17 +138,16 @@ def _sparse_layer(params, x, shared_x, state, cfg, *, token_ids, rng, train, axi
   y, extras = executor(params["experts"], x, kept, width_mask=width_mask, capacity=cap)
   y = y + token_local_experts(params, x, shared_x, kept, cfg)
   router_load = metrics.expert_load(decision, cfg.num_routed, axis_names)
-  aux = {
-      "losses": losses.balance_losses(decision, cfg, batch_shape=batch_shape,
-                                       axis_names=axis_names),
-      "metrics": metrics.routing_metrics(decision, cfg, dropped=dropped,
-                                         axis_names=axis_names),
-      "load": router_load[: cfg.num_experts],
-      "router_load": router_load,
-      "num_dropped": stats.psum(jnp.sum(dropped, dtype=jnp.int32), axis_names),
-      "routing": kept,
-      "execution": extras,
-  }
+  aux = MoEAux.for_kind(
+      "sparse",
+      losses=losses.balance_losses(decision, cfg, batch_shape=batch_shape,
+                                   axis_names=axis_names),
+      metrics=metrics.routing_metrics(decision, cfg, dropped=dropped, axis_names=axis_names),
+      load=router_load[: cfg.num_experts],
+      router_load=router_load,
+      num_dropped=stats.psum(jnp.sum(dropped, dtype=jnp.int32), axis_names),
+      routing=kept,
+      execution=extras)
   return y, aux
 
 
@@ -170,15 +171,17 @@ def _soft_layer(params, x, cfg, batch_shape, axis_names):
 
   y, dispatch, combine = jax.vmap(one)(xs)
   zero = jnp.zeros((), jnp.float32)
-  aux = {"losses": {"total": zero},
-         "metrics": metrics.soft_metrics(dispatch, combine, cfg, axis_names=axis_names)}
+  aux = MoEAux.for_kind("soft", losses={"total": zero},
+                        metrics=metrics.soft_metrics(dispatch, combine, cfg,
+                                                     axis_names=axis_names))
   return y.reshape(x.shape), aux
 
 
 def _peer_layer(params, x, cfg, axis_names):
   y, peer_aux = peer_lib.peer_apply(params["peer"], x, cfg)
-  aux = {"losses": {"total": jnp.zeros((), jnp.float32)},
-         "metrics": metrics.peer_metrics(peer_aux["expert_ids"], cfg, axis_names=axis_names)}
+  aux = MoEAux.for_kind("peer", losses={"total": jnp.zeros((), jnp.float32)},
+                        metrics=metrics.peer_metrics(peer_aux["expert_ids"], cfg,
+                                                     axis_names=axis_names))
   return y, aux
 
 
@@ -188,7 +191,7 @@ def moe_layer(params: Params, x: jax.Array, state: Optional[RouterState],
               axis_names: Sequence[str] = (),
               executor: Optional[executor_lib.Executor] = None,
               shared_x: Optional[jax.Array] = None,
-              width_mask: Optional[jax.Array] = None) -> tuple[jax.Array, dict]:
+              width_mask: Optional[jax.Array] = None) -> tuple[jax.Array, MoEAux]:
   """Applies one MoE layer.
 
   Args:
@@ -242,7 +245,7 @@ def ep_moe_layer(params: Params, x: jax.Array, state: Optional[RouterState], cfg
                  token_ids: Optional[jax.Array] = None, rng: Optional[jax.Array] = None,
                  train: bool = False, shared_x: Optional[jax.Array] = None,
                  placement: Optional[placement_lib.Placement] = None
-                 ) -> tuple[jax.Array, dict]:
+                 ) -> tuple[jax.Array, MoEAux]:
   """:func:`moe_layer` with expert parallelism; call it inside ``jax.jit``.
 
   The layer runs under ``jax.shard_map`` over ``mesh`` (axes ('data',
@@ -268,8 +271,9 @@ def ep_moe_layer(params: Params, x: jax.Array, state: Optional[RouterState], cfg
     placement: optional expert placement (replicas of hot experts).
 
   Returns:
-    ``(y [B, S, d], aux)`` with :func:`moe_layer`'s keys; ``aux['routing']``
-    is [B*S, K] in global token order and ``aux['execution']`` holds
+    ``(y [B, S, d], aux)`` with :func:`moe_layer`'s fields (``out_specs`` from
+    :meth:`MoEAux.out_specs`); ``aux.routing`` is [B*S, K] in global token
+    order and ``aux.execution`` holds
     ``device_load`` f32[D] and ``comm`` (byte counts).
   """
   if state is None:
@@ -299,11 +303,9 @@ def ep_moe_layer(params: Params, x: jax.Array, state: Optional[RouterState], cfg
     y, aux = moe_layer(a["params"], a["x"], a["state"], cfg, token_ids=a.get("token_ids"),
                        rng=key, train=train, axis_names=ex.axes, executor=ex,
                        shared_x=a.get("shared_x"), width_mask=a.get("width_mask"))
-    aux["losses"] = {k: stats.pmean(v, ex.axes) for k, v in aux["losses"].items()}
-    return y, aux
+    return y, aux.reduce_on_exit(lambda v: stats.pmean(v, ex.axes))
 
-  out_specs = (tok, {"losses": P(), "metrics": P(), "load": P(), "router_load": P(),
-                     "num_dropped": P(), "routing": tok, "execution": P()})
+  out_specs = (tok, MoEAux.out_specs(tok, cfg.kind))
   return jax.shard_map(body, mesh=mesh, in_specs=(in_specs,), out_specs=out_specs,
                        check_vma=False)(args)
 

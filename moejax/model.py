@@ -19,9 +19,11 @@ wrapped in a mixture-of-depths router (``cfg.is_mod_layer(i)``).
 - ``loss`` f32[]: what the trainer adds to the cross-entropy: the sum over MoE
   layers of their weighted balance/z losses (``losses['total']``) plus the
   mixture-of-depths membership losses.
-- ``moe``: ``{'layer_<i>': layer aux}`` per MoE layer i: ``losses``,
-  ``metrics``, and for routed layers ``load`` f32[E], ``router_load``
-  f32[E_r] (the bias controller's input), ``num_dropped``, ``execution``,
+- ``moe``: ``{'layer_<i>': layer aux}`` per MoE layer i, a dict of the
+  layer's present :class:`~moejax.balance.aux.MoEAux` fields: ``losses``,
+  ``metrics`` (a :class:`~moejax.balance.aux.LayerMetrics`), and for routed
+  layers ``load`` f32[E], ``router_load`` f32[E_r] (the bias controller's
+  input), ``num_dropped``, ``execution``,
   and the routing decision ``expert_ids`` int32[B, S, K], ``weights``
   f32[B, S, K], ``valid`` bool[B, S, K] for specialisation analysis (tokens a
   MoD block skipped have valid False).

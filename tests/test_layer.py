@@ -69,9 +69,9 @@ def test_layer_equals_naive_per_token(name):
   ids = jax.random.randint(jax.random.PRNGKey(2), (2, 5), 0, 256)
   y, aux = moe_layer(params, x, None, cfg, token_ids=ids)
   assert y.shape == x.shape
-  expect = naive(params, x.reshape(-1, D), aux["routing"], cfg)
+  expect = naive(params, x.reshape(-1, D), aux.routing, cfg)
   np.testing.assert_allclose(np.asarray(y).reshape(-1, D), expect, rtol=2e-5, atol=2e-5)
-  assert np.isfinite(float(aux["losses"]["total"]))
+  assert np.isfinite(float(aux.losses["total"]))
 
 
 def test_shared_and_zero_compute_experts_add_their_paths():
@@ -81,7 +81,7 @@ def test_shared_and_zero_compute_experts_add_their_paths():
   x = jax.random.normal(jax.random.PRNGKey(1), (6, D))
   y, aux = moe_layer(params, x, None, cfg)
   from moejax.topology import zero_compute
-  res = aux["routing"]
+  res = aux.routing
   expect = naive(params, x, res, cfg)
   expect += np.asarray(experts_lib.apply_shared(params["shared"], x))
   z = np.asarray(zero_compute.apply_zero_compute(params["zero_compute"], x, cfg))  # [T, Z, d]
@@ -100,7 +100,7 @@ def test_dropless_equals_infinite_capacity():
   y0, a0 = moe_layer(params, x, None, dropless)
   y1, a1 = moe_layer(params, x, None, big)
   np.testing.assert_array_equal(np.asarray(y0), np.asarray(y1))
-  assert int(a1["num_dropped"]) == 0
+  assert int(a1.num_dropped) == 0
 
 
 def test_small_capacity_drops_and_dropped_tokens_pass_through_as_zero():
@@ -108,14 +108,14 @@ def test_small_capacity_drops_and_dropped_tokens_pass_through_as_zero():
   params = L.init_moe_params(jax.random.PRNGKey(0), D, cfg)
   x = jax.random.normal(jax.random.PRNGKey(1), (16, D))
   y, aux = moe_layer(params, x, None, cfg)
-  res = aux["routing"]
+  res = aux.routing
   cap = 2  # ceil(0.5 * 16 * 1 / 4)
   kept = np.bincount(np.asarray(res.expert_ids)[np.asarray(res.valid)], minlength=4)
   assert kept.max() <= cap
   # aux['load'] is the router's decision before capacity: kept copies plus dropped ones.
-  assert np.asarray(aux["load"]).sum() == kept.sum() + int(aux["num_dropped"]) == 16
+  assert np.asarray(aux.load).sum() == kept.sum() + int(aux.num_dropped) == 16
   dropped_tokens = ~np.asarray(res.valid).any(axis=1)
-  assert int(aux["num_dropped"]) == dropped_tokens.sum() > 0
+  assert int(aux.num_dropped) == dropped_tokens.sum() > 0
   np.testing.assert_array_equal(np.asarray(y)[dropped_tokens], 0.0)
 
 
@@ -126,7 +126,7 @@ def test_gradients_reach_router_and_experts():
 
   def loss(p):
     y, aux = moe_layer(p, x, None, cfg)
-    return jnp.sum(y ** 2) + aux["losses"]["total"]
+    return jnp.sum(y ** 2) + aux.losses["total"]
 
   grads = jax.grad(loss)(params)
   for path, g in jax.tree_util.tree_leaves_with_path(grads):
@@ -141,15 +141,15 @@ def test_layer_returns_the_controller_input_and_the_controller_never_touches_gat
   x = jax.random.normal(jax.random.PRNGKey(1), (12, D))
   state = L.init_router_state(cfg)
   _, aux = moe_layer(params, x, state, cfg, train=True)
-  load = np.asarray(aux["router_load"])
+  load = np.asarray(aux.router_load)
   assert load.sum() == 12  # one copy per token, before capacity
-  new = controller.update_bias(state, aux["router_load"], cfg.balance)
+  new = controller.update_bias(state, aux.router_load, cfg.balance)
   expect = 0.1 * np.sign(load.mean() - load)
   np.testing.assert_allclose(np.asarray(new.bias), expect, atol=1e-7)
   assert int(new.step) == 1
   # The bias moves the selection, never the gate values of what is selected.
   _, aux2 = moe_layer(params, x, new, cfg, train=False)
-  r1, r2 = aux["routing"], aux2["routing"]
+  r1, r2 = aux.routing, aux2.routing
   same = np.asarray(r1.expert_ids) == np.asarray(r2.expert_ids)
   np.testing.assert_allclose(np.asarray(r1.weights)[same], np.asarray(r2.weights)[same],
                              rtol=1e-6)
@@ -189,7 +189,7 @@ def test_bf16_activations_keep_dtype():
   x = jax.random.normal(jax.random.PRNGKey(1), (4, D)).astype(jnp.bfloat16)
   y, aux = moe_layer(params, x, None, cfg)
   assert y.dtype == jnp.bfloat16
-  assert aux["routing"].probs.dtype == jnp.float32
+  assert aux.routing.probs.dtype == jnp.float32
 
 
 def test_bad_shapes_fail_clearly():
@@ -213,10 +213,10 @@ def test_balance_loss_counts_every_choice_before_capacity():
   params["router"]["w"] = jnp.zeros((D, 8)).at[:, 0].set(100.0)
   x = jnp.abs(jax.random.normal(jax.random.PRNGKey(1), (64, D))) + 0.1
   _, aux = moe_layer(params, x, None, cfg)
-  assert int(aux["num_dropped"]) == 56
-  np.testing.assert_allclose(float(aux["losses"]["aux_loss"]), 8.0, rtol=1e-6)
-  np.testing.assert_array_equal(np.asarray(aux["load"]), [64, 0, 0, 0, 0, 0, 0, 0])
-  assert float(aux["metrics"]["max_vio"]) == 7.0 and float(aux["metrics"]["drop_rate"]) == 56 / 64
+  assert int(aux.num_dropped) == 56
+  np.testing.assert_allclose(float(aux.losses["aux_loss"]), 8.0, rtol=1e-6)
+  np.testing.assert_array_equal(np.asarray(aux.load), [64, 0, 0, 0, 0, 0, 0, 0])
+  assert float(aux.metrics.max_vio) == 7.0 and float(aux.metrics.drop_rate) == 56 / 64
 
 
 def test_soft_and_peer_layers_report_their_metrics():
@@ -224,15 +224,15 @@ def test_soft_and_peer_layers_report_their_metrics():
   params = L.init_moe_params(jax.random.PRNGKey(0), D, soft)
   x = jax.random.normal(jax.random.PRNGKey(1), (2, 5, D))
   _, aux = moe_layer(params, x, None, soft)
-  m = aux["metrics"]
+  m = aux.metrics
   # Combine rows sum to 1 per token: the expert loads sum to the token count.
-  np.testing.assert_allclose(float(jnp.sum(m["load"])), 10.0, rtol=1e-5)
+  np.testing.assert_allclose(float(jnp.sum(m.load)), 10.0, rtol=1e-5)
   for key in ("dispatch_entropy", "combine_entropy", "load_entropy"):
-    assert 0.0 <= float(m[key]) <= 1.0 + 1e-6, key
+    assert 0.0 <= float(getattr(m, key)) <= 1.0 + 1e-6, key
   peer = moe_config("peer", peer_num_keys=4, peer_heads=2, peer_top_k=2, peer_key_dim=4)
   params = L.init_moe_params(jax.random.PRNGKey(0), D, peer)
   _, aux = moe_layer(params, x, None, peer)
-  m = aux["metrics"]
+  m = aux.metrics
   # 10 tokens x 2 heads x 2 retrievals over 16 experts.
-  assert 0.0 < float(m["experts_touched"]) <= 1.0
-  assert float(m["experts_touched"]) * 16 <= 40
+  assert 0.0 < float(m.experts_touched) <= 1.0
+  assert float(m.experts_touched) * 16 <= 40

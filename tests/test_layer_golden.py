@@ -99,15 +99,15 @@ def test_layer_equals_the_recorded_layer(name, golden):
   (_, (y, aux)), (gp, gx) = jax.jit(jax.value_and_grad(
       lambda p, xx: (jnp.sum(run(p, xx)[0] * r), run(p, xx)), argnums=(0, 1),
       has_aux=True))(params, x)
-  lp, lx = jax.jit(jax.grad(lambda p, xx: run(p, xx)[1]["losses"]["total"],
+  lp, lx = jax.jit(jax.grad(lambda p, xx: run(p, xx)[1].losses["total"],
                             argnums=(0, 1)))(params, x)
   got = {"y": y, "gx": gx, **_paths(gp, "gp/")}
-  changed = {"loss": aux["losses"]["total"], "lx": lx, **_paths(lp, "lp/"),
-             **{f"losses/{k}": v for k, v in aux["losses"].items()}}
+  changed = {"loss": aux.losses["total"], "lx": lx, **_paths(lp, "lp/"),
+             **{f"losses/{k}": v for k, v in aux.losses.items()}}
   if cfg.kind == "sparse":
-    got["expert_ids"], got["valid"] = aux["routing"].expert_ids, aux["routing"].valid
-    changed["load"] = aux["load"]
-    got["bias"] = controller.update_bias(state, aux["router_load"], cfg.balance).bias
+    got["expert_ids"], got["valid"] = aux.routing.expert_ids, aux.routing.valid
+    changed["load"] = aux.load
+    got["bias"] = controller.update_bias(state, aux.router_load, cfg.balance).bias
   if name not in CAPACITY:
     got.update(changed)
   for key, value in got.items():
@@ -116,5 +116,5 @@ def test_layer_equals_the_recorded_layer(name, golden):
                                err_msg=f"{name}: {key}")
   if name in CAPACITY:
     # Dropping happened, and the loss now sees the decision before it.
-    assert int(aux["num_dropped"]) > 0
-    assert not np.allclose(float(aux["losses"]["aux_loss"]), golden[f"{name}|losses/aux_loss"])
+    assert int(aux.num_dropped) > 0
+    assert not np.allclose(float(aux.losses["aux_loss"]), golden[f"{name}|losses/aux_loss"])

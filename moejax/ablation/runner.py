@@ -44,16 +44,17 @@ from moejax.ablation import provenance
 from moejax.ablation import scale as scale_lib
 from moejax.ablation import sources as sources_lib
 from moejax.ablation.suite import Suite
+from moejax.balance.aux import LayerMetrics
 from moejax.train import checkpoint as ckpt_lib
 from moejax.train import lock as lock_lib
 from moejax.train import metrics_log
+from moejax.train import step as step_lib
 from moejax.topology.accounting import human
 from moejax.train.config import ExperimentConfig, experiment_to_json
 
-# Training-log metrics of the layer kinds without a token -> expert decision
-# (moejax.train.step's summary): Soft MoE, PEER, mixture-of-depths.
-LAYER_KIND_METRICS = ("soft_dispatch_entropy", "soft_combine_entropy", "peer_experts_touched",
-                      "peer_key_max_vio", "mod_capacity_use", "mod_causal_agreement")
+# Training-log metrics summarised per run (moejax.train.step's summary): the
+# MoE layers' from their metrics type (every kind), then mixture-of-depths.
+SUMMARIZED_TRAIN_METRICS = LayerMetrics.summarized() + step_lib.MOD_SUMMARIZED
 RESULT_FILE = "result.json"
 ROUTING_FILE = "routing.json"
 
@@ -171,8 +172,7 @@ def train_metrics(run_path: str) -> dict:
     out["train_loss"] = tr[-1]["loss"]
     # The second half of training: the routing after the early transient.
     late = tr[len(tr) // 2:]
-    for k in ("max_vio_batch", "drop_rate", "active_experts_mean", "active_experts_var",
-              "load_entropy", "tokens_per_s", *LAYER_KIND_METRICS):
+    for k in (*SUMMARIZED_TRAIN_METRICS, "tokens_per_s"):
       vals = [r[k] for r in late if isinstance(r.get(k), (int, float))]
       if vals:
         out[k] = float(np.mean(vals))

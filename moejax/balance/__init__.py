@@ -5,6 +5,7 @@ Losses and bias-controller rules are registered objects
 one of your own.
 """
 
+from moejax.balance.aux import LayerMetrics, MoEAux
 from moejax.balance.capacity import apply_capacity, expert_capacity
 from moejax.balance.controller import update_bias
 from moejax.balance.losses import (balance_losses, comm_balance_loss, device_balance_loss,
@@ -16,6 +17,7 @@ from moejax.balance.metrics import (MaxVioAccumulator, active_experts, coactivat
                                     routing_metrics)
 
 __all__ = [
+    "LayerMetrics", "MoEAux",
     "apply_capacity", "expert_capacity", "update_bias", "balance_losses",
     "comm_balance_loss", "device_balance_loss", "entropy_loss", "load_balance_loss",
     "sequence_balance_loss", "z_loss", "MaxVioAccumulator", "active_experts",

@@ -23,6 +23,7 @@ import jax.numpy as jnp
 from flax import struct
 
 from moejax.balance import stats
+from moejax.balance.aux import LayerMetrics
 from moejax.balance.stats import AxisNames
 from moejax.config import MoEConfig
 from moejax.routing.types import RoutingResult
@@ -140,7 +141,7 @@ def coactivation(result: RoutingResult, num_experts: int,
 
 def routing_metrics(result: RoutingResult, cfg: MoEConfig, *,
                     dropped: jax.Array | None = None,
-                    axis_names: AxisNames = ()) -> dict[str, jax.Array]:
+                    axis_names: AxisNames = ()) -> LayerMetrics:
   """The routing metrics of one routed layer over FFN experts (E = cfg.num_experts).
 
   ``result`` is the router's decision *before* capacity; ``dropped``
@@ -150,7 +151,7 @@ def routing_metrics(result: RoutingResult, cfg: MoEConfig, *,
   budget describes what was computed (kept copies); ``drop_rate`` how much
   capacity removed.
 
-  Keys: ``load`` f32[E], ``max_vio`` (MaxVio_batch when axis_names span the
+  Fields of the :class:`LayerMetrics` (the others None): ``load`` f32[E], ``max_vio`` (MaxVio_batch when axis_names span the
   global batch), ``load_entropy``, ``coactivation`` f32[E, E],
   ``zero_compute_fraction`` (share of valid slots on zero-computation
   experts), ``active_mean`` / ``active_var`` (FFN experts computed per
@@ -171,19 +172,16 @@ def routing_metrics(result: RoutingResult, cfg: MoEConfig, *,
   n_valid = stats.psum(jnp.sum(result.valid, dtype=jnp.float32), axis_names)
   n_zero = stats.psum(jnp.sum(result.valid & (result.expert_ids >= e), dtype=jnp.float32),
                       axis_names)
-  out = {
-      "load": load,
-      "max_vio": max_vio(load),
-      "load_entropy": load_entropy(load),
-      "active_mean": mean,
-      "active_var": var,
-      "zero_compute_fraction": jnp.where(n_valid > 0, n_zero / jnp.maximum(n_valid, 1.0),
-                                         0.0),
-      "coactivation": coactivation(result, e, axis_names),
-  }
-  if dropped is not None:
-    out["drop_rate"] = drop_rate(dropped, stats.counted_slots(result, e), axis_names)
-  return out
+  return LayerMetrics(
+      load=load,
+      max_vio=max_vio(load),
+      load_entropy=load_entropy(load),
+      active_mean=mean,
+      active_var=var,
+      zero_compute_fraction=jnp.where(n_valid > 0, n_zero / jnp.maximum(n_valid, 1.0), 0.0),
+      coactivation=coactivation(result, e, axis_names),
+      drop_rate=(None if dropped is None
+                 else drop_rate(dropped, stats.counted_slots(result, e), axis_names)))
 
 
 def _normalized_entropy(p: jax.Array, axis: int) -> jax.Array:
@@ -194,7 +192,7 @@ def _normalized_entropy(p: jax.Array, axis: int) -> jax.Array:
 
 
 def soft_metrics(dispatch: jax.Array, combine: jax.Array, cfg: MoEConfig, *,
-                 axis_names: AxisNames = ()) -> dict[str, jax.Array]:
+                 axis_names: AxisNames = ()) -> LayerMetrics:
   """Metrics of a Soft MoE layer (Puigcerver et al. 2308.00951).
 
   Args:
@@ -203,7 +201,7 @@ def soft_metrics(dispatch: jax.Array, combine: jax.Array, cfg: MoEConfig, *,
       by construction).
     combine: f32[B, S, P] softmax over the P slots for each token.
 
-  Keys: ``load`` f32[E]: the combine mass each expert contributes, summed
+  Fields of the :class:`LayerMetrics`: ``load`` f32[E]: the combine mass each expert contributes, summed
   over tokens (what "load" means when every token uses every expert a
   little); ``max_vio`` and ``load_entropy`` of it; ``dispatch_entropy``: mean
   over slots of the entropy of its token mixture / log S (1 = a slot averages
@@ -218,19 +216,19 @@ def soft_metrics(dispatch: jax.Array, combine: jax.Array, cfg: MoEConfig, *,
   seqs = stats.psum(jnp.asarray(b, jnp.float32), axis_names)
   d_ent = stats.psum(jnp.sum(_normalized_entropy(dispatch, axis=1)), axis_names) / (seqs * n)
   c_ent = stats.psum(jnp.sum(_normalized_entropy(combine, axis=-1)), axis_names) / tokens
-  return {"load": load, "max_vio": max_vio(load), "load_entropy": load_entropy(load),
-          "dispatch_entropy": d_ent, "combine_entropy": c_ent}
+  return LayerMetrics(load=load, max_vio=max_vio(load), load_entropy=load_entropy(load),
+                      dispatch_entropy=d_ent, combine_entropy=c_ent)
 
 
 def peer_metrics(expert_ids: jax.Array, cfg: MoEConfig, *,
-                 axis_names: AxisNames = ()) -> dict[str, jax.Array]:
+                 axis_names: AxisNames = ()) -> LayerMetrics:
   """Metrics of a PEER layer (He 2407.04153) from its retrievals.
 
   Args:
     expert_ids: int32[T, H, k] retrieved singleton experts (of N = n^2; the
       id is a n + b for sub-keys a of the first half and b of the second).
 
-  Keys: ``experts_touched`` fraction of the N experts retrieved at least once
+  Fields of the :class:`LayerMetrics`: ``experts_touched`` fraction of the N experts retrieved at least once
   in the (global) batch; ``load_entropy`` of the retrieval counts over the N
   experts; ``max_vio`` of them; ``key_max_vio`` / ``key_entropy``: the same
   for the 2n sub-keys (how evenly the product keys are used).
@@ -239,6 +237,6 @@ def peer_metrics(expert_ids: jax.Array, cfg: MoEConfig, *,
   flat = expert_ids.reshape(-1)
   counts = stats.psum(jnp.zeros((n * n,), jnp.float32).at[flat].add(1.0), axis_names)
   keys = jnp.concatenate([counts.reshape(n, n).sum(1), counts.reshape(n, n).sum(0)])
-  return {"experts_touched": jnp.mean((counts > 0).astype(jnp.float32)),
-          "load_entropy": load_entropy(counts), "max_vio": max_vio(counts),
-          "key_max_vio": max_vio(keys), "key_entropy": load_entropy(keys)}
+  return LayerMetrics(experts_touched=jnp.mean((counts > 0).astype(jnp.float32)),
+                      load_entropy=load_entropy(counts), max_vio=max_vio(counts),
+                      key_max_vio=max_vio(keys), key_entropy=load_entropy(keys))

@@ -74,8 +74,8 @@ class LayerRouting:
 
 def _apply(params, x, state, cfg: MoEConfig):
   y, aux = moe_layer(params, x, state, cfg)
-  r = aux["routing"]
-  return y, r.expert_ids, r.weights, r.valid, aux["metrics"]
+  r = aux.routing
+  return y, r.expert_ids, r.weights, r.valid, aux.metrics
 
 
 # cfg is a frozen (hashable) dataclass: one compile per (config, token count).
@@ -104,9 +104,9 @@ def analyze_layer(block: Any, x: Any, *, name: str = "",
     raise ValueError(f"analyze_layer: {tok.shape[0]} token ids for {x2.shape[0]} tokens; "
                      "pass one id per token")
   return LayerRouting(name=name, expert_ids=np.asarray(ids), weights=np.asarray(w),
-                      valid=np.asarray(valid), load=np.asarray(m["load"]),
-                      max_vio=float(m["max_vio"]), load_entropy=float(m["load_entropy"]),
-                      coactivation=np.asarray(m["coactivation"]), output=np.asarray(y),
+                      valid=np.asarray(valid), load=np.asarray(m.load),
+                      max_vio=float(m.max_vio), load_entropy=float(m.load_entropy),
+                      coactivation=np.asarray(m.coactivation), output=np.asarray(y),
                       token_ids=tok)
 
 

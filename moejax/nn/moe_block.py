@@ -38,6 +38,7 @@ from jax.sharding import Mesh
 
 from moejax import layer as layer_lib
 from moejax.balance import controller
+from moejax.balance.aux import MoEAux
 from moejax.nn import lora as lora_lib
 from moejax.config import MoEConfig, ParallelConfig
 
@@ -67,15 +68,18 @@ def values(tree: Any) -> Any:
   return jax.tree.map(lambda v: v[...], tree, is_leaf=_is_var)
 
 
-def _aux_for_model(aux: dict, batch_shape: tuple[int, int]) -> dict:
-  """The layer's aux with the routing decision reshaped to [B, S, K].
+def _aux_for_model(aux: MoEAux, batch_shape: tuple[int, int]) -> dict:
+  """The layer's aux as the model's dict: its present fields, routing reshaped to [B, S, K].
 
-  Router probabilities and logits ([T, E_r]) are dropped: losses and metrics
-  already consumed them, and keeping them would carry B*S*E_r floats per
-  layer out of every step.
+  The keys are the :class:`~moejax.balance.aux.MoEAux` fields the layer kind
+  fills (``metrics`` stays a :class:`~moejax.balance.aux.LayerMetrics`),
+  with ``routing`` replaced by ``expert_ids``, ``weights`` and ``valid``
+  [B, S, K]. Router probabilities and logits ([T, E_r]) are dropped: losses
+  and metrics already consumed them, and keeping them would carry B*S*E_r
+  floats per layer out of every step.
   """
-  out = {k: v for k, v in aux.items() if k != "routing"}
-  routing = aux.get("routing")
+  out = aux.present()
+  routing = out.pop("routing", None)
   if routing is not None:
     b, s = batch_shape
     out["expert_ids"] = routing.expert_ids.reshape(b, s, -1)

@@ -27,6 +27,7 @@ import jax.numpy as jnp
 import optax
 from flax import nnx, struct
 
+from moejax.balance.aux import LayerMetrics
 from moejax.model import ExpertParallel, RouterStateVar, Transformer
 from moejax.nn import adapters as adapters_lib
 from moejax.nn.losses import masked_cross_entropy
@@ -114,26 +115,29 @@ def abstract_state(cfg: ExperimentConfig, tx: optax.GradientTransformation,
   return holder["graphdef"], shapes
 
 
-def _layer_mean(aux: dict, key: str, group: str = "moe"):
-  """Mean over layers of ``aux[group][layer]['metrics'][key]``; None if no layer has it."""
-  vals = [layer["metrics"][key] for layer in aux[group].values()
-          if key in layer.get("metrics", {})]
+def _mean(vals):
   return None if not vals else jnp.mean(jnp.stack(vals).astype(jnp.float32))
 
 
-# (metrics key, logged name) per layer kind; each is logged where some layer has it.
-_MOE_METRICS = (("max_vio", "max_vio_batch"), ("drop_rate", "drop_rate"),
-                ("active_mean", "active_experts_mean"), ("active_var", "active_experts_var"),
-                ("load_entropy", "load_entropy"),
-                # Soft MoE
-                ("dispatch_entropy", "soft_dispatch_entropy"),
-                ("combine_entropy", "soft_combine_entropy"),
-                # PEER
-                ("experts_touched", "peer_experts_touched"),
-                ("key_max_vio", "peer_key_max_vio"), ("key_entropy", "peer_key_entropy"))
+def _moe_mean(aux: dict, field: str):
+  """Mean over MoE layers of their ``LayerMetrics.<field>``; None if no layer fills it."""
+  return _mean([getattr(layer["metrics"], field) for layer in aux["moe"].values()
+                if getattr(layer["metrics"], field) is not None])
+
+
+def _mod_mean(aux: dict, key: str):
+  """Mean over mixture-of-depths blocks of ``metrics[key]``; None if no block has it."""
+  return _mean([layer["metrics"][key] for layer in aux["mod"].values()
+                if key in layer.get("metrics", {})])
+
+
+# (LayerMetrics field, logged name), from the type; each is logged where some layer has it.
+_MOE_METRICS = LayerMetrics.logged()
 _MOD_METRICS = (("tokens", "mod_tokens"), ("capacity_use", "mod_capacity_use"),
                 ("causal_share", "mod_causal_share"),
                 ("causal_agreement", "mod_causal_agreement"))
+# Logged names of the MoD metrics the ablation runner summarises.
+MOD_SUMMARIZED = ("mod_capacity_use", "mod_causal_agreement")
 
 
 def routing_summary(aux: dict) -> dict[str, jax.Array]:
@@ -144,9 +148,9 @@ def routing_summary(aux: dict) -> dict[str, jax.Array]:
   Empty for a dense model without MoD blocks.
   """
   out = {}
-  for group, table in (("moe", _MOE_METRICS), ("mod", _MOD_METRICS)):
+  for mean, table in ((_moe_mean, _MOE_METRICS), (_mod_mean, _MOD_METRICS)):
     for key, name in table:
-      v = _layer_mean(aux, key, group)
+      v = mean(aux, key)
       if v is not None:
         out[name] = v
   return out

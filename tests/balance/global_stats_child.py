@@ -8,9 +8,12 @@ with a message on the first mismatch.
 """
 
 import os
+import pathlib
 import sys
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+# The package of this checkout, not whichever one the interpreter has installed.
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[2]))
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
@@ -75,7 +78,7 @@ def stats(r, axis_names, shards=1):
   }
   _, out["active_mean"], out["active_var"] = M.active_experts(r, E, axis_names)
   for name, value in M.routing_metrics(new, CFG, dropped=dropped,
-                                       axis_names=axis_names).items():
+                                       axis_names=axis_names).present().items():
     out["metrics/" + name] = value
   bl = L.balance_losses(r, CFG, batch_shape=(r.num_tokens // S, S), axis_names=axis_names)
   for name in ("aux_loss", "device_loss", "comm_loss"):

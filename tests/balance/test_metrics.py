@@ -81,12 +81,12 @@ def test_routing_metrics_bundle():
   cfg = moe_config(num_experts=2, zero_experts=1, copy_experts=1,
                     routing=C.RoutingConfig(top_k=2))
   out = M.routing_metrics(zc(), cfg)
-  np.testing.assert_array_equal(out["load"], [2.0, 2.0])
-  assert float(out["max_vio"]) == 0.0 and float(out["load_entropy"]) == 1.0
-  np.testing.assert_allclose([out["active_mean"], out["active_var"]], [1.0, 0.5])
-  np.testing.assert_allclose(out["zero_compute_fraction"], 3 / 7)
-  np.testing.assert_array_equal(out["coactivation"], [[2, 1], [1, 2]])
-  assert "drop_rate" not in out
+  np.testing.assert_array_equal(out.load, [2.0, 2.0])
+  assert float(out.max_vio) == 0.0 and float(out.load_entropy) == 1.0
+  np.testing.assert_allclose([out.active_mean, out.active_var], [1.0, 0.5])
+  np.testing.assert_allclose(out.zero_compute_fraction, 3 / 7)
+  np.testing.assert_array_equal(out.coactivation, [[2, 1], [1, 2]])
+  assert out.drop_rate is None
   # Capacity 1, slot-major: expert 0 keeps t0s0 and drops t1s0; expert 1 keeps t3s0
   # (a top-1 choice) and drops t0s1.
   _, dropped = cap.apply_capacity(zc(), 1, num_experts=2)
@@ -95,9 +95,9 @@ def test_routing_metrics_bundle():
   # asked for; the active budget is what was computed (FFN copies kept per
   # token: 1, 0, 0, 1); the drop rate how much capacity removed.
   out = M.routing_metrics(zc(), cfg, dropped=dropped)
-  np.testing.assert_array_equal(out["load"], [2.0, 2.0])
-  np.testing.assert_allclose([out["active_mean"], out["active_var"]], [0.5, 0.25])
-  np.testing.assert_allclose(out["drop_rate"], 2 / 4)  # 2 of the 4 FFN copies
+  np.testing.assert_array_equal(out.load, [2.0, 2.0])
+  np.testing.assert_allclose([out.active_mean, out.active_var], [0.5, 0.25])
+  np.testing.assert_allclose(out.drop_rate, 2 / 4)  # 2 of the 4 FFN copies
 
 
 @hypothesis.settings(max_examples=25, deadline=None)
@@ -137,23 +137,23 @@ def test_soft_metrics_by_hand():
   cfg = moe_config("soft", num_experts=2, slots_per_expert=1)
   even = jnp.array([[[0.75, 0.25], [0.25, 0.75]]])  # [B=1, S=2, P=2]
   m = M.soft_metrics(even, even, cfg)
-  np.testing.assert_allclose(m["load"], [1.0, 1.0])
-  assert float(m["max_vio"]) == 0.0
+  np.testing.assert_allclose(m.load, [1.0, 1.0])
+  assert float(m.max_vio) == 0.0
   h = -(0.75 * np.log(0.75) + 0.25 * np.log(0.25)) / np.log(2)  # 0.811
-  np.testing.assert_allclose([m["dispatch_entropy"], m["combine_entropy"]], [h, h], rtol=1e-6)
+  np.testing.assert_allclose([m.dispatch_entropy, m.combine_entropy], [h, h], rtol=1e-6)
   # Every token puts its whole output on expert 0's slot.
   skew = jnp.array([[[1.0, 0.0], [1.0, 0.0]]])
   m = M.soft_metrics(jnp.full((1, 2, 2), 0.5), skew, cfg)
-  np.testing.assert_allclose(m["load"], [2.0, 0.0])
-  assert float(m["max_vio"]) == 1.0 and float(m["load_entropy"]) == 0.0
-  assert float(m["combine_entropy"]) == 0.0 and float(m["dispatch_entropy"]) == 1.0
+  np.testing.assert_allclose(m.load, [2.0, 0.0])
+  assert float(m.max_vio) == 1.0 and float(m.load_entropy) == 0.0
+  assert float(m.combine_entropy) == 0.0 and float(m.dispatch_entropy) == 1.0
 
 
 def test_peer_metrics_by_hand():
   cfg = moe_config("peer", peer_num_keys=2, peer_heads=1, peer_top_k=2, peer_key_dim=4)
   ids = jnp.array([[[0, 1]], [[0, 0]]], jnp.int32)  # [T=2, H=1, k=2] of N=4 experts
   m = M.peer_metrics(ids, cfg)
-  assert float(m["experts_touched"]) == 0.5          # experts 0 and 1 of 4
-  np.testing.assert_allclose(m["max_vio"], 2.0)      # counts [3, 1, 0, 0]: (3 - 1) / 1
+  assert float(m.experts_touched) == 0.5          # experts 0 and 1 of 4
+  np.testing.assert_allclose(m.max_vio, 2.0)      # counts [3, 1, 0, 0]: (3 - 1) / 1
   # Sub-keys: first half a = id // 2 -> [4, 0]; second b = id % 2 -> [3, 1].
-  np.testing.assert_allclose(m["key_max_vio"], 1.0)  # [4, 0, 3, 1]: (4 - 2) / 2
+  np.testing.assert_allclose(m.key_max_vio, 1.0)  # [4, 0, 3, 1]: (4 - 2) / 2

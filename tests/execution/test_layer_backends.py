@@ -42,7 +42,7 @@ def _layer_and_grads(cfg):
   def run(params, x, ids):
     def loss(p, x):
       y, aux = L.moe_layer(p, x, None, cfg, token_ids=ids)
-      return jnp.sum(jnp.sin(y)) + aux["losses"]["total"], y
+      return jnp.sum(jnp.sin(y)) + aux.losses["total"], y
     (_, y), grads = jax.value_and_grad(loss, (0, 1), has_aux=True)(params, x)
     return y, grads
   return run

@@ -30,7 +30,7 @@ BLOCKS = {
 
 def _apply(params, x, state, cfg):
   y, aux = moe_layer(params, x, state, cfg)
-  return y, aux["routing"].expert_ids, aux["routing"].weights
+  return y, aux.routing.expert_ids, aux.routing.weights
 
 
 # (y, expert_ids, gates) of the moejax layer; cfg (hashable) is static, so one

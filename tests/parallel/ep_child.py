@@ -38,17 +38,17 @@ def check_case(name, pcfg):
     state = state.replace(bias=jnp.linspace(-0.2, 0.2, cfg.num_routed))
   train = cfg.balance.bias_update != "none"
   y, st, aux, g = H.ep_fn(cfg, mesh, pcfg, train=train)(params, x, ids, state)
-  assert int(aux["execution"]["comm"]["transport_dropped"]) == 0, name
+  assert int(aux.execution["comm"]["transport_dropped"]) == 0, name
   if name in H.PER_GROUP:
     y0, aux0, g0 = H.per_shard_fn(cfg, N)(params, x, ids, state)
     H.close(y, y0, f"{name} y")
     H.close_tree(g, g0, f"{name} grad")
-    nd0 = int(jnp.sum(aux0["num_dropped"]))
-    assert int(aux["num_dropped"]) == nd0, (name, int(aux["num_dropped"]), nd0)
-    valid0 = aux0["routing"].valid.reshape(aux["routing"].valid.shape)
-    np.testing.assert_array_equal(aux["routing"].valid, valid0, err_msg=name)
-    H.close(aux["load"], jnp.sum(aux0["load"], axis=0), f"{name} load")
-    H.close(aux["metrics"]["max_vio"], M.max_vio(jnp.sum(aux0["load"], axis=0)),
+    nd0 = int(jnp.sum(aux0.num_dropped))
+    assert int(aux.num_dropped) == nd0, (name, int(aux.num_dropped), nd0)
+    valid0 = aux0.routing.valid.reshape(aux.routing.valid.shape)
+    np.testing.assert_array_equal(aux.routing.valid, valid0, err_msg=name)
+    H.close(aux.load, jnp.sum(aux0.load, axis=0), f"{name} load")
+    H.close(aux.metrics.max_vio, M.max_vio(jnp.sum(aux0.load, axis=0)),
             f"{name} max_vio")
     if cfg.balance.capacity_factor is not None:
       assert nd0 > 0, f"{name}: capacity should drop here; the check is vacuous"
@@ -57,13 +57,13 @@ def check_case(name, pcfg):
   H.close(y, y0, f"{name} y")
   H.close_tree(g, g0, f"{name} grad")
   H.close_tree(st, st0, f"{name} router state")
-  H.close(aux["load"], aux0["load"], f"{name} load")
-  H.close_tree(aux["losses"] if cfg.balance.aux_loss_scope == "global" else
-               {k: v for k, v in aux["losses"].items() if k == "z_loss"},
-               aux0["losses"] if cfg.balance.aux_loss_scope == "global" else
-               {k: v for k, v in aux0["losses"].items() if k == "z_loss"}, f"{name} losses")
-  H.close_tree(aux["metrics"], aux0["metrics"], f"{name} metrics")
-  np.testing.assert_array_equal(aux["routing"].expert_ids, aux0["routing"].expert_ids)
+  H.close(aux.load, aux0.load, f"{name} load")
+  H.close_tree(aux.losses if cfg.balance.aux_loss_scope == "global" else
+               {k: v for k, v in aux.losses.items() if k == "z_loss"},
+               aux0.losses if cfg.balance.aux_loss_scope == "global" else
+               {k: v for k, v in aux0.losses.items() if k == "z_loss"}, f"{name} losses")
+  H.close_tree(aux.metrics, aux0.metrics, f"{name} metrics")
+  np.testing.assert_array_equal(aux.routing.expert_ids, aux0.routing.expert_ids)
   if train:
     assert not np.allclose(st.bias, state.bias), f"{name}: the controller did not move"
 
@@ -103,7 +103,7 @@ def group_buckets():
   for state, label in ((skewed, "skewed"), (L.init_router_state(cfg), "balanced")):
     y0, _, aux0, g0 = H.full_fn(cfg)(params, x, ids, state)
     if label == "skewed":
-      assert set(np.unique(np.asarray(aux0["routing"].expert_ids)).tolist()) == {0, 1}
+      assert set(np.unique(np.asarray(aux0.routing.expert_ids)).tolist()) == {0, 1}
     for kw in ((dict(), dict(dispatch="ragged"), dict(dispatch_unit="copy"),
                 dict(dispatch_unit="node", devices_per_node=2)) if label == "skewed" else
                (dict(),)):
@@ -113,8 +113,8 @@ def group_buckets():
       what = f"{label} {kw}"
       H.close(y, y0, f"{what} y")
       H.close_tree(g, g0, f"{what} grad")
-      got = aux["execution"]["comm"]
-      assert int(aux["num_dropped"]) == 0 and int(got["transport_dropped"]) == 0, what
+      got = aux.execution["comm"]
+      assert int(aux.num_dropped) == 0 and int(got["transport_dropped"]) == 0, what
       if not kw:
         # Token unit: every device sends its shard to each of its remote peers
         # in the largest bucket (T rows) when skewed, in a smaller one otherwise.
@@ -149,7 +149,7 @@ def group_dispatch():
     what = f"{pcfg.dispatch} {pcfg.dispatch_unit} {pcfg.expert} {vcfg.execution.backend}"
     H.close(y, y0, f"{what} y")
     H.close_tree(g, g0, f"{what} grad")
-    H.close(aux["load"], aux0["load"], f"{what} load")
+    H.close(aux.load, aux0.load, f"{what} load")
     print("  ok", what, flush=True)
   try:
     pcfg = C.ParallelConfig(expert=8, dispatch="ragged", ragged_impl="native")
@@ -171,7 +171,7 @@ def group_dispatch():
     pcfg = C.ParallelConfig(data=2, expert=4, dispatch=dispatch)
     outs.append(H.ep_fn(cfg, mesh_lib.make_mesh(pcfg), pcfg)(params, x, ids, state))
   H.close(outs[0][0], outs[1][0], "ragged vs capacity y with drops")
-  assert int(outs[0][2]["num_dropped"]) == int(outs[1][2]["num_dropped"]) > 0
+  assert int(outs[0][2].num_dropped) == int(outs[1][2].num_dropped) > 0
   print("  ok fsdp, native refusal, ragged with capacity", flush=True)
 
 
@@ -201,12 +201,12 @@ def group_topology():
     y0, _, aux0, g0 = H.full_fn(lcfg)(params, x, ids, state)
     H.close(y, y0, f"{limit} {unit} y")
     H.close_tree(g, g0, f"{limit} {unit} grad")
-    got = aux["execution"]["comm"]
+    got = aux.execution["comm"]
     assert int(got["transport_dropped"]) == 0, (limit, unit)
     if unit == "token":
-      comm[limit], routing[limit] = got, aux["routing"]
+      comm[limit], routing[limit] = got, aux.routing
     # Bytes against the host-side analytic count from the routing actually made.
-    r = aux["routing"]
+    r = aux.routing
     dest = (np.asarray(r.expert_ids) // 2).reshape(1, 8, -1, 4)
     want = comm_lib.analytic_bytes(dest, np.asarray(r.valid).reshape(dest.shape),
                                    np.arange(8) // 2, H.DM * 4, unit=unit)
@@ -236,14 +236,14 @@ def group_topology():
   pcfg = C.ParallelConfig(data=2, expert=4)
   mesh = mesh_lib.make_mesh(pcfg, cfg=cfg)
   y, _, aux, g = H.ep_fn(cfg, mesh, pcfg)(params, x, ids, state)
-  load = np.asarray(aux["load"])
+  load = np.asarray(aux.load)
   plc = placement_lib.compute_placement(load, 4, slots_per_device=3)
   assert plc.num_replicas.max() > 1, plc.num_replicas
   y1, _, aux1, g1 = H.ep_fn(cfg, mesh, pcfg, placement=plc)(params, x, ids, state)
   H.close(y1, y, "placement y")
   H.close_tree(g1, g, "placement grad")
-  H.close(aux1["load"], aux["load"], "placement load")
-  load0, load1 = aux["execution"]["device_load"], aux1["execution"]["device_load"]
+  H.close(aux1.load, aux.load, "placement load")
+  load0, load1 = aux.execution["device_load"], aux1.execution["device_load"]
   before, after = float(load0.max()), float(load1.max())
   assert after < before, (before, after, load0, load1)
   assert float(load1.sum()) == float(load0.sum())

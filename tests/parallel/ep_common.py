@@ -64,12 +64,12 @@ def inputs(cfg: C.MoEConfig, seed: int = 0, batch: int = B):
 
 
 def _objective(y, aux):
-  return jnp.sum(jnp.sin(y)) + aux["losses"]["total"]
+  return jnp.sum(jnp.sin(y)) + aux.losses["total"]
 
 
 def _controller(cfg, state, aux, train):
   """The train step's controller update (once, outside the gradient) on the layer's loads."""
-  return controller.update_bias(state, aux["router_load"], cfg.balance) if train else state
+  return controller.update_bias(state, aux.router_load, cfg.balance) if train else state
 
 
 def ep_fn(cfg, mesh, pcfg, *, train=False, placement=None):
@@ -102,7 +102,7 @@ def per_shard_fn(cfg, shards: int):
       idss = ids.reshape((shards, -1) + ids.shape[1:])
       y, aux = jax.vmap(lambda a, i: L.moe_layer(p, a, state, cfg, token_ids=i))(xs, idss)
       y = y.reshape(x.shape)
-      total = jnp.sum(jnp.sin(y)) + jnp.mean(aux["losses"]["total"])
+      total = jnp.sum(jnp.sin(y)) + jnp.mean(aux.losses["total"])
       return total, (y, aux)
     (_, (y, aux)), g = jax.value_and_grad(loss, (0, 1), has_aux=True)(params, x)
     return y, aux, g

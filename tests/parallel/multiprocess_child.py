@@ -69,9 +69,9 @@ def run(pid):
   check(y, y0, "y")
   jax.tree.map(lambda a, b: check(a, b, "grad"), g, g0)
   jax.tree.map(lambda a, b: check(a, b, "router state"), st, st0)
-  check(aux["load"], aux0["load"], "load")
-  check(aux["metrics"]["max_vio"], aux0["metrics"]["max_vio"], "max_vio")
-  cross = float(np.asarray(aux["execution"]["comm"]["copies_cross_node"].addressable_shards[0].data))
+  check(aux.load, aux0.load, "load")
+  check(aux.metrics.max_vio, aux0.metrics.max_vio, "max_vio")
+  cross = float(np.asarray(aux.execution["comm"]["copies_cross_node"].addressable_shards[0].data))
   assert cross > 0, "no bytes crossed processes: the check is vacuous"
   print(f"OK {pid} cross-process bytes {cross:.0f}", flush=True)
 
