@@ -25,7 +25,7 @@ from typing import Any, Mapping, Optional
 
 from moejax.config import registry as reg
 from moejax.config import rules, segmentation
-from moejax.config.core import (ConfigError, check_choice, check_count, check_fraction,
+from moejax.config.core import (ConfigError, check_choice, check_count, from_dict,
                                 check_number, check_positive)
 
 
@@ -120,7 +120,6 @@ class RoutingConfig:
                           f"given together with option fields {sorted(extra)}",
                           "give the options one way")
       common["options"] = extra
-    from moejax.config.core import from_dict  # pylint: disable=g-import-not-at-top
     return from_dict(cls, common, "moe.routing")
 
   @classmethod
@@ -378,8 +377,8 @@ class MoEConfig:
 
   @property
   def router(self):
-    """The registered router spec of ``routing.kind``."""
-    return reg.ROUTERS.get(self.routing.kind)
+    """The registered router spec of ``routing.kind`` (``routing.spec``)."""
+    return self.routing.spec
 
   @property
   def is_resolved(self) -> bool:

@@ -113,13 +113,7 @@ class Hash(RouterSpec):
   isolates_shared = True
 
   def param_shapes(self, d_model, cfg):
-    return {}
-
-  def init_params(self, key, d_model, cfg):
-    return {}
-
-  def router_flops(self, d_model, cfg):
-    return 0.0
+    return {}  # so init, the accounting and the audit count no router weights or FLOPs
 
   def route(self, params, x, bias, cfg, *, token_ids, rng, train):
     return route_hash(params, x, bias, cfg, token_ids=token_ids, rng=rng, train=train)

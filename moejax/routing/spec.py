@@ -118,6 +118,8 @@ class RouterSpec:
   def init_params(self, key: jax.Array, d_model: int, cfg) -> dict:
     """Parameters of :meth:`param_shapes`, Switch's small truncated normal each."""
     shapes = self.param_shapes(d_model, cfg)
+    if not shapes:  # a parameter-free router needs no key
+      return {}
     # At least two keys: the first parameter's key is split(key)[0], as it was
     # before routers were objects (trained and golden params stay the same).
     keys = jax.random.split(key, max(len(shapes), 2))

@@ -1,4 +1,4 @@
-"""configs/tiny.py with the cosine router of tests/plugins/cosine_router.py.
+"""configs/tiny.py with the cosine router of tests/plugins/cosine_router.py, 6 steps.
 
 A config file that imports a plugin module: the one line a researcher adds
 (the module sits next to this file, as a researcher's own would).
@@ -9,22 +9,19 @@ A config file that imports a plugin module: the one line a researcher adds
 import os
 import sys
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
 import cosine_router  # noqa: E402,F401  (registers routing.kind='cosine')
 
+from moejax.config import files  # noqa: E402
 from moejax.train.config import experiment_config_dict  # noqa: E402
 
 
 def get_config():
-  return experiment_config_dict(
-      model=dict(
-          d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, dense_ff_width=64,
-          moe=dict(topology=dict(num_experts=4, expert_width=32),
-                   routing=dict(kind="cosine", top_k=2, score_fn="softmax", gating="normalized",
-                                use_bias=True, options=dict(proj_dim=8, temperature=0.1)),
-                   balance=dict(bias_update="sign", bias_rate=1e-3, aux_loss_coef=1e-3))),
-      data=dict(name="python_stdlib", seq_len=32, batch_size=8, stdlib_max_files=12,
-                stdlib_val_fraction=0.3),
-      train=dict(steps=6, learning_rate=1e-2, warmup_steps=1, log_every=3, eval_every=3,
-                 eval_batches=1, checkpoint_every=3, keep_checkpoints=2, progress=False),
-  )
+  tree = files.load_config_file(os.path.join(HERE, "..", "..", "configs", "tiny.py")).to_dict()
+  routing = tree["model"]["moe"]["routing"]
+  routing.update(kind="cosine", score_fn="softmax", options=dict(proj_dim=8, temperature=0.1))
+  tree["model"]["moe"]["balance"].update(aux_loss_scope="batch", z_loss_coef=0.0)
+  tree["train"].update(steps=6, warmup_steps=1, log_every=3, eval_every=3, eval_batches=1,
+                       checkpoint_every=3, progress=False)
+  return experiment_config_dict(**tree)

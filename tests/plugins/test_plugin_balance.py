@@ -21,8 +21,7 @@ def test_a_registered_loss_is_weighted_logged_and_added_to_the_total():
   params = L.init_moe_params(jax.random.PRNGKey(0), 8, cfg)
   x = jax.random.normal(jax.random.PRNGKey(1), (2, 5, 8))
   _, aux = L.moe_layer(params, x, None, cfg)
-  losses = aux["losses"] if isinstance(aux, dict) else aux.losses
-  probs = (aux["routing"] if isinstance(aux, dict) else aux.routing).probs
+  losses, probs = aux.losses, aux.routing.probs
   want = 0.5 * float(jnp.mean(jnp.max(probs, axis=-1)))
   np.testing.assert_allclose(float(losses["max_prob_loss"]), want, rtol=1e-6)
   np.testing.assert_allclose(float(losses["total"]),
