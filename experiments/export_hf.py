@@ -5,8 +5,12 @@ Writes config.json and model.safetensors (``MixtralForCausalLM.from_pretrained(D
 loads them); LoRA adapters are merged into the weights (``--lora=merge``) or kept apart in
 adapter_model.safetensors + adapter_config.json (PEFT naming; ``--lora=separate``). The
 model must be one Mixtral expresses (every layer MoE, softmax top-k routing without a
-selection bias, untied head): otherwise one ``error:`` line names what is not.
-See moejax/finetune/export.py and docs/finetune.md.
+selection bias, untied head; e.g. a run of configs/default_mixtral.py, not of
+configs/default.py, which routes DeepSeek-V3 style): otherwise one ``error:`` line names
+each field the family lacks, the family whose blocks the model's MoE layers are, and the
+fix, before anything is written. Whole models export as Mixtral only (the other families'
+attentions are not the moejax Transformer's). See moejax/finetune/export.py,
+docs/finetune.md and docs/interop.md ("What each family expresses").
 """
 
 from __future__ import annotations
@@ -23,7 +27,9 @@ _LAYOUT = flags.DEFINE_enum("layout", "checkpoint", ["checkpoint", "fused"],
                             "checkpoint: per-expert tensors (released files, from_pretrained); "
                             "fused: transformers >= 5 in-memory parameters.")
 _STEP = flags.DEFINE_integer("step", None, "A kept checkpoint step (default: the newest).")
-_MODEL_TYPE = flags.DEFINE_string("model_type", "mixtral", "The Hugging Face family.")
+_MODEL_TYPE = flags.DEFINE_string("model_type", "mixtral", "The Hugging Face family of the "
+                                  "whole model: mixtral, the one family whose attention the "
+                                  "moejax Transformer computes (docs/interop.md).")
 flags.mark_flags_as_required(["workdir", "out"])
 
 

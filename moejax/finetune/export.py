@@ -11,8 +11,9 @@ writes ``config.json`` and ``model.safetensors`` (transformers loads them
 with ``MixtralForCausalLM.from_pretrained``) through
 :func:`moejax.interop.models.export_model`, so the model must be one the
 family expresses (every layer MoE, softmax top-k routing without a
-selection bias, untied head; otherwise one InteropError line names what
-is not).
+selection bias, untied head: a run of configs/default_mixtral.py, not of
+configs/default.py; otherwise, before anything is written, one
+InteropError line names each field the family lacks and the fix).
 
 ``lora='merge'`` folds every adapter into its weight (W + (alpha / r) A B,
 :func:`moejax.nn.lora.merge_tree`). ``lora='separate'`` writes the base

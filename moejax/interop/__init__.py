@@ -13,14 +13,15 @@ from moejax.interop.convert import (LAYOUTS, ExportedBlock, ImportedBlock,
                                     import_moe_layers, load_hf_config, to_torch)
 from moejax.interop.errors import (InteropError, MissingTensorError,
                                    TensorShapeError, UnsupportedArchitectureError)
-from moejax.interop.families import (FAMILIES, Family, get_family, hf_fields_from_moe,
-                                     moe_config_from_hf, moe_layers, register_family)
+from moejax.interop.families import (FAMILIES, Family, block_gaps, expressing_families,
+                                     get_family, hf_fields_from_moe, moe_config_from_hf,
+                                     moe_layers, register_family)
 from moejax.interop.tensors import dequantize_blocks, open_source, save_safetensors
 
 __all__ = [
     "FAMILIES", "LAYOUTS", "ExportedBlock", "Family", "ImportedBlock", "InteropError",
-    "MissingTensorError", "TensorShapeError", "UnsupportedArchitectureError",
-    "dequantize_blocks", "export_moe_block", "get_family", "hf_fields_from_moe",
+    "MissingTensorError", "TensorShapeError", "UnsupportedArchitectureError", "block_gaps",
+    "dequantize_blocks", "export_moe_block", "expressing_families", "get_family", "hf_fields_from_moe",
     "import_moe_block", "import_moe_layers", "load_hf_config", "moe_config_from_hf",
     "moe_layers", "open_source", "register_family", "save_safetensors", "to_torch",
 ]

@@ -43,7 +43,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Callable, Mapping, Optional
 
-from moejax.config import MoEConfig
+from moejax.config import BalanceConfig, MoEConfig
 from moejax.interop.errors import InteropError, UnsupportedArchitectureError
 
 _MISSING = object()
@@ -320,19 +320,50 @@ def hf_fields_from_moe(cfg: MoEConfig, model_type: str, d_model: int) -> dict:
   express (the fields whose re-import would differ).
   """
   check_moe_config(cfg, "cfg")
-  family = get_family(model_type)
-  fields = family.hf_fields(cfg, d_model)
-  try:
-    again = family.moe_config(fields, cfg)
-  except (InteropError, ValueError) as e:
-    raise InteropError(f"{model_type} cannot express this MoEConfig: {e}") from e
-  diffs = _diff(cfg, again)
+  fields, diffs = _round_trip(cfg, model_type, d_model)
   if diffs:
     lines = "; ".join(f"{k}={a!r} (as {model_type} it would be {b!r})"
                       for k, (a, b) in diffs.items())
     raise InteropError(f"{model_type} cannot express {lines}. Fix: export a layer whose "
                        f"config {model_type} can hold, or pick another model_type")
   return fields
+
+
+def _round_trip(cfg: MoEConfig, model_type: str, d_model: int) -> tuple[dict, dict]:
+  """(the family's HF fields of ``cfg``, {field: (cfg's value, the re-imported value)})."""
+  family = get_family(model_type)
+  fields = family.hf_fields(cfg, d_model)
+  try:
+    return fields, _diff(cfg, family.moe_config(fields, cfg))
+  except ValueError:
+    # cfg's balancing does not fit the family's router (a bias controller, and the family
+    # routes without a bias): compare the architecture alone, balancing is no part of it.
+    neutral = dataclasses.replace(cfg, balance=BalanceConfig())
+  try:
+    again = family.moe_config(fields, neutral)
+  except (InteropError, ValueError) as e:
+    raise InteropError(f"{model_type} cannot express this MoEConfig: {e}") from e
+  return fields, _diff(neutral, again)
+
+
+def block_gaps(cfg: MoEConfig, model_type: str, d_model: int) -> list[str]:
+  """What a block of ``cfg`` has that ``model_type``'s lacks, one phrase per field
+  (``moe.routing.score_fn='sigmoid' (mixtral: 'softmax')``); ``[]`` when the family
+  expresses it. The same round trip as the export's check; a config whose fields the
+  family cannot even write (deepseek_v3 shared experts of a width that is no multiple
+  of the routed width) is one phrase saying why.
+  """
+  check_moe_config(cfg, "cfg")
+  try:
+    _, diffs = _round_trip(cfg, model_type, d_model)
+  except InteropError as e:
+    return [str(e).split(". Fix:")[0]]
+  return [f"{k}={a!r} ({model_type}: {b!r})" for k, (a, b) in diffs.items()]
+
+
+def expressing_families(cfg: MoEConfig, d_model: int) -> list[str]:
+  """The registered families whose MoE block computes what a layer of ``cfg`` computes."""
+  return [name for name in FAMILIES if not block_gaps(cfg, name, d_model)]
 
 
 def _diff(a: Any, b: Any, path: str = "moe") -> dict:
@@ -344,5 +375,6 @@ def _diff(a: Any, b: Any, path: str = "moe") -> dict:
   return {} if a == b else {path: (a, b)}
 
 
-__all__ = ["FAMILIES", "Family", "family_of", "get_family", "hf_get",
-           "hf_fields_from_moe", "moe_config_from_hf", "moe_layers", "register_family"]
+__all__ = ["FAMILIES", "Family", "block_gaps", "expressing_families", "family_of",
+           "get_family", "hf_get", "hf_fields_from_moe", "moe_config_from_hf", "moe_layers",
+           "register_family"]

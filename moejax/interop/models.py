@@ -183,20 +183,17 @@ def import_model(source: Any, hf_config: Any = None, *, base: Optional[ModelConf
   return ImportedModel(cfg, params, router_state)
 
 
-def _check_exportable(cfg: ModelConfig, model_type: str) -> None:
-  check_supported(model_type)
-  bad = []
-  if cfg.moe is None or not cfg.moe.layer.routed:
-    bad.append("a sparse MoE in every layer (model.moe)")
-  else:
-    if not all(cfg.is_moe_layer(i) for i in range(cfg.n_layers)):
-      bad.append(f"model.moe_layout={cfg.moe_layout!r} (every layer must be MoE)")
-    r = cfg.moe.routing
-    # The Hugging Face blocks' router is moejax's linear top-k (an object check:
-    # a plugin router, even one derived from it, has no HF counterpart).
-    if r.score_fn != "softmax" or r.use_bias or type(cfg.moe.router) is not TopK:
-      bad.append(f"routing kind={r.kind!r}, score_fn={r.score_fn!r}, use_bias={r.use_bias} "
-                 f"(needs softmax top-k without a selection bias)")
+# Per whole-model family, the shipped config of configs/default.py's model routed as that
+# family routes: the export error's fix names it (the default model is what a new user has
+# trained, and it routes DeepSeek-V3 style).
+EXPORT_CONFIGS = {"mixtral": ("configs/default_mixtral.py", "softmax top-2, no selection bias")}
+
+
+def _transformer_gaps(cfg: ModelConfig) -> list[str]:
+  """What the model has outside its MoE blocks that no whole-model family holds."""
+  gaps = []
+  if cfg.moe is not None and not all(cfg.is_moe_layer(i) for i in range(cfg.n_layers)):
+    gaps.append(f"model.moe_layout={cfg.moe_layout!r} (every layer must be MoE)")
   for field, ok, what in (("attention_bias", not cfg.attention_bias, "False"),
                           ("tie_embeddings", not cfg.tie_embeddings, "False (moejax scales a "
                            "tied head by d^-1/2)"),
@@ -204,10 +201,64 @@ def _check_exportable(cfg: ModelConfig, model_type: str) -> None:
                           ("moe_schedule", cfg.moe_schedule == "serial", "'serial'"),
                           ("expert_sharing_group", cfg.expert_sharing_group == 1, "1")):
     if not ok:
-      bad.append(f"model.{field}={getattr(cfg, field)!r} (needs {what})")
-  if bad:
-    raise InteropError(f"{model_type} cannot express this model: {'; '.join(bad)}. Fix: export "
-                       f"a model {model_type} can hold")
+      gaps.append(f"model.{field}={getattr(cfg, field)!r} (needs {what})")
+  return gaps
+
+
+def _block_gaps(cfg: ModelConfig, model_type: str) -> list[str]:
+  """What the model's MoE blocks have that ``model_type``'s block lacks."""
+  # The Hugging Face blocks' router is moejax's linear top-k (an object check:
+  # a plugin router, even one derived from it, has no HF counterpart).
+  if type(cfg.moe.router) is not TopK:
+    return [f"model.moe.routing.kind={cfg.moe.routing.kind!r} (the Hugging Face blocks route "
+            "with a linear top-k: kind='topk')"]
+  return [f"model.{gap}" if gap.startswith("moe.") else gap
+          for gap in fam.block_gaps(cfg.moe, model_type, cfg.d_model)]
+
+
+def _other_families(cfg: ModelConfig, model_type: str) -> str:
+  """Where the model's MoE blocks do fit, and why that family is no whole-model export."""
+  if type(cfg.moe.router) is not TopK:
+    return ""
+  others = [f for f in fam.expressing_families(cfg.moe, cfg.d_model) if f != model_type]
+  if not others:
+    return ""
+  lacks = "; ".join(f"{f}'s {MISSING[f]}" for f in others if f in MISSING)
+  return (f" Its MoE blocks are {' / '.join(others)} blocks (moejax.interop.export_moe_block "
+          f"writes them one by one), but no whole model of that family can be written: the "
+          f"moejax Transformer lacks {lacks or 'its attention'}.")
+
+
+def check_export_family(model_type: str) -> None:
+  """InteropError in one line unless whole moejax models export as ``model_type``."""
+  if model_type in SUPPORTED:
+    return
+  if model_type in MISSING:
+    raise InteropError(f"model_type={model_type!r}: a whole moejax model cannot be written as "
+                       f"{model_type}: its attention is {MISSING[model_type]}, which the moejax "
+                       f"Transformer lacks (its MoE blocks alone export: "
+                       f"moejax.interop.export_moe_block). Fix: export as model_type="
+                       f"{SUPPORTED[0]!r} a model {SUPPORTED[0]} expresses (e.g. a run of "
+                       f"{EXPORT_CONFIGS[SUPPORTED[0]][0]})")
+  check_supported(model_type)   # an unknown family: its own error
+
+
+def _check_exportable(cfg: ModelConfig, model_type: str) -> None:
+  """One InteropError naming everything ``cfg`` has that ``model_type`` lacks, and the fix."""
+  check_export_family(model_type)
+  if cfg.moe is None or not cfg.moe.layer.routed:
+    kind = None if cfg.moe is None else cfg.moe.kind
+    gaps, other = [f"model.moe={'None' if kind is None else f'kind={kind!r}'}: no sparse MoE "
+                   f"layer (every {model_type} layer is a sparse MoE block)"], ""
+  else:
+    gaps, other = _block_gaps(cfg, model_type), _other_families(cfg, model_type)
+  gaps += _transformer_gaps(cfg)
+  if gaps:
+    path, routing = EXPORT_CONFIGS[model_type]
+    raise InteropError(f"{model_type} cannot express this model: {'; '.join(gaps)}.{other} "
+                       f"Fix: train a model with those fields as {model_type} has them and "
+                       f"export that run ({path} is configs/default.py routed as "
+                       f"{model_type} routes: {routing})")
 
 
 def hf_config_of(cfg: ModelConfig, model_type: str = "mixtral") -> dict:
@@ -258,5 +309,6 @@ def export_model(params: Mapping, router_state: Optional[Mapping], cfg: ModelCon
   return ExportedModel(sd, hf_config)
 
 
-__all__ = ["ExportedModel", "ImportedModel", "MISSING", "SUPPORTED", "check_supported",
+__all__ = ["ExportedModel", "ImportedModel", "EXPORT_CONFIGS", "MISSING", "SUPPORTED",
+           "check_export_family", "check_supported",
            "export_model", "hf_config_of", "import_model", "model_config_from_hf"]

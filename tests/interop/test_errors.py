@@ -170,3 +170,63 @@ def test_export_checks_params_and_layout():
     export_moe_block({}, None, cfg, "mixtral")
   with pytest.raises(InteropError, match="layout='sharded'"):
     export_moe_block(_layer(cfg), None, cfg, "mixtral", layout="sharded")
+
+
+# ---------------------------------------------------------------------------
+# Whole models (experiments.export_hf): the default model and its Mixtral-routed twin.
+
+def _model(name):
+  from tests.train.helpers import experiment  # pylint: disable=g-import-not-at-top
+  return experiment(name).model
+
+
+def test_a_default_model_block_names_its_fields_not_its_balancing():
+  """configs/default.py's layer as a Mixtral block: the two routing fields Mixtral lacks.
+
+  (Before, re-importing under Mixtral's router failed on the bias controller and the
+  error named moe.balance.bias_update, which is no part of the block.)"""
+  cfg = _model("default").moe
+  with pytest.raises(InteropError) as e:
+    export_moe_block(_layer(cfg), None, cfg, "mixtral")
+  assert str(e.value) == (
+      "mixtral cannot express moe.routing.score_fn='sigmoid' (as mixtral it would be "
+      "'softmax'); moe.routing.use_bias=True (as mixtral it would be False). Fix: export a "
+      "layer whose config mixtral can hold, or pick another model_type")
+  from moejax.interop import expressing_families  # pylint: disable=g-import-not-at-top
+  assert expressing_families(cfg, 128) == ["deepseek_v3"]
+
+
+def test_the_default_model_as_mixtral_names_what_it_has_and_the_fix():
+  from moejax.interop import models  # pylint: disable=g-import-not-at-top
+  with pytest.raises(InteropError) as e:
+    models.hf_config_of(_model("default"), "mixtral")
+  assert str(e.value) == (
+      "mixtral cannot express this model: model.moe.routing.score_fn='sigmoid' (mixtral: "
+      "'softmax'); model.moe.routing.use_bias=True (mixtral: False). Its MoE blocks are "
+      "deepseek_v3 blocks (moejax.interop.export_moe_block writes them one by one), but no "
+      "whole model of that family can be written: the moejax Transformer lacks deepseek_v3's "
+      "multi-head latent attention (low-rank q / kv projections, decoupled RoPE). Fix: train "
+      "a model with those fields as mixtral has them and export that run "
+      "(configs/default_mixtral.py is configs/default.py routed as mixtral routes: softmax "
+      "top-2, no selection bias)")
+  # The config the fix names exports, and differs from the default model only in routing.
+  twin = _model("default_mixtral")
+  hf = models.hf_config_of(twin, "mixtral")
+  assert (hf["num_local_experts"], hf["num_experts_per_tok"], hf["hidden_size"]) == (16, 2, 128)
+  default = _model("default")
+  assert dataclasses.replace(twin, moe=default.moe) == default
+
+
+def test_whole_model_families_other_than_mixtral_are_one_line_with_the_fix():
+  from moejax.interop import models  # pylint: disable=g-import-not-at-top
+  with pytest.raises(InteropError) as e:
+    models.hf_config_of(_model("default"), "deepseek_v3")
+  assert str(e.value) == (
+      "model_type='deepseek_v3': a whole moejax model cannot be written as deepseek_v3: its "
+      "attention is multi-head latent attention (low-rank q / kv projections, decoupled "
+      "RoPE), which the moejax Transformer lacks (its MoE blocks alone export: "
+      "moejax.interop.export_moe_block). Fix: export as model_type='mixtral' a model mixtral "
+      "expresses (e.g. a run of configs/default_mixtral.py)")
+  with pytest.raises(InteropError, match=r"^mixtral cannot express this model: model\.moe="
+                                         r"None: no sparse MoE layer"):
+    models.hf_config_of(_model("dense"), "mixtral")

@@ -185,6 +185,29 @@ def test_exported_block_runs_in_transformers(model_type, tmp_path):
   _assert_tree_equal(back.params, params)
 
 
+def test_the_default_models_layer_runs_as_a_deepseek_v3_block():
+  """configs/default.py's MoE layer (sigmoid scores, a selection bias, no groups, no shared
+  expert) is a DeepSeek-V3 block, as its whole-model export error says: exported, it
+  computes in transformers what the moejax layer computes."""
+  from tests.train.helpers import experiment  # pylint: disable=g-import-not-at-top
+  model = experiment("default").model
+  cfg = model.moe
+  params, state = _random_layer(np.random.default_rng(7), cfg, model.d_model)
+  params = jax.tree.map(lambda a: a * 0.1, params)
+  state = state.replace(bias=state.bias * 0.2)
+  sd, fields = export_moe_block(params, state, cfg, "deepseek_v3", layout="fused")
+  assert (fields["n_group"], fields["n_shared_experts"], fields["norm_topk_prob"],
+          fields["routed_scaling_factor"]) == (1, 0, True, 1.0)
+  hf_cfg = hf_models.tiny_config("deepseek_v3", **{k: v for k, v in fields.items()
+                                                    if k != "model_type"})
+  block = helpers.block_class("deepseek_v3")(hf_cfg).eval()
+  block.load_state_dict(to_torch(sd), strict=True)
+  x = helpers.ties_free_inputs(block, hf_cfg, 48, 4)
+  want, _, _ = helpers.apply_layer(params, x, state, cfg)
+  got = helpers.hf_forward(block, x)
+  np.testing.assert_allclose(got, np.asarray(want), atol=1e-5 * max(1, np.abs(got).max()))
+
+
 def test_equivalent_configs_kept_with_base_and_canonical_without():
   """qwen2_moe: 2 shared experts of width 6 are one HF shared expert of width 12."""
   cfg = moe_config(num_experts=4, expert_width=8, num_shared_experts=2, shared_expert_width=6,
