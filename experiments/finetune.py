@@ -17,9 +17,12 @@ optimisation and the fine-tuning options::
     --config.data.loss_domains='("comment", "docstring")'   # the data mixture
 
 Before training it prints the run's accounting (trainable parameters,
-optimizer-state bytes, an activation-memory estimate);
-``--accounting`` prints it for every standard option side by side and
-exits. Rerunning the same command resumes (the source is read only when the
+optimizer-state bytes, an activation-memory estimate) and which domains its
+loss covers (``data.loss_domains``: configs/finetune.py scores comments and
+docstrings only); after training, every domain's validation loss.
+``--accounting`` first prints the accounting of every standard option side
+by side, then fine-tunes; without ``--workdir`` it stops after the table
+and writes nothing. Rerunning the same command resumes (the source is read only when the
 run starts); the workdir is an ordinary run directory (``moejax.load``,
 ``experiments.generate``, ``experiments.export_hf``). ``--print_config`` and
 ``--dry_run`` as in ``experiments.train``.
@@ -51,9 +54,11 @@ _FORMAT = flags.DEFINE_enum("source_format", "auto", ["auto", "moejax", "hf"],
                             "auto: a directory with checkpoints/ is a moejax run, one whose "
                             "config.json has a model_type is a Hugging Face model.")
 _WORKDIR = flags.DEFINE_string("workdir", None, "The fine-tuning run's directory.")
-_ACCOUNTING = flags.DEFINE_bool("accounting", False, "Print the accounting of every standard "
-                                "option (full, router / experts frozen, LoRA on attention+dense, "
-                                "LoRA on experts) and of this run, and exit.")
+_ACCOUNTING = flags.DEFINE_bool("accounting", False, "First print the accounting of every "
+                                "standard option (full, router / experts frozen, LoRA on "
+                                "attention+dense, LoRA on experts) and of this run side by side, "
+                                "then fine-tune in --workdir; without --workdir, stop after the "
+                                "table (nothing is written).")
 _PRINT_CONFIG = flags.DEFINE_bool("print_config", False, "Print the resolved config and exit.")
 _DRY_RUN = flags.DEFINE_bool("dry_run", False, "Validate, print the budget and accounting and "
                              "what would happen in --workdir; write nothing.")
@@ -145,17 +150,22 @@ def main(argv):
     if _PRINT_CONFIG.value:
       print(experiment_to_json(cfg))
       return
-    if _ACCOUNTING.value:
-      print_accounting(cfg)
-      return
     if _DRY_RUN.value:
       dry_run(cfg, _WORKDIR.value)
       return
+    if _ACCOUNTING.value:
+      print_accounting(cfg)
+      if not _WORKDIR.value:
+        print("accounting only: nothing was trained or written (add --workdir=DIR to "
+              "fine-tune after the table)")
+        return
     if not _WORKDIR.value:
       cli.fail("--workdir is required (unless --print_config, --accounting or --dry_run)")
+    from moejax.finetune.scope import domain_summary
     from moejax.finetune.start import finetune_start
     from moejax.train import loop
     loop.train(cfg, _WORKDIR.value, start=finetune_start)
+    print(domain_summary(cfg, _WORKDIR.value))
   except (ConfigError, AuditError, DatasetUnavailableError, WorkdirError,
           guard.NonFiniteError) as e:
     cli.fail(f"{type(e).__name__}: {e}")

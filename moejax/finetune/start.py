@@ -11,7 +11,8 @@ with the trainer's read-only checks, before the workdir is locked:
   from the source's, and returns the :class:`~moejax.finetune.source.Source`,
   whose ``apply`` gives the run its first state; a resumed run never reads
   the source again;
-- every start and resume prints the options and the accounting
+- every start and resume prints the options, the domains the loss covers
+  (:func:`moejax.finetune.scope.loss_scope`) and the accounting
   (:mod:`moejax.finetune.accounting`) of the run.
 
 A run from scratch (``finetune.source`` empty) gets None: nothing is said
@@ -26,6 +27,7 @@ import optax
 
 from moejax.finetune import accounting as accounting_lib
 from moejax.finetune import source as source_lib
+from moejax.finetune.scope import loss_scope
 from moejax.train.config import ExperimentConfig
 
 
@@ -53,6 +55,7 @@ def finetune_start(cfg: ExperimentConfig, *, fresh: bool, abstract_params: Any,
     source = source_lib.open_source(cfg)
     for note in source.notes:
       say(f"note: this run's model differs from its source in {note}")
-  say(f"fine-tuning ({options(cfg)}); accounting before training:")
+  say(f"fine-tuning ({options(cfg)}); {loss_scope(cfg)}")
+  say("accounting before training:")
   say(accounting_lib.table({"this run": accounting_lib.accounting(cfg, abstract_params, tx)}))
   return source

@@ -53,12 +53,47 @@ def _lists_every_option(stdout):
   assert "optimizer bytes are exact" in stdout
 
 
-@pytest.mark.slow  # the same table as the dry run's, below
-def test_accounting_lists_every_option(source_run):
+def _tiny(data_dir):
+  """Overrides of configs/finetune.py for the tiny corpus and a 2-step run."""
+  return ("--config.data.data_dir=" + data_dir, "--config.data.stdlib_max_files=12",
+          "--config.data.stdlib_val_fraction=0.3", "--config.data.seq_len=32",
+          "--config.data.batch_size=4", "--config.train.steps=2",
+          "--config.train.warmup_steps=1", "--config.train.eval_every=0",
+          "--config.train.eval_batches=1", "--config.train.checkpoint_every=0",
+          "--config.train.log_every=1")
+
+
+def test_accounting_with_a_workdir_prints_every_option_then_fine_tunes(source_run, tmp_path,
+                                                                       ft_data_dir):
+  """The README's line (--workdir and --accounting): before, --accounting printed the table
+  and exited, so the workdir the next line exports was never written."""
+  _, source = source_run
+  workdir = str(tmp_path / "ft")
+  proc = _run("finetune", f"--source={source}", f"--workdir={workdir}", "--accounting",
+              *_tiny(ft_data_dir))
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  _lists_every_option(proc.stdout)
+  assert proc.stdout.index("LoRA experts, router trains") < proc.stdout.index("done: step 2")
+  assert os.path.exists(os.path.join(workdir, "config.json"))
+  assert os.listdir(os.path.join(workdir, "checkpoints"))
+  # Its losses are the comment and docstring targets' only (configs/finetune.py), and it says so.
+  last = proc.stdout.strip().splitlines()[-1]
+  assert last.startswith("the train and val loss above cover only the comment, docstring "
+                         "targets (data.loss_domains; the code, string tokens are context, not "
+                         "scored); the unigram baseline beside them is over every token; val "
+                         "loss of every domain at step 2: code "), last
+  assert "| comment " in last and "string" in last.split("docstring")[-1]
+
+
+@pytest.mark.slow  # the same table as above and the dry run's, below
+def test_accounting_without_a_workdir_lists_every_option_and_writes_nothing(source_run):
   _, source = source_run
   proc = _run("finetune", f"--source={source}", "--accounting")
   assert proc.returncode == 0, proc.stderr[-3000:]
   _lists_every_option(proc.stdout)
+  assert proc.stdout.strip().splitlines()[-1] == (
+      "accounting only: nothing was trained or written (add --workdir=DIR to fine-tune after "
+      "the table)")
 
 
 def test_dry_run_and_print_config_read_the_source_and_write_nothing(source_run, tmp_path):
@@ -82,7 +117,14 @@ def test_dry_run_and_print_config_read_the_source_and_write_nothing(source_run, 
 def test_export_of_a_model_mixtral_cannot_hold_is_one_error_line(source_run, tmp_path):
   _, source = source_run   # configs/tiny.py: sigmoid scores with a selection bias
   line = _one_error_line(_run("export_hf", f"--workdir={source}", f"--out={tmp_path / 'hf'}"))
-  assert "mixtral cannot express this model" in line and "use_bias=True" in line
+  assert line.startswith("error: InteropError: mixtral cannot express this model: "
+                         "model.moe.routing.score_fn='sigmoid' (mixtral: 'softmax'); "
+                         "model.moe.routing.use_bias=True (mixtral: False). Its MoE blocks are "
+                         "deepseek_v3 blocks"), line
+  assert line.endswith("Fix: train a model with those fields as mixtral has them and export "
+                       "that run (configs/default_mixtral.py is configs/default.py routed as "
+                       "mixtral routes: softmax top-2, no selection bias)"), line
+  assert not os.path.exists(tmp_path / "hf")
 
 
 @pytest.mark.slow

@@ -59,6 +59,8 @@ def test_frozen_router_experts_and_adapted_base_stay_bit_exact(source_run, ft_ru
   assert any(np.any(v) for p, v in _leaves(adapters) if p[-1] == "b" and "experts" in p)
   assert "accounting before training" in out and "initialised from checkpoint 12" in out
   assert "LoRA rank 4 (x1) on attention, experts" in out
+  assert ("; the loss covers only the comment, docstring targets (data.loss_domains; the "
+          "code, string tokens are context, not scored)\n") in out
 
 
 @pytest.mark.slow  # the default run checks the start through the bit-exact frozen parts
