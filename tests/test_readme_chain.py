@@ -385,7 +385,8 @@ def test_readme_command_runs_as_written(chain, index):
   assert "Traceback" not in got.stderr, got.stderr[-3000:]
   for path, files in _written_paths(cmd).items():
     for name in files:
-      full = os.path.join(chain.local(path), name) if name else chain.local(path)
+      where = os.path.join(chain.cwd, chain.local(path))   # a relative path: the command's cwd
+      full = os.path.join(where, name) if name else where
       # Written by this command (report's RESULTS.md exists before it runs).
       assert os.path.exists(full) and os.path.getmtime(full) >= got.started - 1, (
           cmd.line, f"{full} was not written", got.stdout[-2000:])
