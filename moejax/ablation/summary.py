@@ -177,7 +177,12 @@ def _collect_provenance(results: Sequence[dict]) -> dict:
   return {"commands": pick("command"), "commits": pick("commit"),
           "dates": [dates[0], dates[-1]] if dates else [], "machines": pick("machine"),
           "jax_versions": pick("jax_version"), "python_versions": pick("python_version"),
-          "runs": len(results), "runs_without_provenance": sum(1 for p in provs if not p)}
+          "runs": len(results), "runs_without_provenance": sum(1 for p in provs if not p),
+          # Every distinct code fingerprint the runs recorded (one, unless a suite was
+          # resumed across commits; none when a run recorded none): RESULTS.md compares
+          # them with the checkout's (moejax.ablation.freshness).
+          "code": (list({p["code"]["fingerprint"]: p["code"] for p in provs}.values())
+                   if all(p.get("code") for p in provs) else [])}
 
 
 def suite_summary(workdir: str) -> dict:
