@@ -8,12 +8,12 @@ naming the field, the value and the fix.
 from __future__ import annotations
 
 import dataclasses
-import difflib
 import os
 import re
 from typing import Optional
 
 from moejax.config import ConfigError, check_choice
+from moejax.data import names
 
 BUILTIN_NAMES = ("python_stdlib", "synthetic_domains")
 TOKENIZERS = ("bytes", "bpe")
@@ -153,13 +153,8 @@ class DataConfig:
                                                                   "~/tensorflow_datasets"))
     if base in registry or os.path.isdir(os.path.join(data_dir, base)):
       return
-    close = difflib.get_close_matches(base, list(BUILTIN_NAMES) + registry, n=3)
-    hint = f"did you mean {', '.join(map(repr, close))}? " if close else ""
-    raise ConfigError(
-        f"{path}.name", self.name, f"unknown dataset (not built in, not in the TFDS registry, not "
-        f"in {data_dir})", f"{hint}available: {', '.join(BUILTIN_NAMES)} (built in, offline), or "
-        f"any TFDS text dataset such as tiny_shakespeare, lm1b "
-        f"(tfds.list_builders() lists {len(registry)})")
+    raise ConfigError(f"{path}.name", self.name,
+                      *names.unknown_dataset(base, data_dir, BUILTIN_NAMES, registry))
 
   def builder_config(self):
     """The TFDS builder config that this DataConfig selects (built-ins only)."""
