@@ -110,6 +110,12 @@ class DataConfig:
       v = getattr(self, f)
       if not isinstance(v, int) or isinstance(v, bool) or v < 0:
         raise ConfigError(f"{path}.{f}", v, "must be an int >= 0", f"set {path}.{f} >= 0")
+    if self.data_dir is not None and (not isinstance(self.data_dir, str)
+                                      or not self.data_dir.strip()):
+      # "" would resolve to the working directory: datasets prepared wherever the run starts.
+      raise ConfigError(f"{path}.data_dir", self.data_dir, "is not a directory name",
+                        "give a directory, or leave it unset for the TFDS default "
+                        "($TFDS_DATA_DIR or ~/tensorflow_datasets)")
     if self.train_split == self.eval_split:
       raise ConfigError(f"{path}.eval_split", self.eval_split, "equals train_split",
                         "evaluate on a held-out split, e.g. 'validation' or 'test'")

@@ -57,3 +57,12 @@ def test_get_dataset_says_the_same(tmp_path):
                         f"{tmp_path}, not in the TFDS registry). Fix: available offline: "
                         "python_stdlib, synthetic_domains (built in); any other TFDS")
   assert msg.count("python_stdlib") == 1 and os.linesep not in msg
+
+
+@pytest.mark.parametrize("data_dir", ["", "  "])
+def test_an_empty_data_dir_is_refused_not_read_as_the_working_directory(data_dir):
+  with pytest.raises(ConfigError) as err:
+    data.DataConfig(data_dir=data_dir)
+  assert str(err.value) == (f"data.data_dir={data_dir!r}: is not a directory name. Fix: give a "
+                            "directory, or leave it unset for the TFDS default ($TFDS_DATA_DIR "
+                            "or ~/tensorflow_datasets)")
