@@ -25,8 +25,8 @@ import typing
 from typing import Any, Callable, Optional, Sequence
 
 from absl import flags
+from ml_collections.config_flags import config_flags as config_flags_lib
 from ml_collections.config_flags import tuple_parser
-from ml_collections.config_flags.config_flags import is_config_flag
 
 
 def _last_line(text: str) -> str:
@@ -36,7 +36,7 @@ def _last_line(text: str) -> str:
 
 def _config_flag_names(flag_values) -> list[str]:
   return [name for name, flag in flag_values._flags().items()  # pylint: disable=protected-access
-          if is_config_flag(flag)]
+          if config_flags_lib.is_config_flag(flag)]
 
 
 def _config_file_arg(argv: Sequence[str], flag_values) -> tuple[str, str] | None:
@@ -155,6 +155,13 @@ class _FieldType:
     return f"--{name}={value}" + (f" (or --{name} / --no{name})" if self.switches else "")
 
 
+class _Section(_FieldType):
+  """A whole sub-tree (``--config.model.moe=3``): its fields are what take values."""
+
+  def example(self, name: str, default: Any) -> str:
+    return f"--{name}.FIELD=VALUE (--print_config lists the fields)"
+
+
 # The parsers config_flags gives an override of each field type.
 _FIELD_TYPES = {
     flags.IntegerParser: _FieldType("not an integer", "pass a whole number (the field is an int)",
@@ -165,6 +172,8 @@ _FIELD_TYPES = {
     tuple_parser.TupleParser: _FieldType(
         "not a tuple", "pass a Python tuple in single quotes (the field is a tuple)", "'(1, 2)'",
         show=lambda v: f"'{_tuple_literal(v)}'"),
+    config_flags_lib._ConfigDictParser: _Section(  # pylint: disable=protected-access
+        "a config section, not a value", "set its fields instead", ""),
 }
 
 

@@ -50,6 +50,9 @@ def _parse_error(capsys, config: str, *overrides: str, experiment_at=None) -> st
      "'maybe': not a boolean. Fix: pass true or false (the field is a bool), e.g. "
      "--config.model.moe.routing.use_bias=true (or --config.model.moe.routing.use_bias / "
      "--noconfig.model.moe.routing.use_bias)"),
+    ("--config.model.moe=3", "error: --config.model.moe='3': a config section, not a value. "
+     "Fix: set its fields instead, e.g. --config.model.moe.FIELD=VALUE (--print_config lists "
+     "the fields)"),
     ("--config.data.loss_domains=('code',", "error: --config.data.loss_domains=\"('code',\": "
      "not a tuple. Fix: pass a Python tuple in single quotes (the field is a tuple), e.g. "
      "--config.data.loss_domains='(1, 2)'"),
