@@ -88,7 +88,6 @@ def resolved_suite(tree, suite) -> dict:
 def main(argv):
   if len(argv) > 1:
     raise app.UsageError(f"unexpected arguments: {argv[1:]}")
-  cli.quiet_logs()
   tree = cli.config_tree(_CONFIG)
   # pylint: disable=g-import-not-at-top
   from moejax.ablation import merge, runner, suite as suite_lib
@@ -132,4 +131,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-  cli.run(main)
+  cli.run(main, experiment_at="base")

@@ -35,6 +35,8 @@ from typing import Optional, Sequence
 import numpy as np
 from absl import app, flags
 
+from experiments import cli
+
 _MODEL_TYPE = flags.DEFINE_string("model_type", None,
                                   "tiny random model of this family (mixtral, qwen2_moe, "
                                   "qwen3_moe, deepseek_v3)")
@@ -148,4 +150,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-  app.run(main)
+  cli.run(main)

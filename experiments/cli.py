@@ -1,25 +1,29 @@
 """What the binaries share: one ``error:`` line per failure, quiet libraries, config loading.
 
 - :func:`run` is ``absl.app.run`` with a flag parser that turns the errors of
-  ``ml_collections.config_flags`` (a misspelt ``--config.a.b`` key, a missing
-  or broken ``--config`` file) into one ``error:`` line with the "did you
-  mean" ml_collections computes, instead of a 50-line traceback.
+  ``ml_collections.config_flags`` (a misspelt ``--config.a.b`` key, a value
+  of the wrong type, a missing or broken ``--config`` file) into one
+  ``error:`` line (:mod:`experiments.flag_errors`) instead of a 50-line
+  traceback, then makes the logs quiet.
 - :func:`config_tree` reads the config flag's value (a config file that
   failed to load fails here, on first access).
 - :func:`fail` prints ``error: ...`` to stderr and exits with status 1.
-- :func:`quiet_logs`: absl INFO/WARNING from TFDS and orbax stay out of the
-  output unless ``--verbosity`` is given.
+- :func:`quiet_logs`: absl INFO, and TFDS / orbax notes below ERROR, stay
+  out of the output unless ``--verbosity`` (``-v``) is given.
 """
 
 from __future__ import annotations
 
+import functools
 import logging as py_logging
 import os
-import re
 import sys
-from typing import NoReturn, Sequence
+from typing import NoReturn, Optional, Sequence
 
 from absl import app, flags, logging
+
+from experiments import flag_errors
+from moejax import chatter
 
 
 def fail(message: str) -> NoReturn:
@@ -27,68 +31,33 @@ def fail(message: str) -> NoReturn:
   sys.exit(1)
 
 
-def _last_line(text: str) -> str:
-  lines = [l.strip() for l in str(text).strip().splitlines() if l.strip()]
-  return lines[-1] if lines else str(text)
+def parse_flags(argv: Sequence[str], experiment_at: Optional[str] = None,
+                flag_values=None) -> list[str]:
+  """absl's flag parsing, with config-file and override errors as one ``error:`` line.
 
-
-def _config_flag_names() -> list[str]:
-  return [name for name, flag in flags.FLAGS._flags().items()  # pylint: disable=protected-access
-          if type(flag).__name__ == "_ConfigFlag"]
-
-
-def _config_file_arg(argv: Sequence[str]) -> tuple[str, str] | None:
-  for name in _config_flag_names() or ["config"]:
-    for a in argv:
-      if a.startswith(f"--{name}="):
-        return name, a.split("=", 1)[1]
-  return None
-
-
-def describe_config_error(e: BaseException, argv: Sequence[str]) -> str:
-  """One line for an exception raised while loading a config file or applying an override."""
-  text = str(e)
-  if isinstance(e, (KeyError, AttributeError)):
-    # ml_collections: KeyError("'stepz'\nDid you mean \"steps\" instead of \"stepz\"?")
-    raw = str(e.args[0]) if e.args else text
-    m = re.search(r'Did you mean "([\w.]+)" instead of "([\w.]+)"', raw)
-    if m:
-      key = m.group(2)
-    else:
-      q = re.search(r"'([\w.]+)", raw)
-      key = q.group(1) if q else _last_line(raw)
-    hint = f'; did you mean "{m.group(1)}"?' if m else ""
-    arg = next((a for a in argv if re.match(rf"--\w+\.(?:[\w.]+\.)?{re.escape(key)}(=|$|\.)", a)),
-               None)
-    where = arg.split("=", 1)[0] if arg else key
-    if arg:  # a key the config tree moved (model.moe.num_experts -> ...topology...)
-      from moejax.config import moved_hint  # pylint: disable=g-import-not-at-top
-      moved = moved_hint(where.split(".", 1)[1] if "." in where else where)
-      if moved:
-        hint = f"; {moved}"
-    return (f"{where}: {key!r} is not a config field{hint} (--print_config lists every field "
-            "with its default)")
-  file_arg = _config_file_arg(argv)
-  flag = f"--{file_arg[0]}={file_arg[1]}" if file_arg else "--config"
-  if isinstance(e, SyntaxError):
-    return f"{flag}: cannot load it: SyntaxError: {e.msg} (line {e.lineno})"
-  if "Errno 2" in text or "No such file" in text:
-    return f"{flag}: no such file"
-  if "config file" in text:
-    return f"{flag}: cannot load it: {_last_line(text)}"
-  return _last_line(text)
-
-
-def parse_flags(argv: Sequence[str]) -> list[str]:
-  """absl's flag parsing, with config-file and override errors as one ``error:`` line."""
+  ``experiment_at``: where the experiment tree sits in the config tree
+  (:mod:`experiments.flag_errors`). Then, unless ``--verbosity`` was given,
+  the library chatter is turned off (:func:`quiet_logs`) before ``main`` runs.
+  """
+  fv = flags.FLAGS if flag_values is None else flag_values
   try:
-    return flags.FLAGS(argv)
+    rest = fv(argv)
+  except flags.IllegalFlagValueError as e:
+    fail(flag_errors.describe_bad_value(e, fv)
+         or _flag_error(e, argv, experiment_at, fv))
   except flags.Error as e:
-    if "config" in str(e).lower() and any(a.startswith("--config") for a in argv):
-      fail(describe_config_error(e, argv))
-    fail(f"{str(e).rstrip('.')}. Pass --helpshort or --helpfull to see help on flags")
+    fail(_flag_error(e, argv, experiment_at, fv))
   except (KeyError, AttributeError, OSError, ValueError, TypeError, SyntaxError) as e:
-    fail(describe_config_error(e, argv))
+    fail(flag_errors.describe_config_error(e, argv, experiment_at, fv))
+  if fv is flags.FLAGS:
+    quiet_logs()
+  return rest
+
+
+def _flag_error(e: flags.Error, argv, experiment_at, fv) -> str:
+  if "config" in str(e).lower() and any(a.startswith("--config") for a in argv):
+    return flag_errors.describe_config_error(e, argv, experiment_at, fv)
+  return f"{str(e).rstrip('.')}. Pass --helpshort or --helpfull to see help on flags"
 
 
 def config_tree(holder) -> object:
@@ -98,25 +67,23 @@ def config_tree(holder) -> object:
     hasattr(value, "to_dict")  # a file that failed to load raises on first attribute access
     return value
   except (OSError, KeyError, AttributeError, ValueError, SyntaxError) as e:
-    fail(describe_config_error(e, sys.argv))
-
-
-class _DropLibraryChatter(py_logging.Filter):
-  """Drops INFO / WARNING records of TFDS and orbax (preparing, reading, saving notes)."""
-
-  def filter(self, record: py_logging.LogRecord) -> bool:
-    path = record.pathname or ""
-    noisy = "tensorflow_datasets" in path or "orbax" in path
-    return not (noisy and record.levelno < py_logging.ERROR)
+    fail(flag_errors.describe_config_error(e, sys.argv))
 
 
 def quiet_logs(level=logging.WARNING) -> None:
-  """Unless ``--verbosity`` was given: absl at ``level``, TFDS / orbax notes dropped."""
-  if flags.FLAGS["verbosity"].present:
+  """Unless ``--verbosity`` (``-v``) was given: absl at ``level``, TFDS / orbax notes dropped.
+
+  absl's ``app.run`` logs at INFO (``--verbosity=0``) by default, to stderr;
+  orbax's restore notes and JAX's backend probing would come first in every
+  binary's output. Called by :func:`parse_flags`, so before ``main``; calling
+  it again is harmless.
+  """
+  if chatter.chatter_wanted():
     return
   logging.set_verbosity(level)
   for handler in py_logging.getLogger().handlers + [logging.get_absl_handler()]:
-    handler.addFilter(_DropLibraryChatter())
+    if not any(isinstance(f, chatter.LibraryChatter) for f in handler.filters):
+      handler.addFilter(chatter.LibraryChatter())
 
 
 COMPILE_CACHE_DIR = "compile_cache"
@@ -138,5 +105,6 @@ def compilation_cache(workdir: str) -> str:
   return path
 
 
-def run(main) -> None:
-  app.run(main, flags_parser=parse_flags)
+def run(main, experiment_at: Optional[str] = None) -> None:
+  """``app.run(main)`` with :func:`parse_flags` (``experiment_at``: see there)."""
+  app.run(main, flags_parser=functools.partial(parse_flags, experiment_at=experiment_at))

@@ -36,7 +36,6 @@ flags.mark_flags_as_required(["workdir", "out"])
 def main(argv):
   if len(argv) > 1:
     raise app.UsageError(f"unexpected arguments: {argv[1:]}")
-  cli.quiet_logs()
   # pylint: disable=g-import-not-at-top
   from moejax.finetune import export as export_lib
   from moejax.interop.errors import InteropError

@@ -20,9 +20,9 @@ choice, Soft MoE: not causal), a bad sampling flag or a missing checkpoint.
 
 from __future__ import annotations
 
-import sys
-
 from absl import app, flags
+
+from experiments import cli
 
 _WORKDIR = flags.DEFINE_string("workdir", None, "a training run (config.json + checkpoints)")
 _PROMPT = flags.DEFINE_multi_string("prompt", None, "prompt text; repeat for a batch")
@@ -60,8 +60,7 @@ def main(argv):
       quant_lib.quantize_model(model, qcfg)
     dec = Decoder(model, backend=_BACKEND.value)
   except (ConfigError, FileNotFoundError, ValueError) as e:
-    print(f"error: {type(e).__name__}: {e}", file=sys.stderr, flush=True)
-    sys.exit(1)
+    cli.fail(f"{type(e).__name__}: {e}")
   prompts = [tok.encode(p) for p in _PROMPT.value]
   out = generate(dec, prompts, max_new_tokens=_MAX_NEW.value, sampling=sampling,
                  seed=_SEED.value, stop_id=tok.stop_id if _STOP.value else None)
@@ -75,4 +74,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-  app.run(main)
+  cli.run(main)

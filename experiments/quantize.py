@@ -40,7 +40,7 @@ import numpy as np
 from absl import app, flags
 from flax import nnx
 
-from experiments import serving_tables
+from experiments import cli, serving_tables
 from moejax.serve import quantize as quant_lib
 
 _WORKDIR = flags.DEFINE_string("workdir", None, "a trained moejax run to quantise")
@@ -311,4 +311,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-  app.run(main)
+  cli.run(main)

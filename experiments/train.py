@@ -98,8 +98,6 @@ def describe_plan(plan, cfg) -> str:
 def main(argv):
   if len(argv) > 1:
     raise app.UsageError(f"unexpected arguments: {argv[1:]}")
-  # Orbax logs every checkpoint step at INFO; the progress lines are the output.
-  cli.quiet_logs()
   tree = cli.config_tree(_CONFIG)
   # Imported after flag parsing so that --help and flag errors are instant.
   # pylint: disable=g-import-not-at-top
@@ -130,4 +128,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-  cli.run(main)
+  cli.run(main, experiment_at="")

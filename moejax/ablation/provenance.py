@@ -16,6 +16,8 @@ import subprocess
 import sys
 from typing import Optional, Sequence
 
+from moejax.ablation import freshness
+
 _ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
@@ -61,7 +63,10 @@ def run_provenance(command: Optional[str] = None, plugins: Sequence[dict] = ()) 
   out = {"command": command or command_line(), "commit": git_commit(),
          "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
          "machine": machine(), "jax_version": jax.__version__,
-         "python_version": platform.python_version()}
+         "python_version": platform.python_version(),
+         # The fingerprint of the code that computes numbers: RESULTS.md flags a block
+         # whose code has changed since (moejax.ablation.freshness).
+         "code": freshness.current()}
   if plugins:
     out["plugins"] = list(plugins)
   return out

@@ -23,6 +23,15 @@ validation-loss MDD. A block id ``trend.SUITE`` renders how the suite's
 differences move from scale s to m (and l): ``results/SUITE.json`` next to
 ``SUITE@m.json`` (:mod:`moejax.ablation.trend`).
 
+Every summary block starts with its freshness line: the code fingerprint its
+runs recorded against this checkout's (:mod:`moejax.ablation.freshness`):
+``current``, **stale** (naming the parts of the code that changed since) or
+**unverified** (no fingerprint recorded); the overview marks the suite the
+same way and a trend block says when it is built from such summaries. As the
+committed RESULTS.md must equal what the summaries generate, a change of the
+code that computes numbers fails that check until RESULTS.md is regenerated
+(and so says which blocks are stale) or the suites are re-run.
+
 A summary that does not exist yet renders as a "pending re-run" line (a
 block) or ``(pending)`` (a value), so a section whose suite has not been
 run since the code changed says so instead of showing stale numbers.
@@ -36,9 +45,9 @@ import glob
 import json
 import os
 import re
-from typing import Mapping
+from typing import Mapping, Optional
 
-from moejax.ablation import tables, trend
+from moejax.ablation import freshness, tables, trend
 
 BLOCK = re.compile(r"(<!-- moejax:generated (?P<id>[\w@.+-]+) -->\n)(?P<body>.*?)"
                    r"(<!-- moejax:end (?P=id) -->)", re.S)
@@ -101,23 +110,57 @@ def value(summary: Mapping, arm: str, metric: str, field: str = "mean") -> str:
   return tables.fmt(iv[field], metric)
 
 
-def render(text: str, summaries: Mapping[str, Mapping]) -> str:
-  """``text`` with every generated block and inline value regenerated (see the module doc)."""
+_NOW = object()
+
+
+def stale_parts(summary: Mapping, code=_NOW) -> Optional[list[str]]:
+  """The code parts changed since ``summary``'s runs ([]: current; None: cannot be told);
+  ``code``: the checkout's fingerprint (default: :func:`moejax.ablation.freshness.current`)."""
+  now = freshness.current() if code is _NOW else code
+  return freshness.changed_parts((summary.get("provenance") or {}).get("code"), now)
+
+
+def freshness_line(summary: Mapping, code=_NOW) -> str:
+  """The block's first line: does its code fingerprint match the checkout's?"""
+  parts = stale_parts(summary, code)
+  recorded = (summary.get("provenance") or {}).get("code") or []
+  if parts == []:
+    return (f"- code: current (fingerprint `{recorded[0]['fingerprint']}` of the code that "
+            "computes numbers; moejax.ablation.freshness)\n")
+  if parts is None:
+    return ("- **unverified**: this summary records no fingerprint of the code that ran it "
+            "(runs from an uncommitted tree, or before fingerprints), so whether its numbers "
+            "come out of the current code is not known; re-run the command below to verify\n")
+  return (f"- **stale**: code that computes numbers has changed since these runs "
+          f"({', '.join(parts)}), so the numbers below may not come out of the current code; "
+          "re-run the command below and regenerate (docs/ablations.md, Fresh results)\n")
+
+
+def render(text: str, summaries: Mapping[str, Mapping], code=_NOW) -> str:
+  """``text`` with every generated block and inline value regenerated (see the module doc);
+  ``code``: the checkout's code fingerprint that blocks are checked against (default: this
+  checkout's, :func:`moejax.ablation.freshness.current`)."""
+  code = freshness.current() if code is _NOW else code
   order = block_ids(text)
 
   def block(m):
     sid = m.group("id")
     if sid == OVERVIEW:
       body = overview([i for i in order if i != OVERVIEW and not i.startswith(trend.PREFIX)],
-                      summaries)
+                      summaries, code)
     elif sid.startswith(trend.PREFIX):
       try:
         body = trend.trend_markdown(sid[len(trend.PREFIX):], summaries)
       except ValueError as e:
         raise ReportError(f"block {sid}: {e}") from e
+      rungs = [i for i in trend.rung_ids(sid[len(trend.PREFIX):]).values() if i in summaries]
+      old = [i for i in rungs if stale_parts(summaries[i], code) != []]
+      if old:
+        body += (f"\n*Built from summaries that are stale or unverified ({', '.join(old)}): "
+                 "see their blocks.*\n")
     else:
-      body = (tables.section_markdown(summaries[sid]) if sid in summaries
-              else PENDING.format(id=sid))
+      body = (freshness_line(summaries[sid], code) + tables.section_markdown(summaries[sid])
+              if sid in summaries else PENDING.format(id=sid))
     return m.group(1) + body + m.group(4)
 
   def inline(m):
@@ -149,8 +192,9 @@ def _verdicts(summary: Mapping, metric: str) -> str:
   return "; ".join(parts)
 
 
-def overview(ids, summaries: Mapping[str, Mapping]) -> str:
-  """The overview table (see the module doc); pending rows for summaries not there yet."""
+def overview(ids, summaries: Mapping[str, Mapping], code=_NOW) -> str:
+  """The overview table (see the module doc); pending rows for summaries not there yet,
+  ``(stale)`` / ``(unverified)`` after a suite whose code changed since its runs."""
   lines = ["| suite | seeds | baseline | val loss vs baseline | MaxVio global vs baseline "
            "| MDD val loss |", "|---|---:|---|---|---|---:|"]
   for sid in ids:
@@ -161,7 +205,9 @@ def overview(ids, summaries: Mapping[str, Mapping]) -> str:
     counts = sorted(set((s.get("seed_counts") or {}).values()))
     mdd = (s.get("mdd") or {}).get("val_loss")
     mdd_s = "n/a" if not mdd or mdd["value"] is None else tables.fmt(mdd["value"])
-    lines.append(f"| {sid} | {'/'.join(map(str, counts))} | {s.get('baseline')} | "
+    parts = stale_parts(s, code)
+    flag = "" if parts == [] else " (unverified)" if parts is None else " (stale)"
+    lines.append(f"| {sid}{flag} | {'/'.join(map(str, counts))} | {s.get('baseline')} | "
                  f"{_verdicts(s, 'val_loss')} | {_verdicts(s, 'max_vio_global')} | {mdd_s} |")
   return "\n".join(lines) + "\n"
 

@@ -283,8 +283,7 @@ def run_suite(suite: Suite, workdir: str, *, out: TextIO = sys.stdout,
     # final evaluation is the runner's (final_eval.evaluate_state, kept in `hook`), and
     # arms that fine-tune start from their source (finetune_start).
     train_fn = lambda exp, path, out, eta, hook: loop.train(
-        exp, path, out=out, extend=extend, then_steps=eta[0], then_seconds=eta[1],
-        final_eval=hook, start=finetune_start)
+        exp, path, out=out, extend=extend, suite=eta, final_eval=hook, start=finetune_start)
   else:
     custom = train_fn
     train_fn = lambda exp, path, out, eta, hook: custom(exp, path, out=out)
@@ -339,10 +338,13 @@ def _train_runs(suite, workdir, b, plan, train_fn, analyse_runs, say, out, corpu
             "move the suite directory aside to retrain it here")
       continue
     after = todo[todo.index(rel) + 1:]
-    # Suite ETA: the other runs' steps at this run's step time, plus the mean
-    # analysis time of the runs done so far for this one and each after it.
-    eta = (sum(steps[r] for r in after),
-           sum(overhead) / len(overhead) * (len(after) + 1) if overhead else 0.0)
+    # Suite ETA: the other runs' steps at this run's step time, plus the mean time
+    # outside training of the runs done so far for this one and each after it (before
+    # one is done, the trainer estimates it from this run; metrics_log.Progress).
+    eta = metrics_log.SuiteEta(
+        then_steps=sum(steps[r] for r in after),
+        then_seconds=(sum(overhead) / len(overhead) * (len(after) + 1) if overhead else None),
+        then_runs=len(after), **_analysis_passes(exp, dict(suite.analysis), analyse_runs))
     left = (f", suite ETA {metrics_log.format_duration(np.mean(walls) * (len(after) + 1))}"
             if walls else "")
     say(f"{tag}: training ({arm.name}, seed {seed}); {len(after)} more run(s) after it{left}")
@@ -389,6 +391,21 @@ def _train_runs(suite, workdir, b, plan, train_fn, analyse_runs, say, out, corpu
     say(f"{tag}: done in {res['wall_seconds']:.0f}s, val loss {res.get('val_loss')}; "
         f"{os.path.join(path, RESULT_FILE)}")
   return results
+
+
+def _analysis_passes(exp, options: dict, analyse_runs: bool) -> dict:
+  """The routing analysis's forward passes after a run (:func:`analyse`): one per kept
+  checkpoint, the final one reused from the final evaluation when the sample is the
+  whole split."""
+  if not analyse_runs or exp.model.moe is None:
+    return {"after_passes": 0}
+  tc = exp.train
+  saves = (len(range(tc.checkpoint_every, tc.steps, tc.checkpoint_every)) + 1
+           if tc.checkpoint_every else 1)
+  n = options.get("routing_batches")
+  kept = min(saves, tc.keep_checkpoints)
+  return {"after_passes": kept - 1 if n is None else kept,
+          "after_batches": None if n is None else int(n)}
 
 
 def _report_suite(workdir: str, say) -> None:

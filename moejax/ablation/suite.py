@@ -211,8 +211,7 @@ def suite_from_dict(tree: Mapping[str, Any] | Any) -> Suite:
       exp = experiment_from_dict(scale_lib.scale_experiment(exp_tree, scale))
     except ConfigError as e:
       at = f" at suite.scale={scale.name}" if scale.name != scale_lib.DEFAULT_SCALE else ""
-      raise ConfigError(f"suite.arms.{arm_name}", "", f"builds an invalid experiment{at}: {e}",
-                        "fix the arm's overrides") from e
+      raise e.within(f"suite.arms.{arm_name} builds an invalid experiment{at}") from e
     arms.append(Arm(arm_name, overrides, exp))
   return _check_source_use(Suite(
       name=name, description=tree.get("description", ""), arms=tuple(arms), fixed=fixed,
@@ -225,8 +224,7 @@ def _base_tree(base: Any) -> dict:
   try:
     return to_dict(experiment_from_dict(base))
   except ConfigError as e:
-    raise ConfigError("suite.base", "", f"is not a valid experiment: {e}",
-                      "fix the base config") from e
+    raise e.within("suite.base (the experiment every arm changes) is not valid") from e
 
 
 def base_experiment(tree: Mapping[str, Any] | Any) -> ExperimentConfig:
@@ -273,8 +271,7 @@ def _references(tree: Mapping[str, Any], arms_tree: Mapping[str, Any], scale) ->
       source = experiment_from_dict(scale_lib.scale_experiment(
           to_dict(experiment_from_dict(tree["source"])), scale))
     except ConfigError as e:
-      raise ConfigError("suite.source", "", f"is not a valid experiment: {e}",
-                        "fix the source config") from e
+      raise e.within("suite.source is not a valid experiment") from e
   return {"exempt": exempt, "compare_to": compare_to, "source": source}
 
 

@@ -177,7 +177,12 @@ def _collect_provenance(results: Sequence[dict]) -> dict:
   return {"commands": pick("command"), "commits": pick("commit"),
           "dates": [dates[0], dates[-1]] if dates else [], "machines": pick("machine"),
           "jax_versions": pick("jax_version"), "python_versions": pick("python_version"),
-          "runs": len(results), "runs_without_provenance": sum(1 for p in provs if not p)}
+          "runs": len(results), "runs_without_provenance": sum(1 for p in provs if not p),
+          # Every distinct code fingerprint the runs recorded (one, unless a suite was
+          # resumed across commits; none when a run recorded none): RESULTS.md compares
+          # them with the checkout's (moejax.ablation.freshness).
+          "code": (list({p["code"]["fingerprint"]: p["code"] for p in provs}.values())
+                   if all(p.get("code") for p in provs) else [])}
 
 
 def suite_summary(workdir: str) -> dict:
@@ -247,21 +252,33 @@ def mean(summary: Mapping, label: str, key: str) -> Optional[float]:
 
 
 def write_csv(summary: Mapping, path: str) -> None:
-  """One row per label: budget, then per metric mean, 95% lo / hi and seed count."""
+  """One row per label: budget, then per metric mean, 95% lo / hi and seed count.
+
+  Only the columns with a value in at least one row are written (in the
+  order above): a suite reports a few of the many metrics :data:`METRICS`
+  knows, and a column that is empty in every row says nothing.
+  """
   keys = ["arm", "suite", "seeds"] + [k for k, _ in BUDGET_KEYS] + ["optimizer"]
   for k in METRICS:
     keys += [k, f"{k}_lo", f"{k}_hi", f"{k}_n"]
+  rows = [_csv_row(name, a) for name, a in summary["arms"].items()]
+  keys = [k for k in keys if k == "arm" or any(r.get(k) not in (None, "") for r in rows)]
   with open(path, "w", newline="", encoding="utf-8") as f:
     w = csv.DictWriter(f, fieldnames=keys)
     w.writeheader()
-    for name, a in summary["arms"].items():
-      row = {"arm": name, "suite": a["suite"], "seeds": len(a["seeds"]),
-             "optimizer": a["budget"].get("optimizer", "")}
-      row.update({k: a["budget"].get(k, "") for k, _ in BUDGET_KEYS})
-      for k, m in a["metrics"].items():
-        iv = m["interval"]
-        row.update({k: iv["mean"], f"{k}_lo": iv["lo"], f"{k}_hi": iv["hi"], f"{k}_n": iv["n"]})
+    for row in rows:
       w.writerow({k: ("" if row.get(k) is None else row.get(k)) for k in keys})
+
+
+def _csv_row(name: str, a: Mapping) -> dict:
+  """The CSV cells of one arm (label) of the summary, by column name."""
+  row = {"arm": name, "suite": a["suite"], "seeds": len(a["seeds"]),
+         "optimizer": a["budget"].get("optimizer", "")}
+  row.update({k: a["budget"].get(k, "") for k, _ in BUDGET_KEYS})
+  for k, m in a["metrics"].items():
+    iv = m["interval"]
+    row.update({k: iv["mean"], f"{k}_lo": iv["lo"], f"{k}_hi": iv["hi"], f"{k}_n": iv["n"]})
+  return row
 
 
 def read_csv(path: str) -> list[dict]:

@@ -22,11 +22,26 @@ from typing import Any, Mapping, Optional
 
 
 class ConfigError(ValueError):
-  """A config value is invalid; the message names field, value and fix."""
+  """A config value is invalid; the message names field, value and fix.
 
-  def __init__(self, field: str, value: Any, problem: str, fix: str):
-    self.field, self.value = field, value
-    super().__init__(f"{field}={value!r}: {problem}. Fix: {fix}")
+  ``where`` (optional) says what the field belongs to when it is checked as
+  part of something larger (a suite's base experiment, one of its arms):
+  ``"suite.base: train.steps=0: must be >= 1. Fix: set train.steps >= 1"``.
+  """
+
+  def __init__(self, field: str, value: Any, problem: str, fix: str, where: str = ""):
+    self.field, self.value, self.problem, self.fix, self.where = field, value, problem, fix, where
+    prefix = f"{where}: " if where else ""
+    super().__init__(f"{prefix}{field}={value!r}: {problem}. Fix: {fix}")
+
+  def within(self, where: str) -> "ConfigError":
+    """This error reported as part of ``where``: one line, still the one specific Fix.
+
+    (Wrapping the message in a new ConfigError would end it with two Fixes,
+    the specific one and a generic "fix the ..." of the wrapper.)
+    """
+    outer = f"{where}: {self.where}" if self.where else where
+    return ConfigError(self.field, self.value, self.problem, self.fix, where=outer)
 
 
 # --- Value checks. -----------------------------------------------------------

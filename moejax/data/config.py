@@ -8,12 +8,12 @@ naming the field, the value and the fix.
 from __future__ import annotations
 
 import dataclasses
-import difflib
 import os
 import re
 from typing import Optional
 
 from moejax.config import ConfigError, check_choice
+from moejax.data import names
 
 BUILTIN_NAMES = ("python_stdlib", "synthetic_domains")
 TOKENIZERS = ("bytes", "bpe")
@@ -110,6 +110,12 @@ class DataConfig:
       v = getattr(self, f)
       if not isinstance(v, int) or isinstance(v, bool) or v < 0:
         raise ConfigError(f"{path}.{f}", v, "must be an int >= 0", f"set {path}.{f} >= 0")
+    if self.data_dir is not None and (not isinstance(self.data_dir, str)
+                                      or not self.data_dir.strip()):
+      # "" would resolve to the working directory: datasets prepared wherever the run starts.
+      raise ConfigError(f"{path}.data_dir", self.data_dir, "is not a directory name",
+                        "give a directory, or leave it unset for the TFDS default "
+                        "($TFDS_DATA_DIR or ~/tensorflow_datasets)")
     if self.train_split == self.eval_split:
       raise ConfigError(f"{path}.eval_split", self.eval_split, "equals train_split",
                         "evaluate on a held-out split, e.g. 'validation' or 'test'")
@@ -153,13 +159,8 @@ class DataConfig:
                                                                   "~/tensorflow_datasets"))
     if base in registry or os.path.isdir(os.path.join(data_dir, base)):
       return
-    close = difflib.get_close_matches(base, list(BUILTIN_NAMES) + registry, n=3)
-    hint = f"did you mean {', '.join(map(repr, close))}? " if close else ""
-    raise ConfigError(
-        f"{path}.name", self.name, f"unknown dataset (not built in, not in the TFDS registry, not "
-        f"in {data_dir})", f"{hint}available: {', '.join(BUILTIN_NAMES)} (built in, offline), or "
-        f"any TFDS text dataset such as tiny_shakespeare, lm1b "
-        f"(tfds.list_builders() lists {len(registry)})")
+    raise ConfigError(f"{path}.name", self.name,
+                      *names.unknown_dataset(base, data_dir, BUILTIN_NAMES, registry))
 
   def builder_config(self):
     """The TFDS builder config that this DataConfig selects (built-ins only)."""

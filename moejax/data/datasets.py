@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import difflib
 import fcntl
 import importlib.util
 import io
@@ -41,7 +40,7 @@ from typing import Optional
 import numpy as np
 import tensorflow_datasets as tfds
 
-from moejax.data import documents, stdlib, synthetic, tfrecord
+from moejax.data import documents, names, stdlib, synthetic, tfrecord
 from moejax.data.documents import Document, Documents
 
 BUILTIN_DATASETS = {
@@ -193,14 +192,10 @@ def _tfds_builder(name: str, data_dir: str):
   try:
     return tfds.builder(name, data_dir=data_dir)
   except tfds.core.registered.DatasetNotFoundError as e:
-    names = available_datasets()
-    close = difflib.get_close_matches(_base_name(name), names, n=3)
-    hint = f"did you mean {', '.join(map(repr, close))}? " if close else ""
-    raise DatasetUnavailableError(
-        f"unknown dataset {name!r} (not built in, not in the TFDS registry, not prepared in "
-        f"{data_dir}). {hint}Built-in: {', '.join(BUILTIN_DATASETS)}; or any TFDS text "
-        f"dataset, e.g. tiny_shakespeare, lm1b (tfds.list_builders() lists "
-        f"{len(names) - len(BUILTIN_DATASETS)}).") from e
+    problem, fix = names.unknown_dataset(_base_name(name), data_dir, list(BUILTIN_DATASETS),
+                                         tfds.list_builders(with_community_datasets=False),
+                                         shown=name)
+    raise DatasetUnavailableError(f"{problem}. Fix: {fix}") from e
 
 
 def _download(builder, name: str, data_dir: str) -> None:

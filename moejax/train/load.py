@@ -21,6 +21,7 @@ from typing import Optional
 
 from flax import nnx
 
+from moejax import chatter
 from moejax.config import plugins as plugins_lib
 from moejax.train import checkpoint as ckpt_lib
 from moejax.train import step as step_lib
@@ -53,11 +54,13 @@ def model_at(cfg: ExperimentConfig, workdir: str, step: Optional[int] = None):
   elif step not in steps:
     raise ckpt_lib.WorkdirError(f"{workdir} has no checkpoint at step {step}. Fix: pick one of "
                                 f"{steps}")
-  ckpt = ckpt_lib.Checkpointer(workdir, max(len(steps), 1), read_only=True)
-  try:
-    tree, _ = ckpt.restore(step, abstract.checkpoint_tree())
-  finally:
-    ckpt.close()
+  # Orbax's ~30 INFO notes per restore are not the caller's business (moejax.chatter).
+  with chatter.quiet_library_logs():
+    ckpt = ckpt_lib.Checkpointer(workdir, max(len(steps), 1), read_only=True)
+    try:
+      tree, _ = ckpt.restore(step, abstract.checkpoint_tree())
+    finally:
+      ckpt.close()
   return nnx.merge(graphdef, tree["params"], tree["router_state"], tree["other"]), step
 
 

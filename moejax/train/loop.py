@@ -174,8 +174,7 @@ def _mean_rows(rows: list[dict]) -> dict[str, float]:
 
 
 def train(cfg: ExperimentConfig, workdir: str, *, out: TextIO = sys.stdout,
-          extend: bool = False, then_steps: int = 0,
-          then_seconds: Optional[float] = None,
+          extend: bool = False, suite: Optional[metrics_log.SuiteEta] = None,
           final_eval: Optional[Callable] = None,
           start: Optional[StartHook] = None) -> dict:
   """Trains (or resumes) the run in ``workdir``; returns a summary dict.
@@ -187,8 +186,9 @@ def train(cfg: ExperimentConfig, workdir: str, *, out: TextIO = sys.stdout,
     extend: allow ``cfg.train.steps`` above the stored run's and train the
       extra steps (the cosine schedule is then stretched from the resumed
       step on: not the same run as a fresh longer one).
-    then_steps / then_seconds: inside a suite, the steps of the runs after
-      this one and their other time, for the progress line's suite ETA.
+    suite: inside a suite, what is left after this run (the later runs'
+      steps, their measured other time, ...), for the progress line's suite
+      ETA (:class:`moejax.train.metrics_log.SuiteEta`).
     final_eval: ``(params, router_state, other) -> metrics`` replacing the
       trainer's own whole-split evaluation at the last step (the metrics of
       :func:`moejax.evaluate.validation.summarise` over the whole split): the
@@ -274,7 +274,7 @@ def train(cfg: ExperimentConfig, workdir: str, *, out: TextIO = sys.stdout,
     ckpt = ckpt_lib.Checkpointer(workdir, tc.keep_checkpoints)
     writer = metrics_log.MetricsWriter(workdir, restored.step if restored else 0, enabled=lead)
     progress = metrics_log.Progress(tc.steps, out=out, enabled=tc.progress,
-                                    then_steps=then_steps, then_seconds=then_seconds)
+                                    **(suite._asdict() if suite else {}), in_suite=bool(suite))
     ctx = RunContext(cfg=cfg, workdir=workdir, graphdef=graphdef, tx=tx, restored=restored,
                      train_it=train_it, val_docs=val_docs, ckpt=ckpt, writer=writer,
                      progress=progress, say=say, layout=layout, final_eval=final_eval,
@@ -423,6 +423,12 @@ def _run(ctx: RunContext) -> int:
   compiled = False
 
   timed_steps, excluded = 0, 0.0   # steps and eval/checkpoint seconds of this window
+  whole = len(data_lib.make_batch_iterator(val_docs, cfg.data.seq_len, cfg.data.batch_size,
+                                           seed=cfg.data.seed, train=False))
+  progress.plan_evals(
+      evals_left=(len(range((start // tc.eval_every + 1) * tc.eval_every, tc.steps,
+                            tc.eval_every)) if tc.eval_every else 0),
+      eval_batches=min(tc.eval_batches or whole, whole), final_batches=whole)
   while step < tc.steps:
     batch = next(train_it)
     state, metrics = train_step(state, put_batch(batch))
@@ -436,6 +442,7 @@ def _run(ctx: RunContext) -> int:
       # The first step compiles; keep it out of tokens/s and the ETA.
       jax.block_until_ready(metrics)
       say(f"compiled and ran the first step in {time.perf_counter() - t0:.1f}s")
+      progress.first_step_done()
       compiled, t0 = True, time.perf_counter()
     log_now = step % tc.log_every == 0 or step == tc.steps
     eval_now = (tc.eval_every and step % tc.eval_every == 0) or step == tc.steps
@@ -479,6 +486,7 @@ def _run(ctx: RunContext) -> int:
       say(f"eval step {step}{' (whole split)' if full else ''}: val loss "
           f"{result['loss']:.4f} (unigram {unigram:.3f}){extra}")
       excluded += time.perf_counter() - t_eval
+      progress.add_eval(time.perf_counter() - t_eval, progress.eval_batches, final=final)
     if ckpt_now:
       t_ckpt = time.perf_counter()
       ckpt.save(step, state.checkpoint_tree(), {**train_it.get_state(), WINDOW_KEY: window})

@@ -24,7 +24,8 @@ import json
 import math
 import os
 import sys
-from typing import Mapping, Optional, TextIO
+import time
+from typing import Mapping, NamedTuple, Optional, TextIO
 
 METRICS_FILE = "metrics.jsonl"
 TENSORBOARD_DIR = "tensorboard"
@@ -126,39 +127,94 @@ def final_values(workdir: str) -> dict:
   return out
 
 
+class SuiteEta(NamedTuple):
+  """What a suite has left after the run that is training (for :class:`Progress`)."""
+  then_steps: int = 0                   # training steps of the later runs
+  then_seconds: Optional[float] = None  # their other time, measured; None: estimate it
+  then_runs: int = 0                    # how many runs come after this one
+  after_passes: int = 0                 # routing-analysis passes per run after training
+  after_batches: Optional[int] = None   # batches per pass; None: the whole split
+
+
 class Progress:
   """One line per log step: ``step 120/1000 (12%) | 9.8k tok/s | loss 2.345 | ETA 3m12s``.
 
-  The ETA is the remaining steps at the mean step time of this process
-  (compilation and evaluation excluded). Inside a suite, ``then_steps`` /
-  ``then_seconds`` are the steps of the runs still to train after this one
-  and the suite's other time per remaining run (analysis), so the line also
-  shows ``suite ETA``.
+  The ETA is what is left of this run: the remaining steps at the mean step
+  time of this process (compilation excluded), the remaining periodic
+  evaluations at their measured time, and the final whole-split evaluation
+  at the periodic evaluations' time per batch (:meth:`plan_evals`). Inside a
+  suite (``in_suite``) the line also shows ``suite ETA``: this run's ETA, the
+  later runs' ``then_steps`` at this step time, and the time outside the
+  training steps of this run's remainder and of each later run
+  (``then_seconds``, measured on the suite's finished runs; before one has
+  finished, estimated from this run: its start-up and compilation, its
+  evaluations and the forward passes of each run's routing analysis,
+  ``after_passes`` of ``after_batches``). The parts are counted because on 2 CPU cores the
+  evaluation and analysis of a quick-suite run take as long as its training.
   """
 
   def __init__(self, total_steps: int, out: TextIO = sys.stdout, enabled: bool = True,
-               then_steps: int = 0, then_seconds: Optional[float] = None):
+               then_steps: int = 0, then_seconds: Optional[float] = None,
+               in_suite: bool = False, then_runs: int = 0, after_passes: int = 0,
+               after_batches: Optional[int] = None):
     self.total, self.out, self.enabled = total_steps, out, enabled
     self.train_seconds, self.steps_timed = 0.0, 0
     self.then_steps, self.then_seconds = then_steps, then_seconds
+    self.in_suite = in_suite or then_seconds is not None
+    self.then_runs, self.after_passes, self.pass_batches = then_runs, after_passes, after_batches
+    self.eval_seconds, self.eval_batches_done = 0.0, 0
+    self.evals_left, self.evals_total, self.eval_batches, self.final_batches = 0, 0, 0, 0
+    self.final_left = False
+    self.started, self.setup_seconds = time.perf_counter(), 0.0
 
   def add_time(self, seconds: float, steps: int) -> None:
     self.train_seconds += seconds
     self.steps_timed += steps
 
+  def first_step_done(self) -> None:
+    """Marks the end of start-up and compilation (the first step)."""
+    self.setup_seconds = time.perf_counter() - self.started
+
+  def plan_evals(self, evals_left: int, eval_batches: int, final_batches: int) -> None:
+    """``evals_left`` periodic evaluations of ``eval_batches`` batches each, then one
+    final evaluation of ``final_batches`` (the whole split)."""
+    self.evals_left, self.evals_total = evals_left, evals_left
+    self.eval_batches, self.final_batches, self.final_left = eval_batches, final_batches, True
+
+  def add_eval(self, seconds: float, batches: int, final: bool = False) -> None:
+    if final:
+      self.final_left = False
+      return
+    self.eval_seconds += seconds
+    self.eval_batches_done += batches
+    self.evals_left = max(self.evals_left - 1, 0)
+
+  def _per_step(self) -> float:
+    return self.train_seconds / max(self.steps_timed, 1)
+
+  def _per_batch(self) -> float:
+    return self.eval_seconds / self.eval_batches_done if self.eval_batches_done else 0.0
+
   def eta(self, step: int) -> float:
-    per_step = self.train_seconds / max(self.steps_timed, 1)
-    return per_step * (self.total - step)
+    batches = self.evals_left * self.eval_batches + self.final_batches * self.final_left
+    return self._per_step() * (self.total - step) + self._per_batch() * batches
 
   def suite_eta(self, step: int) -> float:
-    per_step = self.train_seconds / max(self.steps_timed, 1)
-    return self.eta(step) + per_step * self.then_steps + (self.then_seconds or 0.0)
+    rest = self.eta(step) + self._per_step() * self.then_steps
+    if self.then_seconds is not None:  # measured on finished runs: their other time
+      return rest + self.then_seconds
+    per_batch = self._per_batch()
+    after = self.after_passes * (self.final_batches if self.pass_batches is None
+                                 else min(self.pass_batches, self.final_batches))
+    later_run = self.setup_seconds + per_batch * (
+        self.evals_total * self.eval_batches + self.final_batches + after)
+    return rest + per_batch * after + self.then_runs * later_run
 
   def line(self, step: int, tokens_per_s: float, loss: float, extra: str = "") -> str:
     pct = 100.0 * step / self.total
     text = (f"step {step}/{self.total} ({pct:.0f}%) | {tokens_per_s / 1e3:.1f}k tok/s | "
             f"loss {loss:.4f}{extra} | ETA {format_duration(self.eta(step))}")
-    if self.then_seconds is not None:
+    if self.in_suite:
       text += f" | suite ETA {format_duration(self.suite_eta(step))}"
     if self.enabled:
       print(text, file=self.out, flush=True)
