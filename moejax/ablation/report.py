@@ -7,7 +7,9 @@ Two markers, both HTML comments (invisible when the Markdown renders):
 - a block: ``<!-- moejax:generated ID -->`` ... ``<!-- moejax:end ID -->``;
   everything between the two lines is replaced by the tables of the summary
   ``results/ID.json`` (:func:`moejax.ablation.tables.section_markdown`:
-  provenance, arms with intervals, differences and verdicts, MDD, notes);
+  provenance, arms with intervals, differences and verdicts, MDD, notes) and
+  its images ``results/plots/ID/*.png`` (:mod:`moejax.ablation.images`:
+  differences, curves, load; a summary that predates curve data says so);
 - an inline value inside prose:
   ``<!-- moejax:value ID ARM METRIC [FIELD] -->text<!-- /moejax:value -->``;
   ``text`` is replaced by the formatted field of that arm and metric:
@@ -36,9 +38,9 @@ import glob
 import json
 import os
 import re
-from typing import Mapping
+from typing import Collection, Mapping
 
-from moejax.ablation import tables, trend
+from moejax.ablation import images, tables, trend
 
 BLOCK = re.compile(r"(<!-- moejax:generated (?P<id>[\w@.+-]+) -->\n)(?P<body>.*?)"
                    r"(<!-- moejax:end (?P=id) -->)", re.S)
@@ -101,8 +103,13 @@ def value(summary: Mapping, arm: str, metric: str, field: str = "mean") -> str:
   return tables.fmt(iv[field], metric)
 
 
-def render(text: str, summaries: Mapping[str, Mapping]) -> str:
-  """``text`` with every generated block and inline value regenerated (see the module doc)."""
+def render(text: str, summaries: Mapping[str, Mapping], plots_base: str = "results/plots",
+           unplotted: Collection[str] = ()) -> str:
+  """``text`` with every generated block and inline value regenerated (see the module doc).
+
+  ``plots_base``: where the blocks' images are, relative to ``text``'s file;
+  ``unplotted``: summaries whose images this run did not draw (:func:`block_images`).
+  """
   order = block_ids(text)
 
   def block(m):
@@ -115,9 +122,11 @@ def render(text: str, summaries: Mapping[str, Mapping]) -> str:
         body = trend.trend_markdown(sid[len(trend.PREFIX):], summaries)
       except ValueError as e:
         raise ReportError(f"block {sid}: {e}") from e
+    elif sid in summaries:
+      body = (tables.section_markdown(summaries[sid])
+              + block_images(sid, summaries[sid], plots_base, sid not in unplotted))
     else:
-      body = (tables.section_markdown(summaries[sid]) if sid in summaries
-              else PENDING.format(id=sid))
+      body = PENDING.format(id=sid)
     return m.group(1) + body + m.group(4)
 
   def inline(m):
@@ -134,6 +143,12 @@ def render(text: str, summaries: Mapping[str, Mapping]) -> str:
     return m.group(1) + got + m.group(4)
 
   return VALUE.sub(inline, BLOCK.sub(block, text))
+
+
+def block_images(sid: str, summary: Mapping, plots_base: str, written: bool = True) -> str:
+  """The images that end a suite's block (moejax.ablation.images): its plots, or the line
+  saying that the summary predates curve data."""
+  return images.embed_markdown(sid, summary, plots_base, written)
 
 
 def _verdicts(summary: Mapping, metric: str) -> str:
