@@ -52,7 +52,7 @@ class ResultPlot:
   """One image of a RESULTS.md block: the summary subset it draws, and how."""
   name: str
   caption: str
-  data: Callable[[Mapping], Optional[dict]]   # None: the summary has nothing to draw
+  data: Callable[[Mapping], Optional[dict]]   # None: nothing to draw (``suite``: the ID)
   draw: Callable[[Mapping], object]           # data -> matplotlib Figure
   needs_curve_data: bool                      # absent from summaries before curves.py
 
@@ -60,14 +60,13 @@ class ResultPlot:
 def _differences(s: Mapping) -> Optional[dict]:
   if not s.get("comparisons") or not any(s["comparisons"].values()):
     return None
-  return {"suite": s.get("suite", ""), "baseline": s.get("baseline"),
-          "comparisons": s["comparisons"]}
+  return {"baseline": s.get("baseline"), "comparisons": s["comparisons"]}
 
 
 def _arm_field(field: str) -> Callable[[Mapping], Optional[dict]]:
   def data(s: Mapping) -> Optional[dict]:
     arms = {n: {field: a[field]} for n, a in s["arms"].items() if a.get(field)}
-    return {"suite": s.get("suite", ""), "arms": arms} if arms else None
+    return {"arms": arms} if arms else None
   return data
 
 
@@ -96,12 +95,14 @@ def digest(plot: ResultPlot, data: Mapping) -> str:
   return hashlib.sha256(blob.encode()).hexdigest()
 
 
-def expected(summary: Mapping) -> list[tuple[ResultPlot, dict, str]]:
-  """(plot, its data, its hash) for each plot the summary has data for."""
+def expected(sid: str, summary: Mapping) -> list[tuple[ResultPlot, dict, str]]:
+  """(plot, its data, its hash) for each plot the summary ``sid`` has data for; the figures
+  are titled by the ID (``lossfree@m``, not the suite name ``lossfree``)."""
   out = []
   for plot in RESULT_PLOTS:
     data = plot.data(summary)
     if data is not None:
+      data = dict(data, suite=sid)
       out.append((plot, _normal(data), digest(plot, data)))
   return out
 
@@ -133,7 +134,7 @@ def write(sid: str, summary: Mapping, images_dir: str) -> list[str]:
   """Draws the summary's images into ``images_dir/ID/`` where missing or stale; removes the
   images of plots it no longer has. Returns the paths drawn."""
   drawn, keep = [], set()
-  for plot, data, h in expected(summary):
+  for plot, data, h in expected(sid, summary):
     path = image_path(images_dir, sid, plot)
     keep.add(os.path.basename(path))
     if os.path.exists(path) and read_png_text(path).get(HASH_KEY) == h:
@@ -152,7 +153,7 @@ def write(sid: str, summary: Mapping, images_dir: str) -> list[str]:
 def problems(sid: str, summary: Mapping, images_dir: str) -> list[str]:
   """One line per image of the summary that is missing from ``images_dir`` or is stale."""
   out = []
-  for plot, _, h in expected(summary):
+  for plot, _, h in expected(sid, summary):
     path = image_path(images_dir, sid, plot)
     if not os.path.exists(path):
       out.append(f"{path}: missing")
@@ -183,7 +184,7 @@ def embed_markdown(sid: str, summary: Mapping, base: str = "results/plots",
   if not written:
     lines.append("*Plots: not drawn by this report run (it had no `--results_dir`).*")
   else:
-    for plot, _, _ in expected(summary):
+    for plot, _, _ in expected(sid, summary):
       link = posixpath.join(base, sid, f"{plot.name}.png")
       lines.append(f"![{sid}: {plot.caption}]({link})")
   if not has_curve_data(summary):

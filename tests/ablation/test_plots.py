@@ -189,7 +189,7 @@ def test_images_carry_the_hash_of_their_data_and_go_stale_with_it(tmp_path):
   drawn = images.write("syn", summ, str(tmp_path))
   assert sorted(os.path.basename(p) for p in drawn) == ["curves.png", "differences.png",
                                                         "load.png"]
-  for plot, data, h in images.expected(summ):
+  for plot, data, h in images.expected("syn", summ):
     text = images.read_png_text(images.image_path(str(tmp_path), "syn", plot))
     assert text == {images.HASH_KEY: h}  # no Software, no date
     assert h == images.digest(plot, json.loads(json.dumps(data)))

@@ -30,7 +30,7 @@ def test_committed_results_md_is_what_results_json_generate():
                                                                        plots_dir)]
   assert not bad, f"RESULTS.md embeds images that are missing or stale: {bad}. {fix}"
   for sid in summaries:  # every image link of a block is to an image that exists
-    for plot, _, _ in images.expected(summaries[sid]):
+    for plot, _, _ in images.expected(sid, summaries[sid]):
       assert f"(results/plots/{sid}/{plot.name}.png)" in text
   assert "overview" in ids and len(ids) == len(set(ids))
   for sid in summaries:  # every committed summary is shown somewhere
