@@ -38,7 +38,8 @@ SCOPE = ("moejax/", "configs/", "experiments/ablate.py")
 OUT_OF_SCOPE = ("moejax/ablation/report.py", "moejax/ablation/tables.py",
                 "moejax/ablation/plots.py", "moejax/ablation/trend.py",
                 "moejax/ablation/provenance.py", "moejax/ablation/freshness.py",
-                "moejax/ablation/images.py", "moejax/serve/", "moejax/interop/")
+                "moejax/ablation/images.py", "moejax/ablation/curves.py",
+                "moejax/ablation/notebooks.py", "moejax/serve/", "moejax/interop/")
 
 
 def in_scope(path: str) -> bool:

@@ -7,7 +7,9 @@ Two markers, both HTML comments (invisible when the Markdown renders):
 - a block: ``<!-- moejax:generated ID -->`` ... ``<!-- moejax:end ID -->``;
   everything between the two lines is replaced by the tables of the summary
   ``results/ID.json`` (:func:`moejax.ablation.tables.section_markdown`:
-  provenance, arms with intervals, differences and verdicts, MDD, notes);
+  provenance, arms with intervals, differences and verdicts, MDD, notes) and
+  its images ``results/plots/ID/*.png`` (:mod:`moejax.ablation.images`:
+  differences, curves, load; a summary that predates curve data says so);
 - an inline value inside prose:
   ``<!-- moejax:value ID ARM METRIC [FIELD] -->text<!-- /moejax:value -->``;
   ``text`` is replaced by the formatted field of that arm and metric:
@@ -45,9 +47,9 @@ import glob
 import json
 import os
 import re
-from typing import Mapping, Optional
+from typing import Collection, Mapping, Optional
 
-from moejax.ablation import freshness, tables, trend
+from moejax.ablation import freshness, images, tables, trend
 
 BLOCK = re.compile(r"(<!-- moejax:generated (?P<id>[\w@.+-]+) -->\n)(?P<body>.*?)"
                    r"(<!-- moejax:end (?P=id) -->)", re.S)
@@ -136,10 +138,15 @@ def freshness_line(summary: Mapping, code=_NOW) -> str:
           "re-run the command below and regenerate (docs/ablations.md, Fresh results)\n")
 
 
-def render(text: str, summaries: Mapping[str, Mapping], code=_NOW) -> str:
-  """``text`` with every generated block and inline value regenerated (see the module doc);
+def render(text: str, summaries: Mapping[str, Mapping], plots_base: str = "results/plots",
+           unplotted: Collection[str] = (), code=_NOW) -> str:
+  """``text`` with every generated block and inline value regenerated (see the module doc).
+
+  ``plots_base``: where the blocks' images are, relative to ``text``'s file;
+  ``unplotted``: summaries whose images this run did not draw (:func:`block_images`);
   ``code``: the checkout's code fingerprint that blocks are checked against (default: this
-  checkout's, :func:`moejax.ablation.freshness.current`)."""
+  checkout's, :func:`moejax.ablation.freshness.current`).
+  """
   code = freshness.current() if code is _NOW else code
   order = block_ids(text)
 
@@ -158,9 +165,11 @@ def render(text: str, summaries: Mapping[str, Mapping], code=_NOW) -> str:
       if old:
         body += (f"\n*Built from summaries that are stale or unverified ({', '.join(old)}): "
                  "see their blocks.*\n")
-    else:
+    elif sid in summaries:
       body = (freshness_line(summaries[sid], code) + tables.section_markdown(summaries[sid])
-              if sid in summaries else PENDING.format(id=sid))
+              + block_images(sid, summaries[sid], plots_base, sid not in unplotted))
+    else:
+      body = PENDING.format(id=sid)
     return m.group(1) + body + m.group(4)
 
   def inline(m):
@@ -177,6 +186,12 @@ def render(text: str, summaries: Mapping[str, Mapping], code=_NOW) -> str:
     return m.group(1) + got + m.group(4)
 
   return VALUE.sub(inline, BLOCK.sub(block, text))
+
+
+def block_images(sid: str, summary: Mapping, plots_base: str, written: bool = True) -> str:
+  """The images that end a suite's block (moejax.ablation.images): its plots, or the line
+  saying that the summary predates curve data."""
+  return images.embed_markdown(sid, summary, plots_base, written)
 
 
 def _verdicts(summary: Mapping, metric: str) -> str:

@@ -13,8 +13,10 @@ minimal detectable difference. The statistics are those of
 :mod:`moejax.ablation.stats` (formulas there and in docs/ablations.md).
 
 :func:`write_summary` writes, for a suite directory, ``summary.json`` (that
-dict, plus provenance and the corpus fingerprint: what ``experiments.report``
-turns into RESULTS.md and what ``results/`` keeps), ``summary.md``,
+dict, plus provenance, the corpus fingerprint and per arm the plotted data of
+:mod:`moejax.ablation.curves`: downsampled training curves and the final
+layer x expert load; what ``experiments.report`` turns into RESULTS.md and
+its plots, and what ``results/`` keeps), ``summary.md``,
 ``summary.csv`` and the plots of :mod:`moejax.ablation.plots`.
 """
 
@@ -28,7 +30,7 @@ from typing import Callable, Iterable, Mapping, Optional, Sequence
 
 import numpy as np
 
-from moejax.ablation import final_eval, plots, stats, tables
+from moejax.ablation import curves, final_eval, plots, stats, tables
 from moejax.ablation.budget import corpus_check, spread
 from moejax.ablation.columns import BUDGET_KEYS, METRICS, NOTE_KEYS, VERDICT_METRICS
 from moejax.topology.accounting import human
@@ -208,6 +210,7 @@ def suite_summary(workdir: str) -> dict:
     speedup.add_speedups(results, reference)
   out = summarise_results(results, baseline=baseline, order=order,
                           compare_to=suite.get("compare_to"))
+  add_plot_data(out, results)
   if suite.get("compare_to"):
     out["compare_to"] = dict(suite["compare_to"])
   if suite.get("exempt"):
@@ -220,6 +223,21 @@ def suite_summary(workdir: str) -> dict:
               "provenance": _collect_provenance(results),
               "budget_flags": budget_mismatches(out, exempt=suite.get("exempt"))})
   return out
+
+
+def add_plot_data(summary: dict, results: Sequence[dict]) -> None:
+  """Per arm the downsampled training curves (``curves``: {} when the runs logged none) and
+  the final layer x expert load (``load``, where the runs recorded it); moejax.ablation.curves.
+
+  An arm's ``curves`` key, even empty, marks a summary that has the plot data (summaries
+  written before it have none: their RESULTS.md blocks say so).
+  """
+  for name, arm in summary["arms"].items():
+    runs = [r for r in results if r["arm"] == name]
+    arm["curves"] = curves.arm_curves(runs)
+    load = curves.arm_load(runs)
+    if load is not None:
+      arm["load"] = load
 
 
 def budget_mismatches(summary: Mapping, tolerance: float = 0.02,
@@ -310,7 +328,7 @@ def write_summary(workdir: str, suite_name: str = "") -> dict:
     f.write(tables.suite_markdown(summary))
   write_csv(summary, os.path.join(workdir, "summary.csv"))
   out = {"summary": summary}
-  out.update(plots.write_plots(summary, find_results(workdir), os.path.join(workdir, "plots")))
+  out.update(plots.write_plots(summary, os.path.join(workdir, "plots")))
   return out
 
 

@@ -1,15 +1,18 @@
-"""RESULTS.md is generated: the committed file equals what results/*.json generate."""
+"""RESULTS.md is generated: the committed file and its images are what results/*.json generate,
+and the report command writes only what it is told to."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
+import shutil
 import subprocess
 import sys
 
 import pytest
 
-from moejax.ablation import report, summary
+from moejax.ablation import images, report, summary
 from tests.ablation import helpers
 
 
@@ -17,10 +20,18 @@ def test_committed_results_md_is_what_results_json_generate():
   with open(os.path.join(helpers.ROOT, "RESULTS.md"), encoding="utf-8") as f:
     text = f.read()
   summaries = report.load_summaries(os.path.join(helpers.ROOT, "results"))
+  fix = "Fix: python -m experiments.report --out RESULTS.md --results_dir results"
   assert report.render(text, summaries) == text, (
       "RESULTS.md differs from what results/*.json generate: a number was edited by hand, or a "
-      "summary changed without regenerating. Fix: python -m experiments.report --out RESULTS.md")
+      f"summary changed without regenerating. {fix}")
   ids = report.block_ids(text)
+  plots_dir = os.path.join(helpers.ROOT, "results", images.PLOTS_DIR)
+  bad = [p for sid in ids if sid in summaries for p in images.problems(sid, summaries[sid],
+                                                                       plots_dir)]
+  assert not bad, f"RESULTS.md embeds images that are missing or stale: {bad}. {fix}"
+  for sid in summaries:  # every image link of a block is to an image that exists
+    for plot, _, _ in images.expected(sid, summaries[sid]):
+      assert f"(results/plots/{sid}/{plot.name}.png)" in text
   assert "overview" in ids and len(ids) == len(set(ids))
   for sid in summaries:  # every committed summary is shown somewhere
     assert sid in ids, f"results/{sid}.json has no block in RESULTS.md"
@@ -63,7 +74,10 @@ def test_report_command_regenerates_tables_and_values(tiny_suite_dir, tmp_path):
   workdir, _, _ = tiny_suite_dir
   out, results = tmp_path / "RESULTS.md", tmp_path / "results"
   out.write_text(TEMPLATE)
-  proc = _report(f"tiny={workdir}", f"--out={out}", f"--results_dir={results}", cwd=tmp_path)
+  results.mkdir()
+  dirs = (f"--summaries={results}",)
+  proc = _report(f"tiny={workdir}", f"--out={out}", *dirs, f"--results_dir={results}",
+                 cwd=tmp_path)
   assert proc.returncode == 0, proc.stderr
   text = out.read_text()
   summ = json.loads((results / "tiny.json").read_text())
@@ -77,22 +91,62 @@ def test_report_command_regenerates_tables_and_values(tiny_suite_dir, tmp_path):
   assert f"-->{comp['verdict']}<!--" in text
   assert report.PENDING.format(id="later") in text  # no summary yet: pending, no numbers
   assert "| tiny | 2 | aux |" in text and "| later | | | pending re-run |" in text
+  # The block embeds the summary's three images, drawn into results/plots/tiny/.
+  for name in ("differences", "curves", "load"):
+    assert f"(results/plots/tiny/{name}.png)" in text
+  assert sorted(os.listdir(results / "plots" / "tiny")) == ["curves.png", "differences.png",
+                                                            "load.png"]
+  assert "predates curve data" not in text
   # Regenerating changes nothing, and --check agrees; a hand edit is caught and undone.
-  assert _report(f"--out={out}", f"--results_dir={results}", "--check",
-                 cwd=tmp_path).returncode == 0
+  assert _report(f"--out={out}", *dirs, "--check", cwd=tmp_path).returncode == 0
   out.write_text(text.replace("| aux (baseline) | 2 |", "| aux (baseline) | 3 |"))
-  proc = _report(f"--out={out}", f"--results_dir={results}", "--check", cwd=tmp_path)
+  proc = _report(f"--out={out}", *dirs, "--check", cwd=tmp_path)
   assert proc.returncode == 1 and "blocks: tiny" in proc.stderr
-  assert _report(f"--out={out}", f"--results_dir={results}", cwd=tmp_path).returncode == 0
+  assert _report(f"--out={out}", *dirs, f"--results_dir={results}", cwd=tmp_path).returncode == 0
   assert out.read_text() == text
+  # An image of other data (here: the curves in place of the load map) is caught, and the
+  # next regeneration redraws it (a missing one: tests/ablation/test_plots.py).
+  load = results / "plots" / "tiny" / "load.png"
+  shutil.copy(results / "plots" / "tiny" / "curves.png", load)
+  proc = _report(f"--out={out}", *dirs, "--check", cwd=tmp_path)
+  assert proc.returncode == 1 and f"{load}: stale" in proc.stderr
+  proc = _report(f"--out={out}", *dirs, f"--results_dir={results}", cwd=tmp_path)
+  assert f"tiny: drew {load}" in proc.stdout
+  assert images.problems("tiny", summ, str(results / "plots")) == []
+
+
+def _tree(root) -> dict[str, str]:
+  """{relative path: sha256} of every file under ``root``."""
+  out = {}
+  for dirpath, _, files in os.walk(root):
+    for name in files:
+      path = os.path.join(dirpath, name)
+      with open(path, "rb") as f:
+        out[os.path.relpath(path, root)] = hashlib.sha256(f.read()).hexdigest()
+  return out
+
+
+def test_a_report_without_results_dir_writes_only_its_out(tiny_suite_dir, tmp_path):
+  """``quick=DIR --out elsewhere`` once rewrote the committed results/quick.json."""
+  workdir, _, _ = tiny_suite_dir
+  committed = os.path.join(helpers.ROOT, "results")
+  before = _tree(committed)
+  proc = _report(f"quick={workdir}", f"--out={tmp_path / 'preview.md'}", cwd=tmp_path)
+  assert proc.returncode == 0, proc.stderr
+  assert _tree(committed) == before
+  assert os.listdir(tmp_path) == ["preview.md"]
+  text = (tmp_path / "preview.md").read_text()
+  assert "| aux (baseline) | 2 |" in text  # the new summary, rendered from memory
+  assert "*Plots: not drawn by this report run (it had no `--results_dir`).*" in text
 
 
 def test_a_new_summary_gets_a_section(tiny_suite_dir, tmp_path):
   workdir, _, _ = tiny_suite_dir
   out = tmp_path / "R.md"
   out.write_text("# Results\n")
-  proc = _report(f"tiny@s={workdir}", f"--out={out}", f"--results_dir={tmp_path / 'r'}",
-                 cwd=tmp_path)
+  (tmp_path / "none").mkdir()
+  proc = _report(f"tiny@s={workdir}", f"--out={out}", f"--summaries={tmp_path / 'none'}",
+                 f"--results_dir={tmp_path / 'r'}", cwd=tmp_path)
   assert proc.returncode == 0, proc.stderr
   assert "new section appended" in proc.stdout
   text = out.read_text()
