@@ -347,6 +347,14 @@ class Checkpointer:
   def close(self) -> None:
     self.manager.close()
 
+  # A context manager, so that a one-off reader (a test, a tool) cannot leave orbax's
+  # manager and its threads open until interpreter exit.
+  def __enter__(self) -> "Checkpointer":
+    return self
+
+  def __exit__(self, *exc) -> None:
+    self.close()
+
 
 @dataclasses.dataclass(frozen=True)
 class Restored:
