@@ -34,8 +34,9 @@ from typing import Iterable, Mapping, Optional
 _ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 SCOPE = ("moejax/", "configs/", "experiments/ablate.py")
-# Present numbers, or are never run by a suite: editing them moves no result.
-OUT_OF_SCOPE = ("moejax/ablation/report.py", "moejax/ablation/tables.py",
+# Present or record numbers, or are never run by a suite: editing them moves no result
+# (metrics_log: the metrics writer / reader and the progress line).
+OUT_OF_SCOPE = ("moejax/train/metrics_log.py", "moejax/ablation/report.py", "moejax/ablation/tables.py",
                 "moejax/ablation/plots.py", "moejax/ablation/trend.py",
                 "moejax/ablation/provenance.py", "moejax/ablation/freshness.py",
                 "moejax/ablation/images.py", "moejax/ablation/curves.py",
@@ -126,16 +127,19 @@ def changed_parts(recorded: Optional[Iterable[Mapping]], now: Optional[Mapping]
   return sorted(parts)
 
 
-def backfill(summary: dict, root: str = _ROOT) -> bool:
+def backfill(summary: dict, root: str = _ROOT, rehash: bool = False) -> bool:
   """Adds ``provenance.code`` to a summary that predates fingerprints, from git, when every
-  commit its runs name is clean and known; returns whether it did."""
+  commit its runs name is clean and known; returns whether it did. ``rehash``: recompute
+  it even when recorded (after :data:`SCOPE` / :data:`OUT_OF_SCOPE` changed, a recorded
+  fingerprint no longer hashes what the current rule hashes; a clean commit does)."""
   prov = summary.setdefault("provenance", {})
   commits = prov.get("commits") or []
-  if prov.get("code") or not commits or any(c.endswith("+dirty") for c in commits):
+  if ((prov.get("code") and not rehash) or not commits
+      or any(c.endswith("+dirty") for c in commits)):
     return False
   try:
     prov["code"] = [at_commit(c, root) for c in commits]
   except (OSError, subprocess.SubprocessError, ValueError, IndexError):
     return False
-  prov["code_source"] = "backfilled from git (moejax.ablation.freshness.at_commit)"
+  prov["code_source"] = "from git at the runs' commit (moejax.ablation.freshness.at_commit)"
   return True

@@ -130,7 +130,9 @@ def final_values(workdir: str) -> dict:
 class SuiteEta(NamedTuple):
   """What a suite has left after the run that is training (for :class:`Progress`)."""
   then_steps: int = 0                   # training steps of the later runs
-  then_seconds: Optional[float] = None  # their other time, measured; None: estimate it
+  # The finished runs' mean time outside their training steps (measured) times the runs
+  # it is still due for (this one and each later one); None: estimate it from this run.
+  then_seconds: Optional[float] = None
   then_runs: int = 0                    # how many runs come after this one
   after_passes: int = 0                 # routing-analysis passes per run after training
   after_batches: Optional[int] = None   # batches per pass; None: the whole split
@@ -200,9 +202,15 @@ class Progress:
     return self._per_step() * (self.total - step) + self._per_batch() * batches
 
   def suite_eta(self, step: int) -> float:
+    if self.then_seconds is not None:
+      # Measured on finished runs: what this run has not spent of a run's overhead yet,
+      # and all of it for each later run (this run's own evaluations are part of the
+      # overhead, so they are not added again).
+      per_run = self.then_seconds / (self.then_runs + 1)
+      spent = self.setup_seconds + self.eval_seconds
+      return (self._per_step() * (self.total - step + self.then_steps)
+              + max(per_run - spent, 0.0) + self.then_runs * per_run)
     rest = self.eta(step) + self._per_step() * self.then_steps
-    if self.then_seconds is not None:  # measured on finished runs: their other time
-      return rest + self.then_seconds
     per_batch = self._per_batch()
     after = self.after_passes * (self.final_batches if self.pass_batches is None
                                  else min(self.pass_batches, self.final_batches))

@@ -23,6 +23,7 @@ def test_scope_and_parts():
   assert freshness.in_scope("moejax/routing/topk.py") and freshness.in_scope("configs/tiny.py")
   assert freshness.in_scope("experiments/ablate.py")
   for out in ("moejax/ablation/tables.py", "moejax/serve/quantize.py", "experiments/train.py",
+              "moejax/train/metrics_log.py",
               "moejax/routing/README.md", "tests/test_layer.py"):
     assert not freshness.in_scope(out), out
   assert freshness.part("moejax/routing/topk.py") == "moejax/routing"
@@ -69,6 +70,11 @@ def test_fingerprint_at_a_commit_equals_the_files_of_that_commit(tmp_path):
   summ = {"provenance": {"commits": [first[:12]]}}
   assert freshness.backfill(summ, str(tmp_path))
   assert summ["provenance"]["code"] == [freshness.fingerprint(FILES)]
+  # A recorded fingerprint is kept unless asked to rehash (after the scope rule changed).
+  old_rule = {"provenance": {"commits": [first[:12]], "code": [{"fingerprint": "x"}]}}
+  assert not freshness.backfill(old_rule, str(tmp_path))
+  assert freshness.backfill(old_rule, str(tmp_path), rehash=True)
+  assert old_rule["provenance"]["code"] == [freshness.fingerprint(FILES)]
   assert not freshness.backfill({"provenance": {"commits": [first[:12] + "+dirty"]}},
                                 str(tmp_path))  # an uncommitted tree cannot be recovered
 

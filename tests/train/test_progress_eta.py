@@ -33,7 +33,10 @@ def test_suite_eta_before_any_run_finished_estimates_the_later_runs_from_this_on
   later = 100 * 0.2 + 3.0 + 0.1 * (4 * 5 + 40 + 2 * 40)  # steps, set-up, evals, analysis
   assert p.suite_eta(50) == pytest.approx(this_run + later)
   assert "suite ETA" in p.line(50, 1e3, 1.0)
-  # Once a run has finished, the runner's measured other time replaces the estimate.
-  m = _progress(then_steps=100, then_seconds=30.0, then_runs=1)
-  assert m.suite_eta(50) == pytest.approx(15.0 + 20.0 + 30.0)
+  # Once a run has finished, its measured time outside training replaces the estimate:
+  # what this run has not spent of it yet (3 s set-up + 1 s evaluations spent), and all of
+  # it for the later run; this run's own evaluations are not counted twice.
+  m = _progress(then_steps=100, then_seconds=2 * 30.0, then_runs=1)  # 30 s per run
+  m.setup_seconds = 3.0
+  assert m.suite_eta(50) == pytest.approx(50 * 0.2 + 100 * 0.2 + (30.0 - 4.0) + 30.0)
   assert "suite ETA" not in _progress().line(50, 1e3, 1.0)  # a lone run has none
