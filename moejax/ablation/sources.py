@@ -91,8 +91,9 @@ def train_sources(suite: Suite, workdir: str, train_fn, say, out, corpus) -> dic
       results[seed] = _read(path)
       continue
     say(f"[source] {rel}: pre-training the suite's source (seed {seed})")
-    # No final-evaluation hook: the source's evaluation below reads its final checkpoint.
-    summary = train_fn(exp, path, out, (0, 0.0), None)
+    # No suite ETA (the arms' runs are planned after the sources) and no final-evaluation
+    # hook: the source's evaluation below reads its final checkpoint.
+    summary = train_fn(exp, path, out, None, None)
     ev = final_eval.final_evaluation(exp, path)
     res = {"run": rel, "seed": seed, "train_summary": summary,
            "val_loss": ev.metrics["loss"], "domain_names": list(ev.domain_names),

@@ -15,6 +15,7 @@ from moejax.ablation import budget as budget_lib
 from moejax.ablation import final_eval, runner, sources, summary as summary_lib, tables
 from moejax.ablation import suite as suite_lib
 from moejax.config import ConfigError
+from moejax.train import metrics_log
 from tests.ablation import helpers
 
 
@@ -122,6 +123,24 @@ def test_compare_to_takes_differences_against_the_named_arm():
   assert table.splitlines()[0].startswith("| arm | vs | metric |")
   assert "| c | b | val loss | +1 |" in table
   assert "| arm | metric | Δ vs a |" in tables.comparison_table(plain)
+
+
+def test_a_source_is_trained_with_what_the_trainer_accepts(tmp_path):
+  # The source's pre-training once passed the trainer a bare tuple as the suite ETA, which
+  # loop.train could not read: the slow test below caught it only when run.
+  seen = []
+
+  class Stop(Exception):
+    pass
+
+  def train_fn(exp, path, out, eta, hook):
+    seen.append((eta, hook))
+    raise Stop
+  suite = suite_lib.suite_from_dict(_ft_suite())
+  with pytest.raises(Stop):
+    sources.train_sources(suite, str(tmp_path), train_fn, lambda _: None, io.StringIO(), {})
+  (eta, hook), = seen
+  assert hook is None and (eta is None or isinstance(eta, metrics_log.SuiteEta))
 
 
 @pytest.mark.slow
