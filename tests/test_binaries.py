@@ -188,14 +188,24 @@ def test_ablate_print_config_and_dry_run(tmp_path):
 
 
 def test_analyze_routing_without_the_interop_extra_says_which_to_install(tmp_path):
-  fake = tmp_path / "no_torch" / "torch"
-  fake.mkdir(parents=True)
-  (fake / "__init__.py").write_text("raise ImportError(\"No module named 'torch'\")\n")
+  # All three packages of the extra are hidden, so the line is the same whether or not
+  # the extra is installed here (CI installs it; a plain ".[test]" install has none).
+  hidden = tmp_path / "no_interop"
+  for name in ("torch", "transformers", "safetensors"):
+    (hidden / name).mkdir(parents=True)
+    (hidden / name / "__init__.py").write_text(
+        f"raise ImportError(\"No module named '{name}'\")\n")
   env = dict(os.environ, PYTHONPATH=os.pathsep.join(
-      [str(fake.parent), ROOT, os.environ.get("PYTHONPATH", "")]))
+      [str(hidden), ROOT, os.environ.get("PYTHONPATH", "")]))
   line = _one_error_line(_run("analyze_routing", "--model_type=mixtral",
                               f"--out_dir={tmp_path / 'out'}", env=env))
-  assert line == ("error: analyze_routing needs the interop extra (torch not installed). "
+  assert line == ("error: analyze_routing needs the interop extra (torch, transformers, "
+                  'safetensors not installed). Fix: pip install -e ".[interop]"')
+  # Routing given hidden states needs safetensors only: the line names only that one.
+  line = _one_error_line(_run("analyze_routing", "--model_type=mixtral",
+                              f"--hidden_states={tmp_path / 'h.npy'}",
+                              f"--out_dir={tmp_path / 'out'}", env=env))
+  assert line == ("error: analyze_routing needs the interop extra (safetensors not installed). "
                   'Fix: pip install -e ".[interop]"')
   assert not (tmp_path / "out").exists()
 
