@@ -162,7 +162,7 @@ class Progress:
     self.total, self.out, self.enabled = total_steps, out, enabled
     self.train_seconds, self.steps_timed = 0.0, 0
     self.then_steps, self.then_seconds = then_steps, then_seconds
-    self.in_suite = in_suite or then_seconds is not None
+    self.in_suite = in_suite
     self.then_runs, self.after_passes, self.pass_batches = then_runs, after_passes, after_batches
     self.eval_seconds, self.eval_batches_done = 0.0, 0
     self.evals_left, self.evals_total, self.eval_batches, self.final_batches = 0, 0, 0, 0
