@@ -21,10 +21,21 @@ dropped; every other unraisable exception is reported as before.
 
 from __future__ import annotations
 
+import os
 import sys
 import types
 
 import pytest
+
+# XLA:CPU's LLVM back end at its lowest optimisation level: the suite's programs are tiny
+# and run for milliseconds, but compiling one at the default level costs seconds (the
+# tiny config's train step: 7.0 CPU-s at the default level, 3.8 at level 0), and the
+# suite compiles hundreds. The level changes instruction selection, not the program:
+# the golden-value and agreement tests hold at both (run them without this line to
+# check). Set before JAX starts its backend, so the binaries the tests launch inherit it.
+_FAST_COMPILE = "--xla_backend_optimization_level=0"
+if _FAST_COMPILE.split("=")[0] not in os.environ.get("XLA_FLAGS", ""):
+  os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {_FAST_COMPILE}".strip()
 
 # nodeid (without the file's directory prefix "tests/") -> what covers it in the default run.
 SLOW = {
@@ -93,3 +104,45 @@ def _drop_abandoned_orbax_reads(unraisable):
 
 
 sys.unraisablehook = _drop_abandoned_orbax_reads
+
+
+# JAX's persistent compilation cache: options and the environment variables that carry
+# them into the binaries the tests launch.
+_CACHE = {"jax_compilation_cache_dir": "JAX_COMPILATION_CACHE_DIR",
+          "jax_persistent_cache_min_compile_time_secs": "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS",
+          "jax_persistent_cache_min_entry_size_bytes": "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES"}
+
+
+@pytest.fixture(scope="session", autouse=True)
+def compilation_cache(tmp_path_factory):
+  """One persistent compilation cache for the whole run: every worker and every binary launched.
+
+  Most of the suite's time on 2 CPU cores is XLA compiling the same few tiny
+  programs again: each test builds its model afresh (a new jit, so no
+  in-memory hit), each xdist worker compiles for itself, and each launched
+  binary starts cold. Keyed by the program's HLO, the cache only returns an
+  executable for the same computation. It lives in this run's temporary
+  directory (shared by the xdist workers), so a run never reads an older
+  run's entries. Returns the environment variables that point a subprocess at it.
+  """
+  import jax  # pylint: disable=g-import-not-at-top
+  base = tmp_path_factory.getbasetemp()
+  if os.environ.get("PYTEST_XDIST_WORKER"):
+    base = base.parent  # the run's directory, above this worker's own
+  path = str(base / "jax_cache")
+  os.makedirs(path, exist_ok=True)
+  values = {"jax_compilation_cache_dir": path, "jax_persistent_cache_min_compile_time_secs": 0.0,
+            "jax_persistent_cache_min_entry_size_bytes": 0}
+  previous = {name: getattr(jax.config, name) for name in _CACHE}
+  saved_env = {var: os.environ.get(var) for var in _CACHE.values()}
+  for name, value in values.items():
+    jax.config.update(name, value)
+    os.environ[_CACHE[name]] = str(value)
+  yield {_CACHE[name]: str(value) for name, value in values.items()}
+  for name, value in previous.items():
+    jax.config.update(name, value)
+  for var, value in saved_env.items():
+    if value is None:
+      os.environ.pop(var, None)
+    else:
+      os.environ[var] = value

@@ -4,33 +4,15 @@ from __future__ import annotations
 
 import io
 
-import jax
 import pytest
 
 from moejax.finetune.start import finetune_start
 from moejax.train import loop
 from tests.train import helpers
 
-_CACHE_OPTIONS = ("jax_compilation_cache_dir", "jax_persistent_cache_min_compile_time_secs",
-                  "jax_persistent_cache_min_entry_size_bytes")
-
-
 @pytest.fixture(scope="session")
 def ft_data_dir(tmp_path_factory):
   return str(tmp_path_factory.mktemp("tfds_ft"))
-
-
-@pytest.fixture(scope="session", autouse=True)
-def ft_compilation_cache(tmp_path_factory):
-  """JAX's persistent compilation cache: the runs here compile the same few programs."""
-  path = str(tmp_path_factory.mktemp("jax_cache_ft"))
-  previous = {name: getattr(jax.config, name) for name in _CACHE_OPTIONS}
-  jax.config.update("jax_compilation_cache_dir", path)
-  jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
-  jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
-  yield
-  for name, value in previous.items():
-    jax.config.update(name, value)
 
 
 def source_experiment(data_dir, **overrides):
