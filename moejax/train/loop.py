@@ -55,7 +55,7 @@ from moejax.train import integrity
 from moejax.train import lock as lock_lib
 from moejax.train import metrics_log
 from moejax.train import step as step_lib
-from moejax.train.config import ExperimentConfig
+from moejax.train.config import ExperimentConfig, check_capacity, drop_warning
 from moejax.train.context import RunContext, StartHook, check_start
 from moejax.train.optim import make_optimizer
 
@@ -126,6 +126,7 @@ def device_layout(cfg: ExperimentConfig) -> DeviceLayout:
   """
   pcfg, n = cfg.parallel, jax.device_count()
   pcfg.axis_sizes(n)  # ConfigError naming the axes when their product is not n
+  check_capacity(cfg, n)  # under expert parallelism a group is one device's rows
   if cfg.data.batch_size % n:
     raise ConfigError("data.batch_size", cfg.data.batch_size,
                       f"does not split evenly over the {n} devices of the mesh",
@@ -468,6 +469,8 @@ def _run(ctx: RunContext) -> int:
       extra = "".join(f" | {name} {row[key]:.3f}" for key, name in
                       (("max_vio_batch", "MaxVio"), ("drop_rate", "drop")) if key in row)
       progress.line(step, row["tokens_per_s"], row["loss"], extra)
+      if step <= start + tc.log_every and (warning := drop_warning(cfg, row)):
+        say(warning)  # the first row of this segment: most copies skip their experts
       window = []
       tokens, timed_steps, excluded, t0 = 0.0, 0, 0.0, now
     if eval_now:
