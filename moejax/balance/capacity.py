@@ -22,6 +22,7 @@ Switch). Which copies are kept is the priority rule:
 from __future__ import annotations
 
 import math
+from typing import Optional
 
 import jax
 import jax.numpy as jnp
@@ -47,6 +48,33 @@ def expert_capacity(num_tokens: int, num_experts: int, top_k: int,
     raise ValueError(f"expert_capacity: capacity_factor={capacity_factor!r} must be > 0. "
                      "Fix: use e.g. 1.25 (Switch), or no capacity for dropless")
   return max(1, math.ceil(capacity_factor * num_tokens * top_k / num_experts - 1e-9))
+
+
+def slots_per_expert(num_tokens: int, num_experts: int, top_k: int,
+                     capacity_factor: float) -> float:
+  """cf * T * K / E: each expert's capacity before it is rounded up (and clamped to >= 1).
+
+  Below 1, the capacity factor asks for less than one slot per expert and
+  :func:`expert_capacity` gives every expert a single slot: of T * K copies
+  at most E are kept.
+  """
+  return capacity_factor * num_tokens * top_k / num_experts
+
+
+# The share of token copies dropped over a run's first logged steps above which the
+# trainer warns (moejax.train.config.drop_warning): most tokens would skip their experts.
+DROP_WARN_BOUND = 0.5
+
+
+def drop_warning(drop_rate, capacity_factor, field: str,
+                 bound: float = DROP_WARN_BOUND) -> Optional[str]:
+  """One ``warning:`` line when ``drop_rate`` (a fraction of copies) is above ``bound``, else None."""
+  if capacity_factor is None or drop_rate is None or not drop_rate > bound:
+    return None
+  return (f"warning: {100 * drop_rate:.1f}% of token copies were dropped over the first logged "
+          f"steps (above {100 * bound:.0f}%): {field}={capacity_factor!r} leaves the experts "
+          f"(almost) no slots. Fix: raise {field} (Switch uses 1.25) or set it to None "
+          "(dropless)")
 
 
 def apply_capacity(result: RoutingResult, capacity, *, num_experts: int,

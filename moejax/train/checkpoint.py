@@ -8,6 +8,8 @@ Layout of ``WORKDIR``::
     checkpoints/<step>/ orbax: ``state`` (TrainState: params, optimizer state,
                         router state, step, PRNG key) and ``data`` (the train
                         iterator's JSON state and the unlogged metric rows)
+    checkpoints/<step>/checksums.json  what the arrays and data state were when saved
+                        (moejax.train.integrity), written once orbax committed the step
     damaged_checkpoints/<step>/  checkpoints that failed to restore, moved aside
     metrics.jsonl, tensorboard/   see moejax.train.metrics_log
 
@@ -27,8 +29,8 @@ decides what a config may do to an existing run:
 
 Checkpoints are written atomically by orbax (a temporary directory renamed
 when complete), so a run killed while saving resumes from the previous
-complete one; :func:`restore_latest` falls back past damaged or non-finite
-checkpoints and says so.
+complete one; :func:`restore_latest` falls back past damaged, non-finite or
+checksum-mismatching checkpoints and says so.
 """
 
 from __future__ import annotations
@@ -45,6 +47,7 @@ import orbax.checkpoint as ocp
 
 from moejax.config import plugins as plugins_lib
 from moejax.config import to_dict
+from moejax.train import integrity
 from moejax.train.config import ExperimentConfig, diff, experiment_to_json
 
 CONFIG_FILE = "config.json"
@@ -297,9 +300,19 @@ def _placed(abstract_state: Any) -> Any:
 
 
 class Checkpointer:
-  """Orbax CheckpointManager over ``WORKDIR/checkpoints``: a TrainState plus the data state."""
+  """Orbax CheckpointManager over ``WORKDIR/checkpoints``: a TrainState plus the data state.
 
-  def __init__(self, workdir: str, keep: int, read_only: bool = False):
+  Each save's checksums (:mod:`moejax.train.integrity`) are computed from the
+  state handed to orbax, held until orbax has committed the step, and then
+  written into its directory by process 0 (at the next save, ``poll`` or
+  ``wait``, never while orbax's save or pruning thread runs). ``resumed``:
+  the checkpoint this run started from (the NaN guard's message reads it).
+  """
+
+  def __init__(self, workdir: str, keep: int, read_only: bool = False,
+               resumed: Optional["Restored"] = None):
+    self.resumed = resumed
+    self._pending: dict[int, dict] = {}  # step -> checksum record, until orbax commits it
     options = ocp.CheckpointManagerOptions(max_to_keep=keep, create=not read_only,
                                            read_only=read_only,
                                            cleanup_tmp_directories=not read_only)
@@ -325,9 +338,27 @@ class Checkpointer:
           f"({len(bad)} mismatched arrays):\n  " + "\n  ".join(lines)
           + "\nFix: use a new --workdir, or the config the checkpoint was written with")
 
+  def step_dir(self, step: int) -> str:
+    return os.path.join(str(self.manager.directory), str(step))
+
   def save(self, step: int, state: Any, data_state: dict) -> None:
-    self.manager.save(step, args=ocp.args.Composite(state=ocp.args.StandardSave(state),
-                                                    data=ocp.args.JsonSave(data_state)))
+    self.wait()  # orbax's save waits for the previous one too; then its checksums are written
+    content = integrity.record(state, data_state) if jax.process_index() == 0 else None
+    if self.manager.save(step, args=ocp.args.Composite(state=ocp.args.StandardSave(state),
+                                                       data=ocp.args.JsonSave(data_state))):
+      if content is not None:
+        self._pending[step] = content
+
+  def poll(self) -> None:
+    """Writes the checksums of the saves orbax has committed since; never waits."""
+    if self._pending and not self.manager.is_saving_in_progress():
+      self._flush()
+
+  def _flush(self) -> None:
+    for step, content in sorted(self._pending.items()):
+      if os.path.isdir(self.step_dir(step)):  # else pruned by max_to_keep already
+        integrity.write(self.step_dir(step), content)
+    self._pending = {}
 
   def restore(self, step: int, abstract_state: Any) -> tuple[Any, dict]:
     """(state tree, data state) at ``step``, placed by ``abstract_state``'s shardings.
@@ -343,8 +374,11 @@ class Checkpointer:
 
   def wait(self) -> None:
     self.manager.wait_until_finished()
+    self._flush()
 
   def close(self) -> None:
+    if self._pending:
+      self.wait()
     self.manager.close()
 
   # A context manager, so that a one-off reader (a test, a tool) cannot leave orbax's
@@ -361,13 +395,17 @@ class Restored:
   """A restored checkpoint: its step, the state tree, the data state, and what was skipped.
 
   ``skipped``: ``(step, why)`` of the newer checkpoints that could not be used
-  (damaged files, non-finite values), newest first.
+  (damaged files, non-finite values, checksum mismatches), newest first.
+  ``verified``: its arrays and data state matched its checksums;
+  ``integrity``: the one line saying so (:class:`moejax.train.integrity.Verdict`).
   """
 
   step: int
   tree: Any
   data_state: dict
   skipped: tuple = ()
+  verified: bool = False
+  integrity: str = ""
 
 
 def _short(e: BaseException) -> str:
@@ -376,10 +414,12 @@ def _short(e: BaseException) -> str:
 
 
 def restore_latest(workdir: str, steps, abstract_state: Any) -> Restored:
-  """The newest of ``steps`` that restores and is finite; reads only.
+  """The newest of ``steps`` that restores, is finite and matches its checksums; reads only.
 
   A checkpoint whose metadata or arrays cannot be read (a truncated file,
-  a disk error) or whose values are not finite is skipped, newest first;
+  a disk error), whose values are not finite, or whose arrays or data state
+  differ from its ``checksums.json`` is skipped, newest first (one without
+  the file is accepted, unverified: :mod:`moejax.train.integrity`);
   the caller moves the skipped ones aside (:func:`move_aside`) before it
   writes. Raises WorkdirError when the checkpoint arrays have other shapes
   than the model (another model), or when no checkpoint can be used.
@@ -405,7 +445,11 @@ def restore_latest(workdir: str, steps, abstract_state: Any) -> Restored:
       if bad:
         skipped.append((step, f"not finite ({guard.describe(bad)})"))
         continue
-      return Restored(step, tree, data_state, tuple(skipped))
+      verdict = integrity.verify_step(ckpt.step_dir(step), tree, data_state)
+      if verdict.mismatches:
+        skipped.append((step, verdict.note))
+        continue
+      return Restored(step, tree, data_state, tuple(skipped), verdict.verified, verdict.note)
   finally:
     ckpt.close()
   lines = "\n  ".join(f"step {s}: {why}" for s, why in skipped)

@@ -15,6 +15,7 @@ import json
 import typing
 from typing import Any, Mapping, Optional
 
+from moejax.balance import capacity as capacity_lib
 from moejax.config import (ConfigError, ModelConfig, ParallelConfig, check_count, check_experts,
                            check_fraction, check_number, check_positive, from_dict,
                            resolve_route_limit, to_dict, unwrap_optional)
@@ -150,6 +151,47 @@ class ExperimentConfig:
                         "pick a divisor of the batch size")
     check_vocab_size(model.vocab_size, self.data)  # the tokenizer's V (moejax.data)
     _check_parallel(self.parallel, model)
+    _check_capacity(model, self.data, self.train, self.parallel, None)
+
+
+CAPACITY_FIELD = "model.moe.balance.capacity_factor"
+
+
+def check_capacity(cfg: ExperimentConfig, num_devices: int) -> None:
+  """ConfigError when the capacity factor leaves an expert under one slot per group, on
+  ``num_devices`` devices (the construction check only knows a lower bound of the groups)."""
+  _check_capacity(cfg._resolved_model(), cfg.data, cfg.train, cfg.parallel, num_devices)
+
+
+def _check_capacity(model, data, train, pcfg: ParallelConfig, num_devices) -> None:
+  """Capacity is applied per group of T tokens: the whole micro-batch under data parallelism
+  (one jit over the global batch), each device's rows under expert parallelism. T counts
+  every token of the group (a mixture-of-depths block routes fewer), so a refusal is certain."""
+  cf = model.moe.balance.capacity_factor if model.moe is not None else None
+  if cf is None:
+    return
+  groups = 1
+  if pcfg.expert > 1:
+    groups = num_devices or (max(pcfg.data, 1) * pcfg.fsdp * pcfg.expert)
+  rows = data.batch_size // train.microbatches // groups
+  tokens, e, k = rows * data.seq_len, model.moe.num_experts, model.moe.routing.top_k
+  slots = capacity_lib.slots_per_expert(tokens, e, k, cf)
+  if rows >= 1 and slots < 1:
+    where = f"{groups} devices' groups of" if groups > 1 else "micro-batches of"
+    raise ConfigError(
+        CAPACITY_FIELD, cf,
+        f"gives each of the {e} experts {slots:.3g} slots (cf * T * K / E with {where} "
+        f"T={tokens} tokens, K={k}), rounded up to 1: at most {e} of {tokens * k} token copies "
+        "per group would reach an expert",
+        f"use capacity_factor >= {e / (tokens * k):.3g} (one slot per expert), e.g. 1.25 "
+        "(Switch), or None (dropless)")
+
+
+def drop_warning(cfg: ExperimentConfig, row: dict) -> Optional[str]:
+  """The one-line warning when a train row's drop rate is above
+  :data:`moejax.balance.capacity.DROP_WARN_BOUND` (the loop checks its first row)."""
+  cf = cfg.model.moe.balance.capacity_factor if cfg.model.moe is not None else None
+  return capacity_lib.drop_warning(row.get("drop_rate"), cf, CAPACITY_FIELD)
 
 
 def _check_parallel(pcfg: ParallelConfig, model: ModelConfig) -> None:

@@ -51,10 +51,11 @@ from moejax.model import ExpertParallel
 from moejax.train import audit as audit_lib
 from moejax.train import checkpoint as ckpt_lib
 from moejax.train import guard
+from moejax.train import integrity
 from moejax.train import lock as lock_lib
 from moejax.train import metrics_log
 from moejax.train import step as step_lib
-from moejax.train.config import ExperimentConfig
+from moejax.train.config import ExperimentConfig, check_capacity, drop_warning
 from moejax.train.context import RunContext, StartHook, check_start
 from moejax.train.optim import make_optimizer
 
@@ -125,6 +126,7 @@ def device_layout(cfg: ExperimentConfig) -> DeviceLayout:
   """
   pcfg, n = cfg.parallel, jax.device_count()
   pcfg.axis_sizes(n)  # ConfigError naming the axes when their product is not n
+  check_capacity(cfg, n)  # under expert parallelism a group is one device's rows
   if cfg.data.batch_size % n:
     raise ConfigError("data.batch_size", cfg.data.batch_size,
                       f"does not split evenly over the {n} devices of the mesh",
@@ -271,7 +273,7 @@ def train(cfg: ExperimentConfig, workdir: str, *, out: TextIO = sys.stdout,
           f"{workdir} changed while this run was checking it (checkpoints {list(plan.steps)} -> "
           f"{ckpt_lib.checkpoint_steps(workdir)}). Fix: run the same command again")
     _record_start(workdir, cfg, plan, restored, say)
-    ckpt = ckpt_lib.Checkpointer(workdir, tc.keep_checkpoints)
+    ckpt = ckpt_lib.Checkpointer(workdir, tc.keep_checkpoints, resumed=restored)
     writer = metrics_log.MetricsWriter(workdir, restored.step if restored else 0, enabled=lead)
     progress = metrics_log.Progress(tc.steps, out=out, enabled=tc.progress,
                                     **(suite._asdict() if suite else {}), in_suite=bool(suite))
@@ -312,8 +314,8 @@ def _record_start(workdir, cfg, plan, restored, say) -> None:
              [os.path.join(workdir, ckpt_lib.DAMAGED_DIR, str(s)) for s in skipped])
     for (s, why), dst in zip(restored.skipped, moved):
       say(f"{workdir}: checkpoint {s} is {why}; moved to {dst}")
-    say(f"{workdir}: falling back to checkpoint {restored.step}, the newest that restores and "
-        "is finite")
+    say(f"{workdir}: falling back to checkpoint {restored.step}, the newest that restores, is "
+        "finite and matches its checksums (if it has any)")
   if restored is None:
     if plan.saved is not None and plan.changes:
       say(f"{workdir}: no checkpoint was written before it stopped; starting the run again "
@@ -399,7 +401,7 @@ def _first_state(ctx: RunContext, unigram: float):
   window = list(data_state.pop(WINDOW_KEY, []))
   ctx.train_it.set_state(data_state)
   start = int(state.step)
-  say(f"{workdir}: resumed from checkpoint at step {start}")
+  say(f"{workdir}: resumed from checkpoint at step {start} ({ctx.restored.integrity})")
   return ctx.layout.put_state(state), window, start
 
 
@@ -452,6 +454,7 @@ def _run(ctx: RunContext) -> int:
     host = [{k: float(v) for k, v in m.items()} for m in jax.device_get(pending)]
     pending = []
     _check_rows(host, step, ckpt, workdir)
+    ckpt.poll()  # the checksums of a checkpoint orbax has committed since
     if ckpt_now:  # before the evaluation, so a non-finite state is never evaluated or saved
       _check_state(state.checkpoint_tree(), step, ckpt, workdir)
     window.extend(host)
@@ -466,6 +469,8 @@ def _run(ctx: RunContext) -> int:
       extra = "".join(f" | {name} {row[key]:.3f}" for key, name in
                       (("max_vio_batch", "MaxVio"), ("drop_rate", "drop")) if key in row)
       progress.line(step, row["tokens_per_s"], row["loss"], extra)
+      if step <= start + tc.log_every and (warning := drop_warning(cfg, row)):
+        say(warning)  # the first row of this segment: most copies skip their experts
       window = []
       tokens, timed_steps, excluded, t0 = 0.0, 0, 0.0, now
     if eval_now:
@@ -500,13 +505,22 @@ _FIX = ("Fix: lower train.learning_rate, raise train.warmup_steps or set train.g
         "run in a new --workdir (this one's config.json describes its checkpoints)")
 
 
-def _last_good(ckpt, workdir: str) -> str:
+def _last_good(ckpt, workdir: str, at: int, fix: str = _FIX) -> str:
+  """Where the run stands after a NaN at step ``at``, and ``fix``; or, when no checkpoint was
+  saved since the run resumed, that the resume checkpoint may be at fault (its own fix)."""
   ckpt.wait()
   last = ckpt.latest_step()
+  resumed = ckpt.resumed
+  suspect = integrity.resume_suspect(
+      resumed.step if resumed else None, bool(resumed and resumed.verified), last, at,
+      ckpt_lib.checkpoint_steps(workdir), os.path.join(workdir, ckpt_lib.CHECKPOINT_DIR),
+      os.path.join(workdir, ckpt_lib.DAMAGED_DIR), fix)
+  if suspect:
+    return suspect
   if last is None:
-    return "no checkpoint was written before it"
+    return f"no checkpoint was written before it. {fix}"
   return (f"the last good checkpoint (checked finite before it was saved) is step {last} in "
-          f"{os.path.join(workdir, ckpt_lib.CHECKPOINT_DIR)}")
+          f"{os.path.join(workdir, ckpt_lib.CHECKPOINT_DIR)}. {fix}")
 
 
 def _check_rows(rows: list[dict], step: int, ckpt, workdir: str) -> None:
@@ -518,7 +532,7 @@ def _check_rows(rows: list[dict], step: int, ckpt, workdir: str) -> None:
       f"{'loss' if key == 'loss' else 'gradient norm'} is {row[key]} at step {at} (loss "
       f"{row.get('loss')}, cross-entropy {row.get('ce')}, aux {row.get('aux_loss')}, grad norm "
       f"{row.get('grad_norm')}): stopping; nothing was saved after it, "
-      f"{_last_good(ckpt, workdir)}. {_FIX}")
+      f"{_last_good(ckpt, workdir, at)}")
 
 
 def _check_state(tree, step: int, ckpt, workdir: str) -> None:
@@ -528,6 +542,6 @@ def _check_state(tree, step: int, ckpt, workdir: str) -> None:
   raise guard.NonFiniteError(
       f"the train state after step {step} is not finite ({guard.describe(bad)}), though every "
       f"loss and gradient norm up to it was: stopping without saving it; "
-      f"{_last_good(ckpt, workdir)}. Fix: a router_state leaf points at the bias controller "
-      f"(model.moe.balance.bias_rate), params / opt_state at the optimizer: "
-      + _FIX.split(": ", 1)[1])
+      + _last_good(ckpt, workdir, step, fix=(
+          "Fix: a router_state leaf points at the bias controller (model.moe.balance.bias_rate), "
+          "params / opt_state at the optimizer: " + _FIX.split(": ", 1)[1])))
