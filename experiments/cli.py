@@ -131,6 +131,15 @@ def _distributed_main(main, argv):
   distributed_lib.guard_stderr(_flag_value("workdir"))
   try:
     return main(argv)
+  except SystemExit as e:
+    if e.code in (0, None):
+      raise
+    # An error this process found alone (another run's lock is checked by process
+    # 0 only): its peers wait for it in a collective, and the exit handler's
+    # shutdown barrier would wait for them (300 s); leaving now lets them see it.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(e.code if isinstance(e.code, int) else 1)  # pylint: disable=protected-access
   except Exception as e:  # pylint: disable=broad-except
     message = distributed_lib.describe_failure(e, _flag_value("workdir"))
     if message is None:

@@ -293,8 +293,8 @@ def peer_lost_message(cause: str, workdir: Optional[str] = None,
     import jax  # pylint: disable=g-import-not-at-top
     process = (jax.process_index(), jax.process_count())
   return (f"process {process[0]} of {process[1]}: a peer process of this run died or became "
-          f"unreachable (killed, out of memory, preempted or its host lost), so this one stops "
-          f"too ({cause}). Resume: launch the same command again on every process; "
+          f"unreachable (killed, out of memory, preempted, its host lost, or stopped by an error "
+          f"in its own output), so this one stops too ({cause}). Resume: launch the same command again on every process; "
           f"{stderr_guard.resume_point(workdir or '')}")
 
 
