@@ -131,4 +131,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-  cli.run(main, experiment_at="base")
+  cli.run(main, experiment_at="base", distributed=True)

@@ -22,6 +22,7 @@ from typing import NoReturn, Optional, Sequence
 
 from absl import app, flags, logging
 
+from experiments import distributed as distributed_lib
 from experiments import flag_errors
 from moejax import chatter
 
@@ -105,6 +106,49 @@ def compilation_cache(workdir: str) -> str:
   return path
 
 
-def run(main, experiment_at: Optional[str] = None) -> None:
-  """``app.run(main)`` with :func:`parse_flags` (``experiment_at``: see there)."""
+def run(main, experiment_at: Optional[str] = None, distributed: bool = False) -> None:
+  """``app.run(main)`` with :func:`parse_flags` (``experiment_at``: see there).
+
+  ``distributed``: the binary trains, and may be one process of a
+  multi-process run: it gets the launch flags of
+  :mod:`experiments.distributed`, initialises ``jax.distributed`` before
+  ``main`` when the flags or the cluster environment ask for it, and a peer
+  process dying mid-run ends it with one ``error:`` line.
+  """
+  if distributed:
+    distributed_lib.define_flags()
+    main = functools.partial(_distributed_main, main)
   app.run(main, flags_parser=functools.partial(parse_flags, experiment_at=experiment_at))
+
+
+def _distributed_main(main, argv):
+  try:
+    launch = distributed_lib.start()
+  except distributed_lib.LaunchError as e:
+    fail(str(e))
+  if launch is None:
+    return main(argv)  # one process: nothing more to watch for
+  distributed_lib.guard_stderr(_flag_value("workdir"))
+  try:
+    return main(argv)
+  except SystemExit as e:
+    if e.code in (0, None):
+      raise
+    # An error this process found alone (another run's lock is checked by process
+    # 0 only): its peers wait for it in a collective, and the exit handler's
+    # shutdown barrier would wait for them (300 s); leaving now lets them see it.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(e.code if isinstance(e.code, int) else 1)  # pylint: disable=protected-access
+  except Exception as e:  # pylint: disable=broad-except
+    message = distributed_lib.describe_failure(e, _flag_value("workdir"))
+    if message is None:
+      raise
+    print(f"error: {message}", file=sys.stderr, flush=True)
+    # Not sys.exit: its exit handlers (jax.distributed's shutdown barrier,
+    # orbax's threads) would wait for the dead peer.
+    os._exit(distributed_lib.PEER_LOST_EXIT)  # pylint: disable=protected-access
+
+
+def _flag_value(name: str):
+  return flags.FLAGS[name].value if name in flags.FLAGS else None

@@ -186,4 +186,4 @@ def with_default_config(argv: list[str]) -> list[str]:
 
 if __name__ == "__main__":
   sys.argv = with_default_config(sys.argv)
-  cli.run(main)
+  cli.run(main, distributed=True)

@@ -128,4 +128,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-  cli.run(main, experiment_at="")
+  cli.run(main, experiment_at="", distributed=True)

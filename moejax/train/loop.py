@@ -125,12 +125,15 @@ def device_layout(cfg: ExperimentConfig) -> DeviceLayout:
   MoE layers run :func:`moejax.layer.ep_moe_layer` on the mesh.
   """
   pcfg, n = cfg.parallel, jax.device_count()
-  pcfg.axis_sizes(n)  # ConfigError naming the axes when their product is not n
+  try:
+    pcfg.axis_sizes(n)  # ConfigError naming the axes when their product is not n
+  except ConfigError as e:
+    raise _on_processes(e) from None
   check_capacity(cfg, n)  # under expert parallelism a group is one device's rows
   if cfg.data.batch_size % n:
-    raise ConfigError("data.batch_size", cfg.data.batch_size,
-                      f"does not split evenly over the {n} devices of the mesh",
-                      f"use a multiple of {n}")
+    raise _on_processes(ConfigError(
+        "data.batch_size", cfg.data.batch_size,
+        f"does not split evenly over the {n} devices of the mesh", f"use a multiple of {n}"))
   if pcfg.expert == 1:
     # Auto axes: the partitioner propagates shardings through the model (the
     # model code has no explicit-sharding annotations).
@@ -152,6 +155,15 @@ def device_layout(cfg: ExperimentConfig) -> DeviceLayout:
   shardings = lambda tree: state_shardings(tree, mesh)
   put_state = lambda state: jax.device_put(state, shardings(state))
   return DeviceLayout(ExpertParallel(mesh, pcfg), put_batch, put_state, shardings)
+
+
+def _on_processes(e: ConfigError) -> ConfigError:
+  """``e`` saying how the devices are spread, on a multi-process run (where the count is
+  the global one: every process's local devices)."""
+  if jax.process_count() == 1:
+    return e
+  return ConfigError(e.field, e.value, f"{e.problem} ({jax.process_count()} processes x "
+                     f"{jax.local_device_count()} local devices)", e.fix, e.where)
 
 
 def state_shardings(state, mesh):
