@@ -376,6 +376,8 @@ def report(workdir: str, summary: dict, say) -> dict:
       ("tensorboard", metrics_log.TENSORBOARD_DIR,
        f"tensorboard --logdir {os.path.join(workdir, metrics_log.TENSORBOARD_DIR)}"),
       ("checkpoints", ckpt_lib.CHECKPOINT_DIR, f"steps {', '.join(map(str, steps))}"),
+      ("profile", profiling.PROFILE_DIR, "jax.profiler trace: tensorboard --logdir "
+       f"{os.path.join(workdir, profiling.PROFILE_DIR)}"),
       ("history", ckpt_lib.HISTORY_FILE, ""),
       ("damaged", ckpt_lib.DAMAGED_DIR, "checkpoints that did not restore")):
     full = os.path.join(workdir, path)
