@@ -79,6 +79,7 @@ def step_suite(conditions: dict) -> dict:
   from moejax.nn.losses import masked_cross_entropy
   from moejax.topology.accounting import budget as model_budget
   from moejax.train import checkpoint as ckpt_lib
+  from moejax.train import layer_load
   from moejax.train import step as step_lib
   from moejax.train.optim import make_optimizer
   import optax
@@ -170,7 +171,7 @@ def step_suite(conditions: dict) -> dict:
   pending = [train_step() for _ in range(exp.train.log_every)]
   jax.block_until_ready(pending)
   t, c = time.perf_counter(), time.process_time()
-  [{k: float(v) for k, v in m.items()} for m in jax.device_get(pending)]
+  [layer_load.host_row(m) for m in jax.device_get(pending)]  # what the loop reads back
   readback = (time.perf_counter() - t, time.process_time() - c)
   tmp = tempfile.mkdtemp(prefix="moejax_step_bench_")
   try:

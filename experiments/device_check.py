@@ -66,6 +66,7 @@ from experiments import bench_lib
 from moejax.execution import gmm as gmm_lib
 from moejax.execution import pallas_gather
 from moejax.execution import permute as permute_lib
+from moejax.train import mfu as mfu_lib
 
 _JSON = flags.DEFINE_string("json_out", None, "write the results here (after every step)")
 _DRY = flags.DEFINE_bool("dry_run", False, "tiny shapes, Pallas kernels interpreted (CPU)")
@@ -75,11 +76,8 @@ _REPEATS = flags.DEFINE_integer("repeats", None, "timed repeats (default 10; dry
 _TRAIN_STEPS = flags.DEFINE_integer("train_steps", None, "timed train steps (default 20)")
 
 BF16 = jnp.bfloat16
-# Dense bf16 peak FLOP/s by device kind (vendor data sheets; SXM parts,
-# without sparsity). Matched by substring of jax's device_kind.
-PEAK_BF16 = {"H200": 989e12, "H100": 989e12, "A100": 312e12, "TPU v6": 918e12,
-             "TPU v5p": 459e12, "TPU v5 lite": 197e12, "TPU v5e": 197e12,
-             "TPU v4": 275e12}
+# Dense bf16 peak FLOP/s by device kind: the trainer's table (moejax.train.mfu.PEAK_BF16,
+# vendor data sheets), so this script and the train rows' MFU use the same peak.
 # Config fields this script sets, in one place (field paths move with the
 # config redesign).
 CONFIG_PATHS = {"backend": "model.moe.execution.backend",
@@ -459,8 +457,8 @@ def train_config(plan: Plan, large: bool):
 def train(plan: Plan, roof_tflops: Optional[float]) -> dict:
   from moejax.topology import accounting
   from moejax.train import optim, step as step_lib
-  peak = next((v for kind, v in PEAK_BF16.items() if kind in jax.devices()[0].device_kind),
-              None)
+  hit = mfu_lib.table_peak(jax.devices()[0].device_kind)
+  peak = None if hit is None else hit[1]
   out = {}
   base_flops = None
   for name, large in (("default", False), ("large", True)):
@@ -491,7 +489,7 @@ def train(plan: Plan, roof_tflops: Optional[float]) -> dict:
       dt = (time.perf_counter() - t0) / plan.train_steps
       budget = accounting.budget(cfg.model, seq_len=s)
       tok_s = b * s / dt
-      model_flops = 3.0 * budget.flops_per_token * tok_s
+      model_flops = mfu_lib.step_flops(cfg) / dt  # 3 x forward FLOPs/token x B x S per step
       return {"batch": b, "seq_len": s, "d_model": cfg.model.d_model,
               "n_layers": cfg.model.n_layers, "params": budget.total,
               "backend": plan.train_backend, "compute_dtype": cfg.model.compute_dtype,

@@ -60,6 +60,7 @@ from moejax.config.registry import LAYERS
 from moejax.execution import executor as executor_lib
 from moejax.execution import parallel as parallel_lib
 from moejax.execution import placement as placement_lib
+from moejax.execution import scopes
 from moejax.routing import router as router_lib
 from moejax.routing import soft as soft_lib
 from moejax.routing.types import RouterState, RoutingResult
@@ -131,23 +132,27 @@ def token_local_experts(params: Params, x: jax.Array, shared_x: jax.Array,
 
 def _sparse_layer(params, x, shared_x, state, cfg, *, token_ids, rng, train, axis_names,
                   batch_shape, executor, width_mask):
-  decision, kept, dropped, cap = route_and_drop(params, x, state, cfg, token_ids=token_ids,
-                                                rng=rng, train=train)
+  with jax.named_scope(scopes.ROUTE):
+    decision, kept, dropped, cap = route_and_drop(params, x, state, cfg, token_ids=token_ids,
+                                                  rng=rng, train=train)
   if width_mask is None and cfg.topology.expert_widths is not None:
     width_mask = experts_lib.width_mask(cfg)
+  # The executor's phases (dispatch, expert FFN, all-to-all, combine) carry their own scopes.
   y, extras = executor(params["experts"], x, kept, width_mask=width_mask, capacity=cap)
-  y = y + token_local_experts(params, x, shared_x, kept, cfg)
-  router_load = metrics.expert_load(decision, cfg.num_routed, axis_names)
-  aux = MoEAux.for_kind(
-      "sparse",
-      losses=losses.balance_losses(decision, cfg, batch_shape=batch_shape,
-                                   axis_names=axis_names),
-      metrics=metrics.routing_metrics(decision, cfg, dropped=dropped, axis_names=axis_names),
-      load=router_load[: cfg.num_experts],
-      router_load=router_load,
-      num_dropped=stats.psum(jnp.sum(dropped, dtype=jnp.int32), axis_names),
-      routing=kept,
-      execution=extras)
+  with jax.named_scope(scopes.SHARED):
+    y = y + token_local_experts(params, x, shared_x, kept, cfg)
+  with jax.named_scope(scopes.BALANCE):
+    router_load = metrics.expert_load(decision, cfg.num_routed, axis_names)
+    aux = MoEAux.for_kind(
+        "sparse",
+        losses=losses.balance_losses(decision, cfg, batch_shape=batch_shape,
+                                     axis_names=axis_names),
+        metrics=metrics.routing_metrics(decision, cfg, dropped=dropped, axis_names=axis_names),
+        load=router_load[: cfg.num_experts],
+        router_load=router_load,
+        num_dropped=stats.psum(jnp.sum(dropped, dtype=jnp.int32), axis_names),
+        routing=kept,
+        execution=extras)
   return y, aux
 
 

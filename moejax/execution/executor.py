@@ -35,6 +35,7 @@ import jax.numpy as jnp
 
 from moejax.config import MoEConfig
 from moejax.execution import grouped_ffn
+from moejax.execution import scopes
 from moejax.routing.types import RoutingResult
 from moejax.topology import experts as experts_lib
 
@@ -74,7 +75,8 @@ class ReferenceExecutor:
       out = experts_lib.expert_ffn(params_e, x, self.activation, mask_e)
       return y + weight_e[:, None].astype(out.dtype) * out, None
 
-    y, _ = jax.lax.scan(body, jnp.zeros_like(x), (experts, combine, masks))
+    with jax.named_scope(scopes.EXPERT_FFN):
+      y, _ = jax.lax.scan(body, jnp.zeros_like(x), (experts, combine, masks))
     return y, {}
 
 

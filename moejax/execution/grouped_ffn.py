@@ -37,6 +37,7 @@ import jax.numpy as jnp
 from moejax.execution import fused as fused_lib
 from moejax.execution import gmm as gmm_lib
 from moejax.execution import permute as permute_lib
+from moejax.execution import scopes
 from moejax.routing.types import RoutingResult
 
 ACTIVATION_KEYS = {"swiglu": ("w_gate", "w_up", "w_down"),
@@ -80,6 +81,7 @@ def fold_width_mask(params: Mapping[str, jax.Array],
   return params
 
 
+@jax.named_scope(scopes.EXPERT_FFN)
 def _ffn_rows(params: Mapping[str, jax.Array], xs: jax.Array, group_sizes: jax.Array, *,
               activation: str, backend: str, interpret: bool, **options) -> jax.Array:
   """ys[M, d] = FFN_e(xs[r]) for the rows of each expert group (rest 0).
@@ -147,8 +149,9 @@ def routed_ffn(expert_params: Mapping[str, jax.Array], x: jax.Array,
   weights = jnp.where(valid, weights, 0)
   if backend == "blocked" and fused and gather_backend == "xla":
     params = fold_width_mask(expert_params, width_mask)
-    return fused_lib.blocked_ffn(params, x, weights.astype(jnp.float32), plan,
-                                 activation=activation, **options).astype(x.dtype)
+    with jax.named_scope(scopes.EXPERT_FFN):  # gather, matmuls and combine in one tile loop
+      return fused_lib.blocked_ffn(params, x, weights.astype(jnp.float32), plan,
+                                   activation=activation, **options).astype(x.dtype)
   gkw = dict(backend=gather_backend, interpret=interpret)
   xs = permute_lib.permute(x, plan, **gkw)
   ys = _ffn_rows(fold_width_mask(expert_params, width_mask), xs, plan.group_sizes,

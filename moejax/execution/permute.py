@@ -35,6 +35,7 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
+from moejax.execution import scopes
 from moejax.execution.registry import GATHER_BACKENDS
 
 
@@ -79,6 +80,7 @@ def _check_routing(expert_ids, valid, num_experts: int) -> None:
     raise ValueError(f"num_experts={num_experts} must be > 0 (the FFN experts)")
 
 
+@jax.named_scope(scopes.DISPATCH)
 def sort_by_expert(expert_ids: jax.Array, valid: jax.Array,
                    num_experts: int) -> Dispatch:
   """Dropless layout: R = M rows sorted by expert, zero rows at the end.
@@ -104,6 +106,7 @@ def sort_by_expert(expert_ids: jax.Array, valid: jax.Array,
                   dst=dst, group_sizes=counts[:num_experts])
 
 
+@jax.named_scope(scopes.DISPATCH)
 def capacity_layout(expert_ids: jax.Array, valid: jax.Array, num_experts: int,
                     capacity: int) -> Dispatch:
   """[E, C] buffer layout (R = E * C) with the slot-major drop rule.
@@ -185,6 +188,7 @@ _permute_vjp = jax.custom_vjp(_permute_impl, nondiff_argnums=(3, 4))
 _permute_vjp.defvjp(_permute_fwd, _permute_bwd)
 
 
+@jax.named_scope(scopes.DISPATCH)
 def permute(x: jax.Array, plan: Dispatch, *, backend: str = "xla",
             interpret: bool = False) -> jax.Array:
   """xs[R, d]: row r is x[src_token[r]]; empty rows are zero."""
@@ -224,6 +228,7 @@ _unpermute_vjp = jax.custom_vjp(_unpermute_impl, nondiff_argnums=(5, 6))
 _unpermute_vjp.defvjp(_unpermute_fwd, _unpermute_bwd)
 
 
+@jax.named_scope(scopes.COMBINE)
 def unpermute(ys: jax.Array, plan: Dispatch, weights: jax.Array, *,
               backend: str = "xla", interpret: bool = False) -> jax.Array:
   """y[T, d] = sum_k weights[t, k] * ys[dst[t, k]] over dispatched slots.

@@ -48,6 +48,7 @@ import jax
 import jax.numpy as jnp
 
 from moejax.execution import permute as permute_lib
+from moejax.execution import scopes
 from moejax.execution.mesh import EXPERT
 from moejax.execution.registry import register_transport
 
@@ -81,6 +82,7 @@ def choose_bucket(need: jax.Array, sizes: Sequence[int], axes: Sequence[str]) ->
   return jnp.sum(jnp.asarray(sizes, jnp.int32) < top).astype(jnp.int32)
 
 
+@jax.named_scope(scopes.ALL_TO_ALL)
 def all_to_all(x: jax.Array, groups: Groups = None) -> jax.Array:
   """all_to_all over 'expert' of x[G, ...]: ``x[j]`` goes to member j, ``out[i]`` came from i."""
   return jax.lax.all_to_all(x, EXPERT, 0, 0, tiled=True,
@@ -295,9 +297,9 @@ class NativeRaggedTransport(_RaggedTransport):
 
   def _move(self, sizes, index, groups: Groups):
     del sizes, index
-    native = functools.partial(jax.lax.ragged_all_to_all, axis_name=EXPERT,
-                               axis_index_groups=None if groups is None else
-                               [list(g) for g in groups])
+    native = jax.named_scope(scopes.ALL_TO_ALL)(functools.partial(
+        jax.lax.ragged_all_to_all, axis_name=EXPERT,
+        axis_index_groups=None if groups is None else [list(g) for g in groups]))
     return lambda ops, outs, *args: tuple(native(a, o, *args) for a, o in zip(ops, outs))
 
   def _wire_rows(self, send, sizes, index):

@@ -66,6 +66,7 @@ RESUME_FREE_FIELDS = (
     "train.eval_every", "train.eval_batches",          # periodic evaluation (the final one reads the whole split)
     "train.checkpoint_every", "train.keep_checkpoints",
     "train.nan_at_step",                               # test hook: can only stop a run
+    "train.peak_tflops", "train.profile_steps",        # observation: MFU's peak, a trace
     BACKEND_FIELD, BACKEND_INTERPRET_FIELD,            # execution backend: identical parameters
     "parallel",                                        # device layout: same state shapes and values
 )

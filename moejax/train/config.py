@@ -57,6 +57,12 @@ class TrainConfig:
       per-token or per-sequence (cross-entropy, z-loss, sequence-scope
       balance loss); a ``batch``- or ``global``-scope balance loss is
       computed per micro-batch, as in every framework.
+    peak_tflops: the peak TFLOP/s of one device that MFU is measured against
+      (None: the device's bf16 peak from moejax.train.mfu's table, or on CPU
+      a matmul roof measured at start).
+    profile_steps: ``(a, b)``: write a ``jax.profiler`` trace of steps a+1 .. b
+      (from the end of step a to the end of step b; a >= 1 keeps the
+      compiling first step out) under ``WORKDIR/profile`` (None: no trace).
   """
 
   steps: int = 1000
@@ -77,6 +83,8 @@ class TrainConfig:
   progress: bool = True
   nan_at_step: int = -1
   microbatches: int = 1
+  peak_tflops: Optional[float] = None
+  profile_steps: Optional[tuple] = None
 
   def __post_init__(self):
     p = "train"
@@ -99,6 +107,21 @@ class TrainConfig:
     for name in ("b1", "b2"):
       check_number(f"{p}.{name}", getattr(self, name), minimum=0, maximum=1, max_open=True,
                    fix="use e.g. b1=0.9, b2=0.95")
+    if self.peak_tflops is not None:
+      check_positive(f"{p}.peak_tflops", self.peak_tflops)
+    if self.profile_steps is not None:
+      _check_profile_steps(f"{p}.profile_steps", self.profile_steps, self.steps)
+
+
+def _check_profile_steps(path: str, value, steps: int) -> None:
+  """(a, b) integers with 0 < a < b <= steps."""
+  fix = f"use two step numbers (a, b) with 0 < a < b <= train.steps={steps}, e.g. (5, 8)"
+  if (not isinstance(value, (tuple, list)) or len(value) != 2
+      or not all(isinstance(v, int) and not isinstance(v, bool) for v in value)):
+    raise ConfigError(path, value, "must be a pair of integers (a, b)", fix)
+  a, b = value
+  if not 0 < a < b <= steps:
+    raise ConfigError(path, tuple(value), f"needs 0 < a < b <= train.steps={steps}", fix)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -52,8 +52,11 @@ from moejax.train import audit as audit_lib
 from moejax.train import checkpoint as ckpt_lib
 from moejax.train import guard
 from moejax.train import integrity
+from moejax.train import layer_load
 from moejax.train import lock as lock_lib
 from moejax.train import metrics_log
+from moejax.train import mfu as mfu_lib
+from moejax.train import profiling
 from moejax.train import step as step_lib
 from moejax.train.config import ExperimentConfig, check_capacity, drop_warning
 from moejax.train.context import RunContext, StartHook, check_start
@@ -300,6 +303,7 @@ def train(cfg: ExperimentConfig, workdir: str, *, out: TextIO = sys.stdout,
                               train_seconds=progress.train_seconds)
       raise
     finally:
+      profiling.stop()  # a trace cut short by an error
       ckpt.wait()
       ckpt.close()
       writer.close()
@@ -386,6 +390,8 @@ def report(workdir: str, summary: dict, say) -> dict:
       ("tensorboard", metrics_log.TENSORBOARD_DIR,
        f"tensorboard --logdir {os.path.join(workdir, metrics_log.TENSORBOARD_DIR)}"),
       ("checkpoints", ckpt_lib.CHECKPOINT_DIR, f"steps {', '.join(map(str, steps))}"),
+      ("profile", profiling.PROFILE_DIR, "jax.profiler trace: tensorboard --logdir "
+       f"{os.path.join(workdir, profiling.PROFILE_DIR)}"),
       ("history", ckpt_lib.HISTORY_FILE, ""),
       ("damaged", ckpt_lib.DAMAGED_DIR, "checkpoints that did not restore")):
     full = os.path.join(workdir, path)
@@ -430,6 +436,9 @@ def _run(ctx: RunContext) -> int:
 
   train_step = step_lib.make_train_step(graphdef, cfg, tx)
   eval_step = make_eval_step(graphdef, cfg.model, len(val_docs.domain_names))
+  meter = mfu_lib.Meter.for_run(cfg)  # on CPU: measures the matmul roof (~0.5 s, once)
+  say(meter.describe())
+  profiler = profiling.StepProfiler(workdir, tc.profile_steps, start, say)
   pending: list = []          # device metrics not yet read back
   tokens = 0.0                # target tokens of the timed steps of this window
   step = start
@@ -458,12 +467,13 @@ def _run(ctx: RunContext) -> int:
       say(f"compiled and ran the first step in {time.perf_counter() - t0:.1f}s")
       progress.first_step_done()
       compiled, t0 = True, time.perf_counter()
+    excluded += profiler.after_step(step, metrics)  # trace start / write: not step time
     log_now = step % tc.log_every == 0 or step == tc.steps
     eval_now = (tc.eval_every and step % tc.eval_every == 0) or step == tc.steps
     ckpt_now = (tc.checkpoint_every and step % tc.checkpoint_every == 0) or step == tc.steps
     if not (log_now or eval_now or ckpt_now):
       continue
-    host = [{k: float(v) for k, v in m.items()} for m in jax.device_get(pending)]
+    host = [layer_load.host_row(m) for m in jax.device_get(pending)]
     pending = []
     _check_rows(host, step, ckpt, workdir)
     ckpt.poll()  # the checksums of a checkpoint orbax has committed since
@@ -473,14 +483,17 @@ def _run(ctx: RunContext) -> int:
     if log_now:
       now = time.perf_counter()
       elapsed = max(now - t0 - excluded, 1e-9)
-      row = _mean_rows(window)
+      row, loads = layer_load.summarise(_mean_rows(window))
       row["tokens_per_s"] = tokens / elapsed if timed_steps else 0.0
+      row.update(meter.row(timed_steps, elapsed))
       row["epoch"] = train_it.epoch
       progress.add_time(elapsed, timed_steps)
       writer.write(step, "train", row)
+      writer.histograms(step, "train", {f"load/{n}": layer_load.relative(v)
+                                        for n, v in loads.items()})
       extra = "".join(f" | {name} {row[key]:.3f}" for key, name in
                       (("max_vio_batch", "MaxVio"), ("drop_rate", "drop")) if key in row)
-      progress.line(step, row["tokens_per_s"], row["loss"], extra)
+      progress.line(step, row["tokens_per_s"], row["loss"], extra + mfu_lib.progress_text(row))
       if step <= start + tc.log_every and (warning := drop_warning(cfg, row)):
         say(warning)  # the first row of this segment: most copies skip their experts
       window = []

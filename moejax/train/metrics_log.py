@@ -4,7 +4,9 @@
 ``{"step": 100, "split": "train", "loss": ..., ...}`` (``split`` is
 ``train`` or ``eval``). TensorBoard events (written with tensorboardX, which
 needs no TensorFlow) go to ``WORKDIR/tensorboard`` as ``<split>/<name>``
-scalars: ``tensorboard --logdir WORKDIR/tensorboard``.
+scalars (a string value, such as the MFU row's ``peak_source``, goes to the
+JSONL only) and histograms (:meth:`MetricsWriter.histograms`):
+``tensorboard --logdir WORKDIR/tensorboard``.
 
 On resume from a checkpoint at step s, rows after s are dropped from the
 JSONL (the resumed run writes them again, identically), so the file of a
@@ -25,7 +27,9 @@ import math
 import os
 import sys
 import time
-from typing import Mapping, NamedTuple, Optional, TextIO
+from typing import Mapping, NamedTuple, Optional, Sequence, TextIO
+
+import numpy as np
 
 METRICS_FILE = "metrics.jsonl"
 TENSORBOARD_DIR = "tensorboard"
@@ -49,6 +53,8 @@ def read_metrics(workdir: str, split: Optional[str] = None) -> list[dict]:
 
 
 def _jsonable(v):
+  if isinstance(v, str):
+    return v  # a label (the MFU row's peak_source), written as is, not a TensorBoard scalar
   v = float(v)
   return v if math.isfinite(v) else str(v)  # JSON has no NaN; keep it readable
 
@@ -91,7 +97,14 @@ class MetricsWriter:
     self._file.flush()
     if self._tb is not None:
       for k, v in metrics.items():
-        self._tb.add_scalar(f"{split}/{k}", float(v), int(step))
+        if not isinstance(v, str):
+          self._tb.add_scalar(f"{split}/{k}", float(v), int(step))
+
+  def histograms(self, step: int, split: str, values: Mapping[str, Sequence[float]]) -> None:
+    """TensorBoard histograms ``<split>/<name>`` (the per-layer expert loads); JSONL: none."""
+    if self._tb is not None:
+      for k, v in values.items():
+        self._tb.add_histogram(f"{split}/{k}", np.asarray(v, np.float64), int(step))
 
   def close(self) -> None:
     if self._file is not None:

@@ -156,6 +156,24 @@ def routing_summary(aux: dict) -> dict[str, jax.Array]:
   return out
 
 
+def layer_loads(aux: dict) -> dict[str, jax.Array]:
+  """Per MoE layer ``<i>``: ``max_vio_batch/layer_<i>`` f32[] and ``load/layer_<i>`` f32[E].
+
+  The load is :attr:`LayerMetrics.load` (sparse: token copies the router
+  sent to each FFN expert, before capacity; soft: combine mass); PEER layers
+  have only the MaxVio of their retrievals. The loop turns the loads into
+  dead-expert counts and TensorBoard histograms (:mod:`moejax.train.layer_load`).
+  """
+  out = {}
+  for name, layer in aux["moe"].items():
+    m = layer["metrics"]
+    if m.max_vio is not None:
+      out[f"max_vio_batch/{name}"] = m.max_vio
+    if m.load is not None:
+      out[f"load/{name}"] = m.load
+  return out
+
+
 def router_loads(aux: dict) -> dict[str, jax.Array]:
   """``{'layer_<i>': f32[E_r]}`` router loads of the routed MoE layers (controller input)."""
   return {name: layer["router_load"] for name, layer in aux["moe"].items()
@@ -164,7 +182,8 @@ def router_loads(aux: dict) -> dict[str, jax.Array]:
 
 def make_train_step(graphdef, cfg: ExperimentConfig,
                     tx: optax.GradientTransformation) -> Callable:
-  """A jitted ``step(state, batch) -> (state, metrics)``; metrics are f32[] scalars.
+  """A jitted ``step(state, batch) -> (state, metrics)``; metrics are f32[] scalars,
+  except the per-layer loads ``load/layer_<i>`` f32[E] (:func:`layer_loads`).
 
   One step: the gradient of the batch's objective (over ``train.microbatches``
   micro-batches, summed), one optimizer update of the params, then one
@@ -187,7 +206,8 @@ def make_train_step(graphdef, cfg: ExperimentConfig,
     _, ce_sum, _ = masked_cross_entropy(logits, batch["targets"], batch["mask"])
     ce = ce_sum / n_tokens
     loss = ce + aux["loss"] / m
-    return loss, (ce, aux["loss"], router_loads(aux), routing_summary(aux))
+    return loss, (ce, aux["loss"], router_loads(aux), {**routing_summary(aux),
+                                                       **layer_loads(aux)})
 
   grad_fn = jax.value_and_grad(objective, has_aux=True)
 
