@@ -8,7 +8,9 @@ trained) when the arms differ beyond the suite's tolerance on what it holds
 fixed, then trains every arm and seed in ``DIR/<arm>[/seed_<s>]`` and writes
 ``DIR/summary.md``, ``summary.csv`` and ``plots/``. Rerunning the same command
 after a kill resumes: finished arms are skipped, a half-trained arm resumes
-from its checkpoint.
+from its checkpoint. SIGTERM / SIGINT stop the run in training after its
+step with a checkpoint (exit status 143 / 130, moejax.train.preempt); the
+same command resumes that run from it.
 
 Overrides reach the suite tree: ``--config.base.train.steps=50`` (every arm),
 ``--config.seeds='(0,1)'``, ``--config.scale=m`` (the scale ladder,
@@ -95,6 +97,7 @@ def main(argv):
   from moejax.config import ConfigError
   from moejax.data import DatasetUnavailableError
   from moejax.train import guard
+  from moejax.train.preempt import Preempted
   from moejax.train.checkpoint import WorkdirError
   try:
     suite = suite_lib.suite_from_dict(tree)
@@ -123,6 +126,8 @@ def main(argv):
     imports = ((lambda: merge.import_runs(suite, _WORKDIR.value, _IMPORT_RUNS.value))
                if _IMPORT_RUNS.value else None)
     runner.run_suite(suite, _WORKDIR.value, extend=_EXTEND.value, before_plan=imports)
+  except Preempted as e:  # SIGTERM / SIGINT: checkpoint written, lock released
+    cli.preempted(e)
   except (ConfigError, BudgetError, DatasetUnavailableError, WorkdirError,
           guard.NonFiniteError) as e:
     cli.fail(f"{type(e).__name__}: {e}")

@@ -28,7 +28,8 @@ run starts); the workdir is an ordinary run directory (``moejax.load``,
 ``--dry_run`` as in ``experiments.train``.
 
 Exit status: 0 done; 1 a config, source, data or workdir error (one
-``error:`` line, before anything is written) or a NaN/inf.
+``error:`` line, before anything is written) or a NaN/inf; 143 / 130 stopped by
+SIGTERM / SIGINT with a checkpoint of its last step (the same command resumes).
 """
 
 from __future__ import annotations
@@ -141,6 +142,7 @@ def main(argv):
   from moejax.config import ConfigError
   from moejax.data import DatasetUnavailableError
   from moejax.train import guard
+  from moejax.train.preempt import Preempted
   from moejax.train.audit import AuditError
   from moejax.train.checkpoint import WorkdirError
   from moejax.train.config import experiment_to_json
@@ -166,6 +168,8 @@ def main(argv):
     from moejax.train import loop
     loop.train(cfg, _WORKDIR.value, start=finetune_start)
     print(domain_summary(cfg, _WORKDIR.value))
+  except Preempted as e:  # SIGTERM / SIGINT: checkpoint written, lock released
+    cli.preempted(e)
   except (ConfigError, AuditError, DatasetUnavailableError, WorkdirError,
           guard.NonFiniteError) as e:
     cli.fail(f"{type(e).__name__}: {e}")

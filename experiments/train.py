@@ -16,7 +16,9 @@ nothing.
 
 Exit status: 0 done; 1 a config, data or workdir error (before any compute;
 one ``error:`` line) or a NaN/inf loss, gradient or state (the last good
-checkpoint is kept).
+checkpoint is kept); 143 / 130 stopped by SIGTERM / SIGINT after the step in
+progress, with its checkpoint written (moejax.train.preempt): the same
+command resumes from it.
 """
 
 from __future__ import annotations
@@ -104,6 +106,7 @@ def main(argv):
   from moejax.config import ConfigError
   from moejax.data import DatasetUnavailableError
   from moejax.train import guard
+  from moejax.train.preempt import Preempted
   from moejax.train.audit import AuditError
   from moejax.train.checkpoint import WorkdirError
   from moejax.train.config import experiment_from_dict, experiment_to_json
@@ -120,6 +123,8 @@ def main(argv):
     from moejax.finetune.start import finetune_start
     from moejax.train import loop
     loop.train(cfg, _WORKDIR.value, extend=_EXTEND.value, start=finetune_start)
+  except Preempted as e:  # SIGTERM / SIGINT: checkpoint written, lock released
+    cli.preempted(e)
   except (ConfigError, AuditError, DatasetUnavailableError, WorkdirError,
           guard.NonFiniteError) as e:
     cli.fail(f"{type(e).__name__}: {e}")

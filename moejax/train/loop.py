@@ -26,6 +26,10 @@ step), and the whole state (params, optimizer state, router state) before
 every checkpoint; a failure stops the run with
 :class:`~moejax.train.guard.NonFiniteError` naming the newest checkpoint on
 disk, which passed the same check.
+
+SIGTERM / SIGINT (:mod:`moejax.train.preempt`): the step in progress
+finishes, its checkpoint is written, history.jsonl records ``preempted``,
+the lock is released and :class:`~moejax.train.preempt.Preempted` is raised.
 """
 
 from __future__ import annotations
@@ -53,6 +57,7 @@ from moejax.train import checkpoint as ckpt_lib
 from moejax.train import guard
 from moejax.train import lock as lock_lib
 from moejax.train import metrics_log
+from moejax.train import preempt as preempt_lib
 from moejax.train import step as step_lib
 from moejax.train.config import ExperimentConfig
 from moejax.train.context import RunContext, StartHook, check_start
@@ -265,7 +270,7 @@ def train(cfg: ExperimentConfig, workdir: str, *, out: TextIO = sys.stdout,
   # --- 2. Write and compute, holding the workdir. ---------------------------
   # One process of a multi-process run holds the lock for all of them.
   locked = lock_lib.WorkdirLock(workdir, say) if lead else contextlib.nullcontext()
-  with locked:
+  with locked, preempt_lib.Preemption(say) as stop:  # SIGTERM / SIGINT: moejax.train.preempt
     if ckpt_lib.checkpoint_steps(workdir) != list(plan.steps):
       raise ckpt_lib.WorkdirError(
           f"{workdir} changed while this run was checking it (checkpoints {list(plan.steps)} -> "
@@ -278,7 +283,7 @@ def train(cfg: ExperimentConfig, workdir: str, *, out: TextIO = sys.stdout,
     ctx = RunContext(cfg=cfg, workdir=workdir, graphdef=graphdef, tx=tx, restored=restored,
                      train_it=train_it, val_docs=val_docs, ckpt=ckpt, writer=writer,
                      progress=progress, say=say, layout=layout, final_eval=final_eval,
-                     initial=initial)
+                     initial=initial, stop=stop)
     try:
       step = _run(ctx)
     except guard.NonFiniteError as e:
@@ -289,7 +294,10 @@ def train(cfg: ExperimentConfig, workdir: str, *, out: TextIO = sys.stdout,
       ckpt.wait()
       ckpt.close()
       writer.close()
-    _history(workdir, "end", step=step, train_seconds=progress.train_seconds)
+    _history(workdir, "preempted" if stop.signum else "end", step=step,
+             train_seconds=progress.train_seconds)
+  if stop.signum:  # the lock is released, the checkpoint of `step` complete
+    raise stop.preempted(step, os.path.join(workdir, ckpt_lib.CHECKPOINT_DIR))
   _sync("moejax_train_end")  # process 0 has written the last rows that report() reads
   return report(workdir, _summary(workdir), say)
 
@@ -349,7 +357,7 @@ def _summary(workdir: str) -> dict:
   out.update(metrics_log.final_values(workdir))
   out["train_seconds"] = sum(float(h.get("train_seconds", 0.0))
                              for h in ckpt_lib.read_history(workdir)
-                             if h.get("event") in ("end", "stopped"))
+                             if h.get("event") in ("end", "stopped", "preempted"))
   return out
 
 
@@ -434,6 +442,8 @@ def _run(ctx: RunContext) -> int:
     state, metrics = train_step(state, put_batch(batch))
     step += 1
     pending.append(metrics)
+    # A signal: this step is the last, checkpointed (every process stops at the same step).
+    stop = ctx.stop is not None and step < tc.steps and ctx.stop.should_stop(step)
     if compiled:
       # Every non-padding target (data.loss_domains scores a subset of them).
       tokens += float(batch.get("valid", batch["mask"]).sum()) * jax.process_count()
@@ -446,7 +456,8 @@ def _run(ctx: RunContext) -> int:
       compiled, t0 = True, time.perf_counter()
     log_now = step % tc.log_every == 0 or step == tc.steps
     eval_now = (tc.eval_every and step % tc.eval_every == 0) or step == tc.steps
-    ckpt_now = (tc.checkpoint_every and step % tc.checkpoint_every == 0) or step == tc.steps
+    ckpt_now = ((tc.checkpoint_every and step % tc.checkpoint_every == 0) or step == tc.steps
+                or stop)
     if not (log_now or eval_now or ckpt_now):
       continue
     host = [{k: float(v) for k, v in m.items()} for m in jax.device_get(pending)]
@@ -491,6 +502,8 @@ def _run(ctx: RunContext) -> int:
       t_ckpt = time.perf_counter()
       ckpt.save(step, state.checkpoint_tree(), {**train_it.get_state(), WINDOW_KEY: window})
       excluded += time.perf_counter() - t_ckpt
+    if stop:
+      break
 
   ckpt.wait()
   return step
