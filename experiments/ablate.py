@@ -66,6 +66,10 @@ _EXTEND = flags.DEFINE_bool("extend", False, "Let runs grow train.steps (e.g. "
 _IMPORT_RUNS = flags.DEFINE_list("import_runs", [], "Suite directories (e.g. one per seed, "
                                  "run as separate processes) whose finished runs of this suite "
                                  "are copied into --workdir first (moejax.ablation.merge).")
+_TAKE_OVER = flags.DEFINE_bool("take_over_lock", False, "Take over the workdir's lock when it "
+                                "names a run on another host (a requeued job whose previous "
+                                "node is gone), whatever the age of its heartbeat; a live run "
+                                "on this host is still refused (moejax.train.lock).")
 flags.mark_flags_as_required(["config"])
 
 
@@ -115,7 +119,8 @@ def main(argv):
       if _WORKDIR.value:
         imports = dict(merge.plan_imports(suite, _WORKDIR.value, _IMPORT_RUNS.value)
                        if _IMPORT_RUNS.value else ())
-        for rel, what in runner.plan_suite(suite, _WORKDIR.value, _EXTEND.value):
+        for rel, what in runner.plan_suite(suite, _WORKDIR.value, _EXTEND.value,
+                                           _TAKE_OVER.value):
           print(f"  {rel}: " + (f"finished in {imports[rel]} (would be imported)"
                                 if rel in imports else what))
       print("dry run: the suite is valid; nothing was written")
@@ -125,7 +130,8 @@ def main(argv):
     cli.compilation_cache(_WORKDIR.value)  # written from the first compile: after the checks
     imports = ((lambda: merge.import_runs(suite, _WORKDIR.value, _IMPORT_RUNS.value))
                if _IMPORT_RUNS.value else None)
-    runner.run_suite(suite, _WORKDIR.value, extend=_EXTEND.value, before_plan=imports)
+    runner.run_suite(suite, _WORKDIR.value, extend=_EXTEND.value, before_plan=imports,
+                     take_over_lock=_TAKE_OVER.value)
   except Preempted as e:  # SIGTERM / SIGINT: checkpoint written, lock released
     cli.preempted(e)
   except (ConfigError, BudgetError, DatasetUnavailableError, WorkdirError,

@@ -63,6 +63,10 @@ _ACCOUNTING = flags.DEFINE_bool("accounting", False, "First print the accounting
 _PRINT_CONFIG = flags.DEFINE_bool("print_config", False, "Print the resolved config and exit.")
 _DRY_RUN = flags.DEFINE_bool("dry_run", False, "Validate, print the budget and accounting and "
                              "what would happen in --workdir; write nothing.")
+_TAKE_OVER = flags.DEFINE_bool("take_over_lock", False, "Take over the workdir's lock when it "
+                                "names a run on another host (a requeued job whose previous "
+                                "node is gone), whatever the age of its heartbeat; a live run "
+                                "on this host is still refused (moejax.train.lock).")
 flags.mark_flags_as_required(["source"])
 
 
@@ -111,7 +115,7 @@ def print_accounting(cfg, out=sys.stdout) -> None:
   print(accounting.table(rows), file=out)
 
 
-def dry_run(cfg, workdir, out=sys.stdout) -> None:
+def dry_run(cfg, workdir, out=sys.stdout, take_over_lock: bool = False) -> None:
   """The read-only checks of a fine-tuning run, its source and accounting; writes nothing."""
   # pylint: disable=g-import-not-at-top
   from moejax.finetune import source as source_lib
@@ -121,7 +125,7 @@ def dry_run(cfg, workdir, out=sys.stdout) -> None:
   loop.check_runnable(cfg)
   loop.device_layout(cfg)
   if workdir:
-    lock_lib.check_unlocked(workdir)
+    lock_lib.check_unlocked(workdir, take_over_lock)
     plan = ckpt_lib.check_workdir(workdir, cfg)
     if plan.step is None:
       print(f"source: {source_lib.open_source(cfg).describe()}", file=out)
@@ -153,7 +157,7 @@ def main(argv):
       print(experiment_to_json(cfg))
       return
     if _DRY_RUN.value:
-      dry_run(cfg, _WORKDIR.value)
+      dry_run(cfg, _WORKDIR.value, take_over_lock=_TAKE_OVER.value)
       return
     if _ACCOUNTING.value:
       print_accounting(cfg)
@@ -166,7 +170,7 @@ def main(argv):
     from moejax.finetune.scope import domain_summary
     from moejax.finetune.start import finetune_start
     from moejax.train import loop
-    loop.train(cfg, _WORKDIR.value, start=finetune_start)
+    loop.train(cfg, _WORKDIR.value, start=finetune_start, take_over_lock=_TAKE_OVER.value)
     print(domain_summary(cfg, _WORKDIR.value))
   except Preempted as e:  # SIGTERM / SIGINT: checkpoint written, lock released
     cli.preempted(e)

@@ -181,7 +181,7 @@ def _mean_rows(rows: list[dict]) -> dict[str, float]:
 def train(cfg: ExperimentConfig, workdir: str, *, out: TextIO = sys.stdout,
           extend: bool = False, suite: Optional[metrics_log.SuiteEta] = None,
           final_eval: Optional[Callable] = None,
-          start: Optional[StartHook] = None) -> dict:
+          start: Optional[StartHook] = None, take_over_lock: bool = False) -> dict:
   """Trains (or resumes) the run in ``workdir``; returns a summary dict.
 
   Args:
@@ -203,6 +203,8 @@ def train(cfg: ExperimentConfig, workdir: str, *, out: TextIO = sys.stdout,
       initialisation (:class:`moejax.train.context.StartHook`); a
       fine-tuning config needs one (``moejax.finetune.start.finetune_start``),
       a run from scratch ignores it.
+    take_over_lock: take over a lock left by a run on another host whatever
+      its heartbeat's age (``--take_over_lock``; :mod:`moejax.train.lock`).
 
   Returns:
     ``{"step", "train_loss", "val_loss", "unigram_baseline",
@@ -225,7 +227,7 @@ def train(cfg: ExperimentConfig, workdir: str, *, out: TextIO = sys.stdout,
   layout = device_layout(cfg)
   lead = jax.process_index() == 0   # writes the workdir for every process of the run
   if lead:  # the other processes run under the lock process 0 takes
-    lock_lib.check_unlocked(workdir)
+    lock_lib.check_unlocked(workdir, take_over_lock)
   plan = ckpt_lib.check_workdir(workdir, cfg, extend=extend)
   tx = make_optimizer(tc, cfg.model, cfg.finetune)
   graphdef, abstract = step_lib.abstract_state(cfg, tx, layout.expert_parallel)
@@ -269,7 +271,8 @@ def train(cfg: ExperimentConfig, workdir: str, *, out: TextIO = sys.stdout,
 
   # --- 2. Write and compute, holding the workdir. ---------------------------
   # One process of a multi-process run holds the lock for all of them.
-  locked = lock_lib.WorkdirLock(workdir, say) if lead else contextlib.nullcontext()
+  locked = (lock_lib.WorkdirLock(workdir, say, take_over_lock) if lead
+            else contextlib.nullcontext())
   with locked, preempt_lib.Preemption(say) as stop:  # SIGTERM / SIGINT: moejax.train.preempt
     if ckpt_lib.checkpoint_steps(workdir) != list(plan.steps):
       raise ckpt_lib.WorkdirError(

@@ -8,9 +8,11 @@ inside the step function, so it lands mid-run deterministically):
 * a tiny run (configs/tiny.py) interrupted by SIGINT after step 13, with a
   second SIGTERM during its save: Preempted (exit status 130), history,
   lock released, checkpoints 10 and 13 complete; resumed, its metrics equal
-  the uninterrupted run's (the session's ``tiny_run``) row for row;
-Slow: an ablation suite preempted in its first arm resumes that arm; the real ``experiments.train`` binary sent SIGTERM once its progress
-shows steps, restarted, compared with an uninterrupted binary run.
+  the uninterrupted run's (the session's ``tiny_run``) row for row.
+
+Slow: an ablation suite preempted in its first arm resumes that arm; the
+real ``experiments.train`` binary sent SIGTERM once its progress shows
+steps, restarted, compared with an uninterrupted binary run.
 """
 
 from __future__ import annotations
