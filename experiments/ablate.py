@@ -8,7 +8,9 @@ trained) when the arms differ beyond the suite's tolerance on what it holds
 fixed, then trains every arm and seed in ``DIR/<arm>[/seed_<s>]`` and writes
 ``DIR/summary.md``, ``summary.csv`` and ``plots/``. Rerunning the same command
 after a kill resumes: finished arms are skipped, a half-trained arm resumes
-from its checkpoint.
+from its checkpoint. SIGTERM / SIGINT stop the run in training after its
+step with a checkpoint (exit status 143 / 130, moejax.train.preempt); the
+same command resumes that run from it.
 
 Overrides reach the suite tree: ``--config.base.train.steps=50`` (every arm),
 ``--config.seeds='(0,1)'``, ``--config.scale=m`` (the scale ladder,
@@ -64,6 +66,10 @@ _EXTEND = flags.DEFINE_bool("extend", False, "Let runs grow train.steps (e.g. "
 _IMPORT_RUNS = flags.DEFINE_list("import_runs", [], "Suite directories (e.g. one per seed, "
                                  "run as separate processes) whose finished runs of this suite "
                                  "are copied into --workdir first (moejax.ablation.merge).")
+_TAKE_OVER = flags.DEFINE_bool("take_over_lock", False, "Take over the workdir's lock when it "
+                                "names a run on another host (a requeued job whose previous "
+                                "node is gone), whatever the age of its heartbeat; a live run "
+                                "on this host is still refused (moejax.train.lock).")
 flags.mark_flags_as_required(["config"])
 
 
@@ -95,6 +101,7 @@ def main(argv):
   from moejax.config import ConfigError
   from moejax.data import DatasetUnavailableError
   from moejax.train import guard
+  from moejax.train.preempt import Preempted
   from moejax.train.checkpoint import WorkdirError
   try:
     suite = suite_lib.suite_from_dict(tree)
@@ -112,7 +119,8 @@ def main(argv):
       if _WORKDIR.value:
         imports = dict(merge.plan_imports(suite, _WORKDIR.value, _IMPORT_RUNS.value)
                        if _IMPORT_RUNS.value else ())
-        for rel, what in runner.plan_suite(suite, _WORKDIR.value, _EXTEND.value):
+        for rel, what in runner.plan_suite(suite, _WORKDIR.value, _EXTEND.value,
+                                           _TAKE_OVER.value):
           print(f"  {rel}: " + (f"finished in {imports[rel]} (would be imported)"
                                 if rel in imports else what))
       print("dry run: the suite is valid; nothing was written")
@@ -122,7 +130,10 @@ def main(argv):
     cli.compilation_cache(_WORKDIR.value)  # written from the first compile: after the checks
     imports = ((lambda: merge.import_runs(suite, _WORKDIR.value, _IMPORT_RUNS.value))
                if _IMPORT_RUNS.value else None)
-    runner.run_suite(suite, _WORKDIR.value, extend=_EXTEND.value, before_plan=imports)
+    runner.run_suite(suite, _WORKDIR.value, extend=_EXTEND.value, before_plan=imports,
+                     take_over_lock=_TAKE_OVER.value)
+  except Preempted as e:  # SIGTERM / SIGINT: checkpoint written, lock released
+    cli.preempted(e)
   except (ConfigError, BudgetError, DatasetUnavailableError, WorkdirError,
           guard.NonFiniteError) as e:
     cli.fail(f"{type(e).__name__}: {e}")

@@ -8,6 +8,8 @@
 - :func:`config_tree` reads the config flag's value (a config file that
   failed to load fails here, on first access).
 - :func:`fail` prints ``error: ...`` to stderr and exits with status 1.
+- :func:`preempted` prints the line of a run stopped by SIGTERM / SIGINT
+  (:mod:`moejax.train.preempt`) and exits with 143 / 130.
 - :func:`quiet_logs`: absl INFO, and TFDS / orbax notes below ERROR, stay
   out of the output unless ``--verbosity`` (``-v``) is given.
 """
@@ -30,6 +32,12 @@ from moejax import chatter
 def fail(message: str) -> NoReturn:
   print(f"error: {message}", file=sys.stderr, flush=True)
   sys.exit(1)
+
+
+def preempted(e) -> NoReturn:
+  """A run stopped by a signal after its checkpoint (moejax.train.preempt.Preempted)."""
+  print(str(e), file=sys.stderr, flush=True)
+  sys.exit(e.exit_status)
 
 
 def parse_flags(argv: Sequence[str], experiment_at: Optional[str] = None,

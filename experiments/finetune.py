@@ -28,7 +28,8 @@ run starts); the workdir is an ordinary run directory (``moejax.load``,
 ``--dry_run`` as in ``experiments.train``.
 
 Exit status: 0 done; 1 a config, source, data or workdir error (one
-``error:`` line, before anything is written) or a NaN/inf.
+``error:`` line, before anything is written) or a NaN/inf; 143 / 130 stopped by
+SIGTERM / SIGINT with a checkpoint of its last step (the same command resumes).
 """
 
 from __future__ import annotations
@@ -62,6 +63,10 @@ _ACCOUNTING = flags.DEFINE_bool("accounting", False, "First print the accounting
 _PRINT_CONFIG = flags.DEFINE_bool("print_config", False, "Print the resolved config and exit.")
 _DRY_RUN = flags.DEFINE_bool("dry_run", False, "Validate, print the budget and accounting and "
                              "what would happen in --workdir; write nothing.")
+_TAKE_OVER = flags.DEFINE_bool("take_over_lock", False, "Take over the workdir's lock when it "
+                                "names a run on another host (a requeued job whose previous "
+                                "node is gone), whatever the age of its heartbeat; a live run "
+                                "on this host is still refused (moejax.train.lock).")
 flags.mark_flags_as_required(["source"])
 
 
@@ -110,7 +115,7 @@ def print_accounting(cfg, out=sys.stdout) -> None:
   print(accounting.table(rows), file=out)
 
 
-def dry_run(cfg, workdir, out=sys.stdout) -> None:
+def dry_run(cfg, workdir, out=sys.stdout, take_over_lock: bool = False) -> None:
   """The read-only checks of a fine-tuning run, its source and accounting; writes nothing."""
   # pylint: disable=g-import-not-at-top
   from moejax.finetune import source as source_lib
@@ -120,7 +125,7 @@ def dry_run(cfg, workdir, out=sys.stdout) -> None:
   loop.check_runnable(cfg)
   loop.device_layout(cfg)
   if workdir:
-    lock_lib.check_unlocked(workdir)
+    lock_lib.check_unlocked(workdir, take_over_lock)
     plan = ckpt_lib.check_workdir(workdir, cfg)
     if plan.step is None:
       print(f"source: {source_lib.open_source(cfg).describe()}", file=out)
@@ -141,6 +146,7 @@ def main(argv):
   from moejax.config import ConfigError
   from moejax.data import DatasetUnavailableError
   from moejax.train import guard
+  from moejax.train.preempt import Preempted
   from moejax.train.audit import AuditError
   from moejax.train.checkpoint import WorkdirError
   from moejax.train.config import experiment_to_json
@@ -151,7 +157,7 @@ def main(argv):
       print(experiment_to_json(cfg))
       return
     if _DRY_RUN.value:
-      dry_run(cfg, _WORKDIR.value)
+      dry_run(cfg, _WORKDIR.value, take_over_lock=_TAKE_OVER.value)
       return
     if _ACCOUNTING.value:
       print_accounting(cfg)
@@ -164,8 +170,10 @@ def main(argv):
     from moejax.finetune.scope import domain_summary
     from moejax.finetune.start import finetune_start
     from moejax.train import loop
-    loop.train(cfg, _WORKDIR.value, start=finetune_start)
+    loop.train(cfg, _WORKDIR.value, start=finetune_start, take_over_lock=_TAKE_OVER.value)
     print(domain_summary(cfg, _WORKDIR.value))
+  except Preempted as e:  # SIGTERM / SIGINT: checkpoint written, lock released
+    cli.preempted(e)
   except (ConfigError, AuditError, DatasetUnavailableError, WorkdirError,
           guard.NonFiniteError) as e:
     cli.fail(f"{type(e).__name__}: {e}")

@@ -7,7 +7,9 @@ checkpoint of the same run resumes from it exactly; one holding a run this
 config would misdescribe (another model, data stream, optimizer or seed) is
 refused, untouched. ``--extend`` with a larger ``--config.train.steps``
 trains a finished run on (recorded in ``DIR/history.jsonl``). A workdir in
-use by another run (``DIR/run.lock``) is refused.
+use by another run (``DIR/run.lock``) is refused; a lock left on another host
+is taken over once its heartbeat is 10 minutes old, or at once with
+``--take_over_lock`` (moejax.train.lock).
 
 ``--print_config`` prints the resolved config (every field, defaults
 included) as JSON and exits; ``--dry_run`` validates everything, prints the
@@ -16,7 +18,9 @@ nothing.
 
 Exit status: 0 done; 1 a config, data or workdir error (before any compute;
 one ``error:`` line) or a NaN/inf loss, gradient or state (the last good
-checkpoint is kept).
+checkpoint is kept); 143 / 130 stopped by SIGTERM / SIGINT after the step in
+progress, with its checkpoint written (moejax.train.preempt): the same
+command resumes from it.
 """
 
 from __future__ import annotations
@@ -41,10 +45,14 @@ _PRINT_CONFIG = flags.DEFINE_bool("print_config", False, "Print the resolved con
                                   "field, defaults included) as JSON and exit.")
 _DRY_RUN = flags.DEFINE_bool("dry_run", False, "Validate, print the parameter / budget table "
                              "and what would happen in --workdir; write nothing.")
+_TAKE_OVER = flags.DEFINE_bool("take_over_lock", False, "Take over the workdir's lock when it "
+                                "names a run on another host (a requeued job whose previous "
+                                "node is gone), whatever the age of its heartbeat; a live run "
+                                "on this host is still refused (moejax.train.lock).")
 flags.mark_flags_as_required(["config"])
 
 
-def dry_run(cfg, workdir, extend: bool, out=sys.stdout) -> None:
+def dry_run(cfg, workdir, extend: bool, out=sys.stdout, take_over_lock: bool = False) -> None:
   """Every read-only check of a run, and its budget; writes nothing."""
   # pylint: disable=g-import-not-at-top
   from moejax.ablation import budget as budget_lib
@@ -60,7 +68,7 @@ def dry_run(cfg, workdir, extend: bool, out=sys.stdout) -> None:
   say(f"data: {cfg.data.name}, {cfg.data.batch_size} x {cfg.data.seq_len} tokens per step; "
       f"{describe_data(cfg.data)}")
   if workdir:
-    lock_lib.check_unlocked(workdir)
+    lock_lib.check_unlocked(workdir, take_over_lock)
     plan = ckpt_lib.check_workdir(workdir, cfg, extend=extend)
     say(f"workdir {workdir}: {describe_plan(plan, cfg)}")
   say("dry run: the config is valid; nothing was written")
@@ -104,6 +112,7 @@ def main(argv):
   from moejax.config import ConfigError
   from moejax.data import DatasetUnavailableError
   from moejax.train import guard
+  from moejax.train.preempt import Preempted
   from moejax.train.audit import AuditError
   from moejax.train.checkpoint import WorkdirError
   from moejax.train.config import experiment_from_dict, experiment_to_json
@@ -113,13 +122,16 @@ def main(argv):
       print(experiment_to_json(cfg))
       return
     if _DRY_RUN.value:
-      dry_run(cfg, _WORKDIR.value, _EXTEND.value)
+      dry_run(cfg, _WORKDIR.value, _EXTEND.value, take_over_lock=_TAKE_OVER.value)
       return
     if not _WORKDIR.value:
       cli.fail("--workdir is required (unless --print_config or --dry_run)")
     from moejax.finetune.start import finetune_start
     from moejax.train import loop
-    loop.train(cfg, _WORKDIR.value, extend=_EXTEND.value, start=finetune_start)
+    loop.train(cfg, _WORKDIR.value, extend=_EXTEND.value, start=finetune_start,
+               take_over_lock=_TAKE_OVER.value)
+  except Preempted as e:  # SIGTERM / SIGINT: checkpoint written, lock released
+    cli.preempted(e)
   except (ConfigError, AuditError, DatasetUnavailableError, WorkdirError,
           guard.NonFiniteError) as e:
     cli.fail(f"{type(e).__name__}: {e}")

@@ -114,15 +114,19 @@ def is_finished(run_path: str, exp: ExperimentConfig) -> bool:
       ckpt_lib.with_defaults(saved, new), new)
 
 
-def plan_suite(suite: Suite, workdir: str, extend: bool = False) -> list[tuple[str, str]]:
+def plan_suite(suite: Suite, workdir: str, extend: bool = False,
+               take_over_lock: bool = False) -> list[tuple[str, str]]:
   """``(run, what happens)`` for every run; reads only.
+
+  ``take_over_lock``: locks left by runs on another host do not count
+  (:mod:`moejax.train.lock`).
 
   Raises WorkdirError (naming the run) when a run's directory holds results
   this suite would misdescribe, or when a directory is in use.
   """
   from moejax.train import loop  # pylint: disable=g-import-not-at-top
   ckpt_lib.check_writable(workdir, "--workdir")
-  lock_lib.check_unlocked(workdir)
+  lock_lib.check_unlocked(workdir, take_over_lock)
   for arm in suite.arms:
     loop.check_runnable(arm.experiment)
   out = []
@@ -131,7 +135,7 @@ def plan_suite(suite: Suite, workdir: str, extend: bool = False) -> list[tuple[s
     if sources_lib.is_finished(path, exp):
       out.append((rel, "finished (source)"))
       continue
-    lock_lib.check_unlocked(path)
+    lock_lib.check_unlocked(path, take_over_lock)
     try:
       plan = ckpt_lib.check_workdir(path, exp, extend=extend)
     except ckpt_lib.WorkdirError as e:
@@ -143,7 +147,7 @@ def plan_suite(suite: Suite, workdir: str, extend: bool = False) -> list[tuple[s
     if is_finished(path, exp):
       out.append((rel, "finished"))
       continue
-    lock_lib.check_unlocked(path)
+    lock_lib.check_unlocked(path, take_over_lock)
     try:
       plan = ckpt_lib.check_workdir(path, exp, extend=extend)
     except ckpt_lib.WorkdirError as e:
@@ -267,12 +271,15 @@ def analyse(exp: ExperimentConfig, run_path: str, options: dict, say,
 
 def run_suite(suite: Suite, workdir: str, *, out: TextIO = sys.stdout,
               train_fn: Optional[Callable] = None, analyse_runs: bool = True,
-              extend: bool = False, before_plan: Optional[Callable[[], object]] = None) -> dict:
+              extend: bool = False, before_plan: Optional[Callable[[], object]] = None,
+              take_over_lock: bool = False) -> dict:
   """Checks, trains (or resumes) and summarises the suite; returns {run: result}.
 
   ``extend``: runs may grow their ``train.steps`` (see :func:`plan_suite`).
   ``before_plan``: called once the budget check has passed and before the runs are
   planned (``--import_runs`` copies finished runs in there, moejax.ablation.merge).
+  ``take_over_lock``: the suite's and its runs' locks left on another host are
+  taken over whatever their age (``--take_over_lock``, moejax.train.lock).
   """
   from moejax.ablation import summary as summary_lib  # pylint: disable=g-import-not-at-top
   if train_fn is None:
@@ -283,7 +290,8 @@ def run_suite(suite: Suite, workdir: str, *, out: TextIO = sys.stdout,
     # final evaluation is the runner's (final_eval.evaluate_state, kept in `hook`), and
     # arms that fine-tune start from their source (finetune_start).
     train_fn = lambda exp, path, out, eta, hook: loop.train(
-        exp, path, out=out, extend=extend, suite=eta, final_eval=hook, start=finetune_start)
+        exp, path, out=out, extend=extend, suite=eta, final_eval=hook, start=finetune_start,
+        take_over_lock=take_over_lock)
   else:
     custom = train_fn
     train_fn = lambda exp, path, out, eta, hook: custom(exp, path, out=out)
@@ -291,12 +299,13 @@ def run_suite(suite: Suite, workdir: str, *, out: TextIO = sys.stdout,
   b = check_suite(suite, out)  # raises before anything is written
   if before_plan is not None:
     before_plan()
-  plan = dict(plan_suite(suite, workdir, extend))  # raises before anything is written
+  # Raises before anything is written.
+  plan = dict(plan_suite(suite, workdir, extend, take_over_lock))
   from moejax.data import fingerprint as fingerprint_lib  # pylint: disable=g-import-not-at-top
   corpus = fingerprint_lib.corpus_fingerprint(suite.arms[0].experiment.data)
   say(f"corpus: {corpus['id']} (Python {corpus['python_version']})")
   prov = provenance.run_provenance(plugins=_suite_plugins(suite))
-  with lock_lib.WorkdirLock(workdir, say):
+  with lock_lib.WorkdirLock(workdir, say, take_over_lock):
     _write_json(os.path.join(workdir, "suite.json"), {
         "name": suite.name, "description": suite.description, "fixed": dict(suite.fixed),
         "seeds": list(suite.seeds), "analysis": dict(suite.analysis),

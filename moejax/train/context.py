@@ -95,6 +95,8 @@ class RunContext:
     initial: what a fresh run's initialised state becomes (an
       :class:`InitialState` from the :class:`StartHook`; fine-tuning: the
       source), or None (the initialisation itself).
+    stop: the run's :class:`moejax.train.preempt.Preemption` (asked after every
+      step whether a signal ends the run there), or None (no signal handling).
   """
 
   cfg: ExperimentConfig
@@ -111,3 +113,4 @@ class RunContext:
   layout: Any
   final_eval: Optional[Callable] = None
   initial: Optional[InitialState] = None
+  stop: Any = None

@@ -16,9 +16,17 @@ its process ends, however it ends (exception, SIGTERM, SIGKILL), so:
   host (:class:`WorkdirLockedError`, nothing written);
 - a file left by a dead process on this host (killed: its ``flock`` is gone)
   -> taken over, and said so;
-- a file naming another host -> refused (on a network filesystem we cannot
-  see that host's processes): the message says to delete the file if that
-  run is known to be dead.
+- a file naming another host (a SLURM requeue on another node, a shared
+  filesystem): that host's processes cannot be seen from here, so the
+  holder's liveness is read from its **heartbeat**: a live holder touches
+  the lock file (its mtime) every :data:`HEARTBEAT_SECONDS` (60 s) from a
+  daemon thread. A file whose mtime is older than :data:`STALE_SECONDS`
+  (10 minutes) is taken over, and said so; a fresher one is refused, naming
+  the holder and both fixes: wait for the heartbeat to go stale, or pass
+  ``take_over=True`` (the binaries' ``--take_over_lock``), which takes over
+  another host's lock whatever its age, naming the holder it replaces.
+  (A lock held by a live process on this host is refused even then: its
+  ``flock`` proves it alive.)
 
 :meth:`WorkdirLock.release` (on leaving the ``with``, also on an exception)
 deletes the file before dropping the ``flock``. A waiter that opened the old
@@ -37,11 +45,18 @@ import json
 import os
 import socket
 import sys
+import threading
+import time
 from typing import Callable, Optional
 
 from moejax.train.checkpoint import WorkdirError
 
 LOCK_FILE = "run.lock"
+# The holder touches its lock file this often; another host's lock file untouched for longer
+# than STALE_SECONDS is a dead run's (10 heartbeats missed: room for a slow network
+# filesystem and for clock skew between hosts, as the mtime is the file server's).
+HEARTBEAT_SECONDS = 60.0
+STALE_SECONDS = 600.0
 
 
 class WorkdirLockedError(WorkdirError):
@@ -80,6 +95,32 @@ def _refusal(workdir: str, path: str, info: dict, why: str) -> WorkdirLockedErro
       f"or stop it, or use another --workdir; if it is known to be dead, delete {path}")
 
 
+def _age(path: str) -> Optional[float]:
+  """Seconds since the lock file's heartbeat (its mtime); None when it is gone."""
+  try:
+    return max(time.time() - os.stat(path).st_mtime, 0.0)
+  except FileNotFoundError:
+    return None
+
+
+def _other_host(workdir: str, path: str, info: dict, age: Optional[float],
+                take_over: bool) -> Optional[str]:
+  """Another host's lock: the line saying why it is taken over, or WorkdirLockedError."""
+  beat = "no heartbeat" if age is None else f"heartbeat {age:.0f}s ago"
+  if take_over:
+    return (f"{workdir}: taking over the lock of {_owner(info)} ({beat}), as --take_over_lock "
+            "asks")
+  if age is None or age > STALE_SECONDS:
+    return (f"{workdir}: taking over the stale lock of {_owner(info)} (another host; {beat}, "
+            f"over the {STALE_SECONDS / 60:.0f}-minute limit)")
+  raise WorkdirLockedError(
+      f"{workdir} is in use by another run ({_owner(info)}; {beat}): that host's processes are "
+      f"not visible here, and its heartbeat is fresh. Fix: if that run is known to be dead "
+      f"(a requeued job), pass --take_over_lock; or wait until its heartbeat is "
+      f"{STALE_SECONDS / 60:.0f} minutes old (then the lock is taken over by itself); or use "
+      f"another --workdir")
+
+
 def _try_flock(fd: int) -> bool:
   try:
     fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -90,8 +131,11 @@ def _try_flock(fd: int) -> bool:
     raise
 
 
-def check_unlocked(workdir: str) -> None:
-  """WorkdirLockedError when a live process holds ``workdir``'s lock; reads only."""
+def check_unlocked(workdir: str, take_over: bool = False) -> None:
+  """WorkdirLockedError when a live process holds ``workdir``'s lock; reads only.
+
+  ``take_over``: another host's lock does not count (see the module docstring).
+  """
   path = os.path.join(workdir, LOCK_FILE)
   if not os.path.exists(path):
     return
@@ -107,16 +151,20 @@ def check_unlocked(workdir: str) -> None:
     os.close(fd)
   info = _read(path)
   if info.get("host") not in (None, socket.gethostname()):
-    raise _refusal(workdir, path, info, " (another host: its processes are not visible here)")
+    _other_host(workdir, path, info, _age(path), take_over)
 
 
 class WorkdirLock:
   """The exclusive lock of one workdir (see the module docstring); a context manager."""
 
-  def __init__(self, workdir: str, say: Optional[Callable[[str], None]] = None):
+  def __init__(self, workdir: str, say: Optional[Callable[[str], None]] = None,
+               take_over: bool = False):
     self.workdir, self.path = workdir, os.path.join(workdir, LOCK_FILE)
     self.say = say or (lambda text: None)
+    self.take_over = take_over
     self._fd: Optional[int] = None
+    self._stop_beat = threading.Event()
+    self._beat: Optional[threading.Thread] = None
 
   def acquire(self) -> "WorkdirLock":
     os.makedirs(self.workdir, exist_ok=True)
@@ -136,11 +184,15 @@ class WorkdirLock:
     previous = _read(self.path)
     if previous:
       if previous.get("host") != host:
-        os.close(fd)
-        raise _refusal(self.workdir, self.path, previous,
-                       " (another host: its processes are not visible here)")
-      state = "no longer running" if not _pid_alive(previous.get("pid")) else "not holding it"
-      self.say(f"{self.workdir}: taking over the stale lock of {_owner(previous)} ({state})")
+        try:
+          line = _other_host(self.workdir, self.path, previous, _age(self.path), self.take_over)
+        except WorkdirLockedError:
+          os.close(fd)
+          raise
+        self.say(line)
+      else:
+        state = "no longer running" if not _pid_alive(previous.get("pid")) else "not holding it"
+        self.say(f"{self.workdir}: taking over the stale lock of {_owner(previous)} ({state})")
     info = {"pid": os.getpid(), "host": host,
             "started": datetime.datetime.now().isoformat(timespec="seconds"),
             "argv": sys.argv}
@@ -148,11 +200,27 @@ class WorkdirLock:
     os.pwrite(fd, (json.dumps(info) + "\n").encode("utf-8"), 0)
     os.fsync(fd)
     self._fd = fd
+    self._stop_beat.clear()
+    self._beat = threading.Thread(target=self._heartbeat, args=(fd,), daemon=True,
+                                  name="moejax-lock-heartbeat")
+    self._beat.start()
     return self
+
+  def _heartbeat(self, fd: int) -> None:
+    """Touches the lock file every HEARTBEAT_SECONDS until released (see the module docstring)."""
+    while not self._stop_beat.wait(HEARTBEAT_SECONDS):
+      try:
+        os.utime(fd)
+      except OSError:
+        pass  # a full or failing disk: the run reports its own write errors
 
   def release(self) -> None:
     if self._fd is None:
       return
+    self._stop_beat.set()
+    if self._beat is not None:
+      self._beat.join(timeout=5.0)
+      self._beat = None
     try:
       os.unlink(self.path)
     except FileNotFoundError:

@@ -26,6 +26,10 @@ step), and the whole state (params, optimizer state, router state) before
 every checkpoint; a failure stops the run with
 :class:`~moejax.train.guard.NonFiniteError` naming the newest checkpoint on
 disk, which passed the same check.
+
+SIGTERM / SIGINT (:mod:`moejax.train.preempt`): the step in progress
+finishes, its checkpoint is written, history.jsonl records ``preempted``,
+the lock is released and :class:`~moejax.train.preempt.Preempted` is raised.
 """
 
 from __future__ import annotations
@@ -56,6 +60,7 @@ from moejax.train import layer_load
 from moejax.train import lock as lock_lib
 from moejax.train import metrics_log
 from moejax.train import mfu as mfu_lib
+from moejax.train import preempt as preempt_lib
 from moejax.train import profiling
 from moejax.train import step as step_lib
 from moejax.train.config import ExperimentConfig, check_capacity, drop_warning
@@ -193,7 +198,7 @@ def _mean_rows(rows: list[dict]) -> dict[str, float]:
 def train(cfg: ExperimentConfig, workdir: str, *, out: TextIO = sys.stdout,
           extend: bool = False, suite: Optional[metrics_log.SuiteEta] = None,
           final_eval: Optional[Callable] = None,
-          start: Optional[StartHook] = None) -> dict:
+          start: Optional[StartHook] = None, take_over_lock: bool = False) -> dict:
   """Trains (or resumes) the run in ``workdir``; returns a summary dict.
 
   Args:
@@ -215,6 +220,8 @@ def train(cfg: ExperimentConfig, workdir: str, *, out: TextIO = sys.stdout,
       initialisation (:class:`moejax.train.context.StartHook`); a
       fine-tuning config needs one (``moejax.finetune.start.finetune_start``),
       a run from scratch ignores it.
+    take_over_lock: take over a lock left by a run on another host whatever
+      its heartbeat's age (``--take_over_lock``; :mod:`moejax.train.lock`).
 
   Returns:
     ``{"step", "train_loss", "val_loss", "unigram_baseline",
@@ -237,7 +244,7 @@ def train(cfg: ExperimentConfig, workdir: str, *, out: TextIO = sys.stdout,
   layout = device_layout(cfg)
   lead = jax.process_index() == 0   # writes the workdir for every process of the run
   if lead:  # the other processes run under the lock process 0 takes
-    lock_lib.check_unlocked(workdir)
+    lock_lib.check_unlocked(workdir, take_over_lock)
   plan = ckpt_lib.check_workdir(workdir, cfg, extend=extend)
   tx = make_optimizer(tc, cfg.model, cfg.finetune)
   graphdef, abstract = step_lib.abstract_state(cfg, tx, layout.expert_parallel)
@@ -281,8 +288,9 @@ def train(cfg: ExperimentConfig, workdir: str, *, out: TextIO = sys.stdout,
 
   # --- 2. Write and compute, holding the workdir. ---------------------------
   # One process of a multi-process run holds the lock for all of them.
-  locked = lock_lib.WorkdirLock(workdir, say) if lead else contextlib.nullcontext()
-  with locked:
+  locked = (lock_lib.WorkdirLock(workdir, say, take_over_lock) if lead
+            else contextlib.nullcontext())
+  with locked, preempt_lib.Preemption(say) as stop:  # SIGTERM / SIGINT: moejax.train.preempt
     if ckpt_lib.checkpoint_steps(workdir) != list(plan.steps):
       raise ckpt_lib.WorkdirError(
           f"{workdir} changed while this run was checking it (checkpoints {list(plan.steps)} -> "
@@ -295,7 +303,7 @@ def train(cfg: ExperimentConfig, workdir: str, *, out: TextIO = sys.stdout,
     ctx = RunContext(cfg=cfg, workdir=workdir, graphdef=graphdef, tx=tx, restored=restored,
                      train_it=train_it, val_docs=val_docs, ckpt=ckpt, writer=writer,
                      progress=progress, say=say, layout=layout, final_eval=final_eval,
-                     initial=initial)
+                     initial=initial, stop=stop)
     try:
       step = _run(ctx)
     except guard.NonFiniteError as e:
@@ -307,7 +315,10 @@ def train(cfg: ExperimentConfig, workdir: str, *, out: TextIO = sys.stdout,
       ckpt.wait()
       ckpt.close()
       writer.close()
-    _history(workdir, "end", step=step, train_seconds=progress.train_seconds)
+    _history(workdir, "preempted" if stop.signum else "end", step=step,
+             train_seconds=progress.train_seconds)
+  if stop.signum:  # the lock is released, the checkpoint of `step` complete
+    raise stop.preempted(step, os.path.join(workdir, ckpt_lib.CHECKPOINT_DIR))
   _sync("moejax_train_end")  # process 0 has written the last rows that report() reads
   return report(workdir, _summary(workdir), say)
 
@@ -367,7 +378,7 @@ def _summary(workdir: str) -> dict:
   out.update(metrics_log.final_values(workdir))
   out["train_seconds"] = sum(float(h.get("train_seconds", 0.0))
                              for h in ckpt_lib.read_history(workdir)
-                             if h.get("event") in ("end", "stopped"))
+                             if h.get("event") in ("end", "stopped", "preempted"))
   return out
 
 
@@ -457,6 +468,8 @@ def _run(ctx: RunContext) -> int:
     state, metrics = train_step(state, put_batch(batch))
     step += 1
     pending.append(metrics)
+    # A signal: this step is the last, checkpointed (every process stops at the same step).
+    stop = ctx.stop is not None and step < tc.steps and ctx.stop.should_stop(step)
     if compiled:
       # Every non-padding target (data.loss_domains scores a subset of them).
       tokens += float(batch.get("valid", batch["mask"]).sum()) * jax.process_count()
@@ -470,7 +483,8 @@ def _run(ctx: RunContext) -> int:
     excluded += profiler.after_step(step, metrics)  # trace start / write: not step time
     log_now = step % tc.log_every == 0 or step == tc.steps
     eval_now = (tc.eval_every and step % tc.eval_every == 0) or step == tc.steps
-    ckpt_now = (tc.checkpoint_every and step % tc.checkpoint_every == 0) or step == tc.steps
+    ckpt_now = ((tc.checkpoint_every and step % tc.checkpoint_every == 0) or step == tc.steps
+                or stop)
     if not (log_now or eval_now or ckpt_now):
       continue
     host = [layer_load.host_row(m) for m in jax.device_get(pending)]
@@ -521,6 +535,8 @@ def _run(ctx: RunContext) -> int:
       t_ckpt = time.perf_counter()
       ckpt.save(step, state.checkpoint_tree(), {**train_it.get_state(), WINDOW_KEY: window})
       excluded += time.perf_counter() - t_ckpt
+    if stop:
+      break
 
   ckpt.wait()
   return step

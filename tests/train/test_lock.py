@@ -1,4 +1,8 @@
-"""One run per workdir: the lock file, its refusals, stale locks, and two real processes."""
+"""One run per workdir: the lock file, its refusals, stale locks, and two real processes.
+
+Stale locks: a dead process's on this host (no flock); another host's by its
+heartbeat (the lock file's mtime) or with ``take_over`` (``--take_over_lock``).
+"""
 
 from __future__ import annotations
 
@@ -8,6 +12,7 @@ import signal
 import socket
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -66,6 +71,68 @@ def test_lock_of_another_host_is_not_taken_over(tmp_path):
   for attempt in (lock_lib.check_unlocked, lambda w: lock_lib.WorkdirLock(w).acquire()):
     with pytest.raises(lock_lib.WorkdirLockedError, match="pid 12345 on host other-host"):
       attempt(workdir)
+
+
+def _age_lock(workdir, seconds):
+  old = time.time() - seconds
+  os.utime(os.path.join(workdir, lock_lib.LOCK_FILE), (old, old))
+
+
+def test_lock_of_another_host_with_a_stale_heartbeat_is_taken_over(tmp_path):
+  workdir = str(tmp_path / "run")
+  _write_lock(workdir, pid=12345, host="other-host", started="earlier")
+  _age_lock(workdir, lock_lib.STALE_SECONDS + 60)  # 11 minutes without a heartbeat
+  lock_lib.check_unlocked(workdir)
+  said = []
+  with lock_lib.WorkdirLock(workdir, say=said.append) as held:
+    with open(held.path) as f:
+      assert json.load(f)["pid"] == os.getpid()
+  assert said == [f"{workdir}: taking over the stale lock of pid 12345 on host other-host, "
+                  "started earlier (another host; heartbeat 660s ago, over the 10-minute limit)"]
+
+
+def test_fresh_lock_of_another_host_is_refused_naming_the_holder_and_both_fixes(tmp_path):
+  workdir = str(tmp_path / "run")
+  _write_lock(workdir, pid=12345, host="other-host", started="earlier")
+  _age_lock(workdir, 30)
+  for attempt in (lock_lib.check_unlocked, lambda w: lock_lib.WorkdirLock(w).acquire()):
+    with pytest.raises(lock_lib.WorkdirLockedError) as info:
+      attempt(workdir)
+    assert str(info.value) == (
+        f"{workdir} is in use by another run (pid 12345 on host other-host, started earlier; "
+        "heartbeat 30s ago): that host's processes are not visible here, and its heartbeat is "
+        "fresh. Fix: if that run is known to be dead (a requeued job), pass --take_over_lock; "
+        "or wait until its heartbeat is 10 minutes old (then the lock is taken over by "
+        "itself); or use another --workdir")
+  assert json.load(open(os.path.join(workdir, lock_lib.LOCK_FILE)))["pid"] == 12345  # untouched
+  # --take_over_lock: taken over at once, the holder named.
+  lock_lib.check_unlocked(workdir, take_over=True)
+  said = []
+  with lock_lib.WorkdirLock(workdir, say=said.append, take_over=True):
+    pass
+  assert said == [f"{workdir}: taking over the lock of pid 12345 on host other-host, started "
+                  "earlier (heartbeat 30s ago), as --take_over_lock asks"]
+
+
+def test_take_over_does_not_take_a_lock_held_by_a_live_process(tmp_path):
+  workdir = str(tmp_path / "run")
+  with lock_lib.WorkdirLock(workdir):
+    with pytest.raises(lock_lib.WorkdirLockedError, match="in use by another run"):
+      lock_lib.WorkdirLock(workdir, take_over=True).acquire()
+
+
+def test_the_holder_refreshes_its_heartbeat_until_released(tmp_path, monkeypatch):
+  monkeypatch.setattr(lock_lib, "HEARTBEAT_SECONDS", 0.02)
+  workdir = str(tmp_path / "run")
+  path = os.path.join(workdir, lock_lib.LOCK_FILE)
+  with lock_lib.WorkdirLock(workdir) as held:
+    _age_lock(workdir, 3600)
+    deadline = time.time() + 10
+    while time.time() - os.stat(path).st_mtime > 60 and time.time() < deadline:
+      time.sleep(0.02)
+    assert time.time() - os.stat(path).st_mtime < 60  # touched again
+    beat = held._beat  # pylint: disable=protected-access
+  assert not beat.is_alive() and not os.path.exists(path)
 
 
 def _train(workdir, data_dir, *extra):
