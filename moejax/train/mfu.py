@@ -51,22 +51,22 @@ from moejax.topology import accounting
 # H100 PCIe: 756), NVIDIA A100 datasheet (312, SXM and PCIe), Google Cloud TPU
 # system-architecture pages (v4: 275, v5e: 197, v5p: 459, v6e Trillium: 918,
 # per chip; a jax device is one chip on these generations).
-# (label, jax device_kind, match): "exact" compares the whole kind (TPU kinds,
-# where "TPU v5" is a v5p but a prefix of "TPU v5 lite"), "contains" a
+# (label, jax device_kind, exact, peak): exact compares the whole kind (TPU kinds,
+# where "TPU v5" is a v5p but a prefix of "TPU v5 lite"), otherwise a
 # substring (GPU kinds carry the memory size: "NVIDIA H100 80GB HBM3"). The
 # first match wins, so a specific entry (H100 PCIe) precedes its family.
 PEAK_BF16 = (
-    ("H100 PCIe", "H100 PCIe", "contains", 756e12),
-    ("H200", "H200", "contains", 989e12),
-    ("H100", "H100", "contains", 989e12),
-    ("A100", "A100", "contains", 312e12),
-    ("TPU v4", "TPU v4", "exact", 275e12),
-    ("TPU v5e", "TPU v5 lite", "exact", 197e12),
-    ("TPU v5e", "TPU v5e", "exact", 197e12),
-    ("TPU v5p", "TPU v5", "exact", 459e12),
-    ("TPU v5p", "TPU v5p", "exact", 459e12),
-    ("TPU v6e", "TPU v6 lite", "exact", 918e12),
-    ("TPU v6e", "TPU v6e", "exact", 918e12),
+    ("H100 PCIe", "H100 PCIe", False, 756e12),
+    ("H200", "H200", False, 989e12),
+    ("H100", "H100", False, 989e12),
+    ("A100", "A100", False, 312e12),
+    ("TPU v4", "TPU v4", True, 275e12),
+    ("TPU v5e", "TPU v5 lite", True, 197e12),
+    ("TPU v5e", "TPU v5e", True, 197e12),
+    ("TPU v5p", "TPU v5", True, 459e12),
+    ("TPU v5p", "TPU v5p", True, 459e12),
+    ("TPU v6e", "TPU v6 lite", True, 918e12),
+    ("TPU v6e", "TPU v6e", True, 918e12),
 )
 ROOF_SECONDS = 0.5     # how long the start-up matmul benchmark runs
 ROOF_SIZE = 512        # n of its n x n x n matmuls (CPU: a few ms each)
@@ -93,8 +93,8 @@ class Peak:
 
 def table_peak(device_kind: str) -> Optional[tuple[str, float]]:
   """(label, bf16 FLOP/s) of ``device_kind`` in :data:`PEAK_BF16`, else None."""
-  for label, kind, match, peak in PEAK_BF16:
-    if (device_kind == kind) if match == "exact" else (kind in device_kind):
+  for label, kind, exact, peak in PEAK_BF16:
+    if (device_kind == kind) if exact else (kind in device_kind):
       return label, peak
   return None
 
