@@ -276,17 +276,9 @@ def read_history(workdir: str) -> list[dict]:
   return out
 
 
-def _key_name(k) -> str:
-  for attr in ("key", "name", "idx"):
-    if hasattr(k, attr):
-      return str(getattr(k, attr))
-  return str(k)
-
-
 def _shapes(tree: Any) -> dict[str, tuple]:
-  """{'params/blocks/0/...': shape}; dict keys, attributes and indices all as strings."""
-  flat, _ = jax.tree_util.tree_flatten_with_path(tree)
-  return {"/".join(_key_name(k) for k in p): tuple(getattr(v, "shape", ())) for p, v in flat}
+  """{'params/blocks/0/...': shape} (:func:`moejax.train.integrity.leaf_paths`' names)."""
+  return {path: tuple(getattr(v, "shape", ())) for path, v in integrity.leaf_paths(tree)}
 
 
 def _placed(abstract_state: Any) -> Any:

@@ -83,7 +83,9 @@ def _key_name(k) -> str:
   return str(k)
 
 
-def _flat(tree: Any) -> list[tuple[str, Any]]:
+def leaf_paths(tree: Any) -> list[tuple[str, Any]]:
+  """``[("params/blocks/0/attn/q_proj/kernel", leaf), ...]``: dict keys, attributes and
+  indices as strings (the names checksums and the checkpoint's shape check use)."""
   return [("/".join(_key_name(k) for k in p), x)
           for p, x in jax.tree_util.tree_flatten_with_path(tree)[0]]
 
@@ -116,7 +118,7 @@ def checksums(tree: Any) -> dict[str, dict]:
 
   One device-to-host transfer for every readable leaf together.
   """
-  flat = _flat(tree)
+  flat = leaf_paths(tree)
   readable = [_readable(x) for _, x in flat]
   hosts = jax.device_get([r for r, _ in readable if r is not None])
   out, it = {}, iter(hosts)

@@ -58,6 +58,10 @@ from typing import Callable, Optional
 SIGNALS = (signal.SIGTERM, signal.SIGINT)
 # Exit status of a preempted binary: 128 + signal number (the shell's convention).
 EXIT_STATUS = {int(s): 128 + int(s) for s in SIGNALS}
+
+
+def exit_status(signum: int) -> int:
+  return EXIT_STATUS.get(signum, 128 + signum)
 # Steps between the combinations of the processes' flags in a multi-process run.
 SYNC_EVERY = 10
 
@@ -71,7 +75,7 @@ class Preempted(Exception):
   def __init__(self, message: str, signum: int, step: int):
     super().__init__(message)
     self.signum, self.step = signum, step
-    self.exit_status = EXIT_STATUS.get(signum, 128 + signum)
+    self.exit_status = exit_status(signum)
 
 
 def signal_name(signum: int) -> str:
@@ -160,4 +164,4 @@ class Preemption:
     return Preempted(
         f"preempted by {name} at step {step}: its checkpoint is in {checkpoint_dir}; run the "
         f"same command again to resume from step {step} (exit status "
-        f"{EXIT_STATUS.get(self.signum, 128 + self.signum)})", self.signum, step)
+        f"{exit_status(self.signum)})", self.signum, step)

@@ -42,3 +42,24 @@ def snapshot(directory: str) -> dict[str, str]:
         digest = hashlib.sha256(f.read()).hexdigest()
       out[os.path.relpath(path, directory)] = f"{digest}@{os.stat(path).st_mtime_ns}"
   return out
+
+
+def rows_by_step(workdir: str, split: str) -> dict[int, dict]:
+  """``{step: row}`` of a run's metrics.jsonl ``split`` rows."""
+  from moejax.train import metrics_log  # pylint: disable=g-import-not-at-top
+  return {r["step"]: r for r in metrics_log.read_metrics(workdir, split)}
+
+
+def signal_when(proc, ready, signum: int) -> list[str]:
+  """Reads ``proc``'s stdout lines until ``ready(line)``, then sends it ``signum``.
+
+  Returns the lines read (the last one is the line that triggered the signal,
+  if any did); the caller waits for the process and closes its pipes.
+  """
+  seen = []
+  for line in proc.stdout:
+    seen.append(line)
+    if ready(line):
+      proc.send_signal(signum)
+      break
+  return seen

@@ -14,7 +14,6 @@ import signal
 import subprocess
 import sys
 
-from moejax.train import metrics_log
 from tests.train import helpers
 
 COMPARED = ("loss", "ce", "aux_loss", "grad_norm", "max_vio_batch", "learning_rate")
@@ -31,10 +30,6 @@ def _env(cache_env):
   return env
 
 
-def _rows(workdir, split):
-  return {r["step"]: r for r in metrics_log.read_metrics(workdir, split)}
-
-
 def test_sigkill_mid_training_then_restart_matches_uninterrupted_run(tmp_path, data_dir,
                                                                      compilation_cache):
   env = _env(compilation_cache)
@@ -48,32 +43,29 @@ def test_sigkill_mid_training_then_restart_matches_uninterrupted_run(tmp_path, d
   first_ckpt = os.path.join(killed, "checkpoints", "4")
   proc = subprocess.Popen(_command(killed, data_dir), cwd=helpers.ROOT, env=env,
                           stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
-  seen = []
+  def mid_training(line):  # past the first complete (renamed, so finalised) checkpoint
+    step = int(line.split()[1].split("/")[0]) if line.startswith("step ") else 0
+    return step >= 5 and os.path.isdir(first_ckpt)
+
   try:
-    for line in proc.stdout:
-      seen.append(line)
-      step = int(line.split()[1].split("/")[0]) if line.startswith("step ") else 0
-      # Mid-training: past the first complete (renamed, so finalised) checkpoint.
-      if step >= 5 and os.path.isdir(first_ckpt):
-        os.kill(proc.pid, signal.SIGKILL)
-        break
+    seen = helpers.signal_when(proc, mid_training, signal.SIGKILL)
   finally:
     proc.stdout.close()
     proc.wait(timeout=60)
   assert proc.returncode == -signal.SIGKILL, "".join(seen)[-2000:]
-  assert max(_rows(killed, "train")) < 40  # it really stopped mid-run
+  assert max(helpers.rows_by_step(killed, "train")) < 40  # it really stopped mid-run
 
   again = subprocess.run(_command(killed, data_dir), cwd=helpers.ROOT, env=env,
                          capture_output=True, text=True, timeout=600)
   assert again.returncode == 0, again.stderr[-3000:]
   assert "resumed from checkpoint at step" in again.stdout
 
-  want, got = _rows(whole, "train"), _rows(killed, "train")
+  want, got = helpers.rows_by_step(whole, "train"), helpers.rows_by_step(killed, "train")
   assert sorted(got) == sorted(want) == list(range(1, 41))
   for step in want:
     for key in COMPARED:
       assert got[step][key] == want[step][key], (step, key, got[step][key], want[step][key])
-  want_eval, got_eval = _rows(whole, "eval"), _rows(killed, "eval")
+  want_eval, got_eval = helpers.rows_by_step(whole, "eval"), helpers.rows_by_step(killed, "eval")
   assert sorted(got_eval) == sorted(want_eval) == [20, 40]
   for step in want_eval:
     assert got_eval[step] == want_eval[step]

@@ -29,7 +29,7 @@ import pytest
 from moejax.ablation import runner, suite as suite_lib
 from moejax.train import checkpoint as ckpt_lib
 from moejax.train import lock as lock_lib
-from moejax.train import loop, metrics_log
+from moejax.train import loop
 from moejax.train import preempt
 from moejax.train import step as step_lib
 from tests.ablation import helpers as ablation_helpers
@@ -53,10 +53,6 @@ def _signal_at(monkeypatch, at: int, signum: int, when=lambda cfg: True):
       return out
     return train_step
   monkeypatch.setattr(step_lib, "make_train_step", make)
-
-
-def _rows(workdir, split):
-  return {r["step"]: r for r in metrics_log.read_metrics(workdir, split)}
 
 
 def test_handlers_are_installed_and_restored_and_a_second_signal_is_ignored(capfd):
@@ -130,11 +126,11 @@ def test_preempted_run_saves_its_step_and_resumes_like_the_uninterrupted_run(
   summary = loop.train(cfg, workdir, out=out)
   assert "resumed from checkpoint at step 13" in out.getvalue()
   assert summary["step"] == 40 and summary["train_seconds"] > 0
-  want, got = _rows(whole, "train"), _rows(workdir, "train")
+  want, got = helpers.rows_by_step(whole, "train"), helpers.rows_by_step(workdir, "train")
   assert sorted(got) == sorted(want) == list(range(5, 41, 5))
   for step in want:  # row 15 averages steps 11-15: 11-13 came back with the checkpoint
     assert {k: got[step][k] for k in COMPARED} == {k: want[step][k] for k in COMPARED}, step
-  assert _rows(workdir, "eval") == _rows(whole, "eval")
+  assert helpers.rows_by_step(workdir, "eval") == helpers.rows_by_step(whole, "eval")
 
 
 # ~50 s on 2 shared cores (two arms trained, evaluated, one resumed). In the default run: the
@@ -190,13 +186,9 @@ def test_sigterm_to_the_train_binary_then_restart_matches_uninterrupted_run(
 
   proc = subprocess.Popen(_train_command(stopped, data_dir), cwd=helpers.ROOT, env=env,
                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-  seen = []
   try:
-    for line in proc.stdout:
-      seen.append(line)
-      if line.startswith("step "):  # training: no checkpoint on disk before the signal
-        proc.send_signal(signal.SIGTERM)
-        break
+    # Training: no checkpoint on disk before the signal.
+    seen = helpers.signal_when(proc, lambda line: line.startswith("step "), signal.SIGTERM)
     rest, err = proc.communicate(timeout=120)
   finally:
     proc.kill()
@@ -213,8 +205,8 @@ def test_sigterm_to_the_train_binary_then_restart_matches_uninterrupted_run(
                          capture_output=True, text=True, timeout=600)
   assert again.returncode == 0, again.stderr[-3000:]
   assert f"resumed from checkpoint at step {step}" in again.stdout
-  want, got = _rows(whole, "train"), _rows(stopped, "train")
+  want, got = helpers.rows_by_step(whole, "train"), helpers.rows_by_step(stopped, "train")
   assert sorted(got) == sorted(want)
   for s in want:
     assert {k: got[s][k] for k in COMPARED} == {k: want[s][k] for k in COMPARED}, s
-  assert _rows(stopped, "eval") == _rows(whole, "eval")
+  assert helpers.rows_by_step(stopped, "eval") == helpers.rows_by_step(whole, "eval")
