@@ -53,7 +53,10 @@ def _exit_soon(status: int) -> NoReturn:
   deadline = time.monotonic() + EXIT_GRACE_SECONDS
   while others() and time.monotonic() < deadline:
     time.sleep(0.05)
-  if others():
+  # Only when a binary is the process (python -m experiments.X): a test or notebook calling
+  # main() in-process gets SystemExit, never the end of its own process.
+  spec = getattr(sys.modules.get("__main__"), "__spec__", None)
+  if others() and getattr(spec, "name", "").startswith("experiments."):
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(status)  # pylint: disable=protected-access
