@@ -20,6 +20,8 @@ import functools
 import logging as py_logging
 import os
 import sys
+import threading
+import time
 from typing import NoReturn, Optional, Sequence
 
 from absl import app, flags, logging
@@ -29,9 +31,37 @@ from experiments import flag_errors
 from moejax import chatter
 
 
+# Seconds a failing binary waits for library threads before it exits without them.
+EXIT_GRACE_SECONDS = 5.0
+
+
 def fail(message: str) -> NoReturn:
+  """Prints ``error: message`` and exits 1, within EXIT_GRACE_SECONDS.
+
+  After a failed checkpoint save, orbax's threads wait up to 20 minutes for
+  the signals of the operation that failed, and Python's exit would wait for
+  them (a job holding its allocation until walltime): threads still alive
+  after the grace period are abandoned (``os._exit``, output flushed first).
+  """
   print(f"error: {message}", file=sys.stderr, flush=True)
-  sys.exit(1)
+  _exit_soon(1)
+
+
+def _exit_soon(status: int) -> NoReturn:
+  others = lambda: [t for t in threading.enumerate()
+                    if t is not threading.current_thread() and not t.daemon and t.is_alive()]
+  # Polled, not joined: orbax's threads override join() with a wait of their own.
+  deadline = time.monotonic() + EXIT_GRACE_SECONDS
+  while others() and time.monotonic() < deadline:
+    time.sleep(0.05)
+  # Only when a binary is the process (python -m experiments.X): a test or notebook calling
+  # main() in-process gets SystemExit, never the end of its own process.
+  spec = getattr(sys.modules.get("__main__"), "__spec__", None)
+  if others() and getattr(spec, "name", "").startswith("experiments."):
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(status)  # pylint: disable=protected-access
+  sys.exit(status)
 
 
 def preempted(e) -> NoReturn:

@@ -63,6 +63,7 @@ from moejax.train import mfu as mfu_lib
 from moejax.train import preempt as preempt_lib
 from moejax.train import profiling
 from moejax.train import step as step_lib
+from moejax.train import write_failure
 from moejax.train.config import ExperimentConfig, check_capacity, drop_warning
 from moejax.train.context import RunContext, StartHook, check_start
 from moejax.train.optim import make_optimizer
@@ -310,11 +311,14 @@ def train(cfg: ExperimentConfig, workdir: str, *, out: TextIO = sys.stdout,
       _history(workdir, "stopped", reason=str(e).split(":")[0],
                               train_seconds=progress.train_seconds)
       raise
+    except Exception as e:  # a full disk, an unwritable file: one error, no thread left waiting
+      failed = write_failure.stopped(e, workdir, ckpt)
+      if failed is None:
+        raise
+      raise failed from e
     finally:
       profiling.stop()  # a trace cut short by an error
-      ckpt.wait()
-      ckpt.close()
-      writer.close()
+      write_failure.finish(ckpt, writer, failing=sys.exc_info()[0] is not None)
     _history(workdir, "preempted" if stop.signum else "end", step=step,
              train_seconds=progress.train_seconds)
   if stop.signum:  # the lock is released, the checkpoint of `step` complete

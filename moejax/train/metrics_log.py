@@ -6,7 +6,11 @@
 needs no TensorFlow) go to ``WORKDIR/tensorboard`` as ``<split>/<name>``
 scalars (a string value, such as the MFU row's ``peak_source``, goes to the
 JSONL only) and histograms (:meth:`MetricsWriter.histograms`):
-``tensorboard --logdir WORKDIR/tensorboard``.
+``tensorboard --logdir WORKDIR/tensorboard``. The events are
+written in the calling thread (:class:`_Events`), not by tensorboardX's
+writer thread: when that thread dies on a full disk, the next scalars wait
+forever on its queue; here a failed write raises ``OSError`` naming the
+file, in the loop, which stops with one error (moejax.train.write_failure).
 
 On resume from a checkpoint at step s, rows after s are dropped from the
 JSONL (the resumed run writes them again, identically), so the file of a
@@ -82,9 +86,8 @@ class MetricsWriter:
     self._file = open(path, "a", encoding="utf-8")
     self._tb = None
     try:
-      import tensorboardX  # pylint: disable=g-import-not-at-top
-      self._tb = tensorboardX.SummaryWriter(os.path.join(workdir, TENSORBOARD_DIR),
-                                            purge_step=resume_step + 1 if resume_step else None)
+      self._tb = _Events(os.path.join(workdir, TENSORBOARD_DIR),
+                         purge_step=resume_step + 1 if resume_step else None)
     except ImportError:
       print("tensorboardX is not installed: metrics go to metrics.jsonl only "
             "(pip install tensorboardX)", file=sys.stderr)
@@ -93,24 +96,74 @@ class MetricsWriter:
     if self._file is None:
       return
     row = {"step": int(step), "split": split, **{k: _jsonable(v) for k, v in metrics.items()}}
-    self._file.write(json.dumps(row) + "\n")
-    self._file.flush()
+    try:
+      self._file.write(json.dumps(row) + "\n")
+      self._file.flush()
+    except OSError as e:
+      raise OSError(e.errno, e.strerror, self._file.name) from e
     if self._tb is not None:
-      for k, v in metrics.items():
-        if not isinstance(v, str):
-          self._tb.add_scalar(f"{split}/{k}", float(v), int(step))
+      self._tb.add_scalars(int(step), {f"{split}/{k}": float(v) for k, v in metrics.items()
+                                       if not isinstance(v, str)})
 
   def histograms(self, step: int, split: str, values: Mapping[str, Sequence[float]]) -> None:
     """TensorBoard histograms ``<split>/<name>`` (the per-layer expert loads); JSONL: none."""
     if self._tb is not None:
-      for k, v in values.items():
-        self._tb.add_histogram(f"{split}/{k}", np.asarray(v, np.float64), int(step))
+      self._tb.add_histograms(int(step), {f"{split}/{k}": np.asarray(v, np.float64)
+                                          for k, v in values.items()})
 
   def close(self) -> None:
-    if self._file is not None:
-      self._file.close()
-    if self._tb is not None:
-      self._tb.close()
+    for f in (self._file, self._tb):
+      try:
+        if f is not None:
+          f.close()
+      except OSError:
+        pass  # the write that failed was reported; the rest of the buffer is lost
+    self._file = self._tb = None
+
+
+class _Events:
+  """A TensorBoard event file written synchronously (see the module docstring).
+
+  The records tensorboardX's SummaryWriter writes (its file name, the purge
+  marker of a resumed run), without its writer thread.
+  """
+
+  def __init__(self, logdir: str, purge_step: Optional[int] = None):
+    # pylint: disable=g-import-not-at-top
+    from tensorboardX.event_file_writer import EventsWriter
+    from tensorboardX.proto.event_pb2 import Event, SessionLog
+    from tensorboardX.summary import histogram, scalar
+    self._event, self._scalar, self._histogram = Event, scalar, histogram
+    os.makedirs(logdir, exist_ok=True)
+    self.name = os.path.join(logdir, "events")
+    self._writer = EventsWriter(self.name)
+    self.name = self._writer._file_name  # pylint: disable=protected-access
+    if purge_step is not None:  # TensorBoard hides the old events from this step on
+      self._writer.write_event(Event(step=purge_step, file_version="brain.Event:2"))
+      self._writer.write_event(Event(step=purge_step,
+                                     session_log=SessionLog(status=SessionLog.START)))
+    self._flush()
+
+  def add_scalars(self, step: int, scalars: Mapping[str, float]) -> None:
+    for tag, value in scalars.items():
+      self._writer.write_event(self._event(wall_time=time.time(), step=step,
+                                           summary=self._scalar(tag, value)))
+    self._flush()
+
+  def add_histograms(self, step: int, values: Mapping[str, np.ndarray]) -> None:
+    for tag, value in values.items():
+      self._writer.write_event(self._event(wall_time=time.time(), step=step,
+                                           summary=self._histogram(tag, value, "tensorflow")))
+    self._flush()
+
+  def _flush(self) -> None:
+    try:
+      self._writer.flush()
+    except OSError as e:
+      raise OSError(e.errno, e.strerror, self.name) from e
+
+  def close(self) -> None:
+    self._writer.close()
 
 
 def format_duration(seconds: float) -> str:

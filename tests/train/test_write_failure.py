@@ -1,0 +1,144 @@
+"""A full disk or an unwritable directory mid-run: one error naming the path, a bounded exit.
+
+Default run: the classification of orbax's / TensorStore's / Python's write
+errors, and a tiny in-process run whose metrics.jsonl is /dev/full (ENOSPC
+on every write, no root needed). Slow (root only: a 2 MiB tmpfs and a
+read-only bind mount; skipped with the reason elsewhere): the real binary,
+under a subprocess timeout so that a hang fails instead of hanging CI.
+"""
+
+from __future__ import annotations
+
+import errno
+import io
+import os
+import subprocess
+import sys
+
+import pytest
+
+from moejax.train import checkpoint as ckpt_lib
+from moejax.train import lock as lock_lib
+from moejax.train import loop, metrics_log
+from moejax.train import write_failure
+from tests.train import helpers
+
+TENSORSTORE = ('RESOURCE_EXHAUSTED: Failed writing: "/w/checkpoints/340.orbax-checkpoint-tmp/'
+               'state/d/a8": Failed to write 2318 bytes to file 14: No space left on device '
+               "[os_error_code='28']")
+
+
+def test_write_errors_are_found_in_every_shape():
+  assert write_failure.classify(ValueError(TENSORSTORE)) == (
+      errno.ENOSPC, "/w/checkpoints/340.orbax-checkpoint-tmp/state/d/a8")
+  ro = OSError(errno.EROFS, "Read-only file system", "/w/checkpoints/50.orbax-checkpoint-tmp")
+  assert write_failure.classify(ro) == (errno.EROFS, "/w/checkpoints/50.orbax-checkpoint-tmp")
+  try:
+    try:
+      raise ro
+    except OSError as e:
+      raise RuntimeError("wrapped") from e
+  except RuntimeError as e:
+    assert write_failure.classify(e)[0] == errno.EROFS
+  assert write_failure.classify(ValueError("a shape mismatch")) is None
+  assert write_failure.classify(FileNotFoundError(errno.ENOENT, "gone", "/x")) is None
+  e = write_failure.failure(ValueError(TENSORSTORE), "/w", 320)
+  assert str(e) == ("cannot write /w/checkpoints/340.orbax-checkpoint-tmp/state/d/a8: ENOSPC (No "
+                    "space left on device); the run stopped, the last complete checkpoint is step "
+                    "320 in /w/checkpoints (the run resumes from it). Fix: free space on that "
+                    "filesystem (df -h /w), then run the same command again")
+
+
+def test_full_disk_stops_the_run_with_one_error_and_no_temporaries(data_dir, tmp_path,
+                                                                   monkeypatch):
+  if not os.path.exists("/dev/full"):
+    pytest.skip("no /dev/full on this system")
+  workdir = str(tmp_path / "run")
+  os.makedirs(os.path.join(workdir, ckpt_lib.CHECKPOINT_DIR, "7.orbax-checkpoint-tmp-123"))
+  real_init = metrics_log.MetricsWriter.__init__
+
+  def init(self, *args, **kwargs):  # the metric rows go to /dev/full: ENOSPC on every write
+    real_init(self, *args, **kwargs)
+    self._file.close()
+    self._file = open("/dev/full", "a", encoding="utf-8")
+  monkeypatch.setattr(metrics_log.MetricsWriter, "__init__", init)
+  cfg = helpers.experiment("tiny", data_dir, train__steps=10, train__checkpoint_every=4)
+  with pytest.raises(write_failure.WriteFailed) as info:
+    loop.train(cfg, workdir, out=io.StringIO())
+  assert str(info.value).startswith("cannot write /dev/full: ENOSPC (No space left on device); "
+                                    "the run stopped, the last complete checkpoint is step 4")
+  assert ckpt_lib.checkpoint_steps(workdir) == [4]  # the first log row (step 5) failed
+  assert not [n for n in os.listdir(os.path.join(workdir, ckpt_lib.CHECKPOINT_DIR))
+              if write_failure.TEMPORARY_MARK in n]
+  assert not os.path.exists(os.path.join(workdir, lock_lib.LOCK_FILE))
+
+
+def _mount(*args) -> bool:
+  return subprocess.run(["mount", *args], capture_output=True).returncode == 0
+
+
+def _can_mount(tmp_path) -> str:
+  """'' when this process may mount (root, mount(8) present), else why not."""
+  if os.geteuid() != 0:
+    return "mounting a small tmpfs needs root"
+  probe = tmp_path / "probe"
+  probe.mkdir()
+  if not _mount("-t", "tmpfs", "-o", "size=64k", "tmpfs", str(probe)):
+    return "mount -t tmpfs is not permitted here"
+  subprocess.run(["umount", str(probe)], check=True)
+  return ""
+
+
+def _train(workdir, data_dir, *extra):
+  return [sys.executable, "-m", "experiments.train", "--config=configs/tiny.py",
+          f"--workdir={workdir}", f"--config.data.data_dir={data_dir}",
+          "--config.train.progress=False", *extra]
+
+
+def _errors(stderr: str) -> list[str]:
+  return [line for line in stderr.splitlines() if line.startswith("error:")]
+
+
+@pytest.mark.slow  # ~1 min: three binary runs; in-process: the /dev/full test above
+def test_binary_on_a_full_tmpfs_and_a_read_only_checkpoint_dir(tmp_path, data_dir,
+                                                               compilation_cache):
+  why = _can_mount(tmp_path)
+  if why:
+    pytest.skip(why)
+  env = dict(os.environ, JAX_PLATFORMS="cpu", **compilation_cache)
+  small = tmp_path / "small"
+  small.mkdir()
+  assert _mount("-t", "tmpfs", "-o", "size=2m", "tmpfs", str(small))
+  try:
+    workdir = str(small / "run")
+    full = subprocess.run(_train(workdir, data_dir, "--config.train.steps=2000",
+                                 "--config.train.checkpoint_every=20"),
+                          cwd=helpers.ROOT, env=env, capture_output=True, text=True, timeout=240)
+    assert full.returncode == 1, full.stderr[-3000:]
+    (line,) = _errors(full.stderr)
+    assert line.startswith(f"error: WriteFailed: cannot write {workdir}") and "ENOSPC" in line
+    steps = ckpt_lib.checkpoint_steps(workdir)
+    assert steps and f"the last complete checkpoint is step {steps[-1]}" in line
+    assert not [n for n in os.listdir(os.path.join(workdir, "checkpoints")) if ".orbax" in n]
+  finally:
+    subprocess.run(["umount", "-l", str(small)])
+
+  # A finished run's checkpoints made read-only, then the run extended.
+  workdir = str(tmp_path / "ro")
+  first = subprocess.run(_train(workdir, data_dir), cwd=helpers.ROOT, env=env,
+                         capture_output=True, text=True, timeout=240)
+  assert first.returncode == 0, first.stderr[-3000:]
+  ckpts = os.path.join(workdir, "checkpoints")
+  assert _mount("--bind", ckpts, ckpts) and _mount("-o", "remount,ro,bind", ckpts)
+  try:
+    ro = subprocess.run(_train(workdir, data_dir, "--config.train.steps=80", "--extend"),
+                        cwd=helpers.ROOT, env=env, capture_output=True, text=True, timeout=120)
+  finally:
+    subprocess.run(["umount", "-l", ckpts])
+  assert ro.returncode == 1, ro.stderr[-3000:]
+  (line,) = _errors(ro.stderr)
+  assert line == (f"error: WriteFailed: cannot write {ckpts}/50.orbax-checkpoint-tmp: EROFS "
+                  f"(Read-only file system); the run stopped, the last complete checkpoint is "
+                  f"step 40 in {ckpts} (the run resumes from it). Fix: make that directory "
+                  "writable, then run the same command again")
+  assert ckpt_lib.checkpoint_steps(workdir) == [30, 40]
