@@ -127,6 +127,12 @@ def main(argv):
       return
     if not _WORKDIR.value:
       cli.fail("--workdir is required unless --budget_only, --dry_run or --print_config")
+    import jax  # pylint: disable=g-import-not-at-top
+    if jax.process_count() > 1:  # the runner's suite lock and files assume one process
+      cli.fail(f"experiments.ablate runs a suite in one process (this launch has "
+               f"{jax.process_count()}: every process would take the suite's lock and write "
+               "its files). Fix: launch it as one process (--num_processes=1 inside a cluster "
+               "job), or train a single config across the processes with experiments.train")
     cli.compilation_cache(_WORKDIR.value)  # written from the first compile: after the checks
     imports = ((lambda: merge.import_runs(suite, _WORKDIR.value, _IMPORT_RUNS.value))
                if _IMPORT_RUNS.value else None)

@@ -254,6 +254,10 @@ def start(flag_values=flags.FLAGS, say=print) -> Optional[Launch]:
   return launch
 
 
+# Exit status of a process that stopped because a peer died (the Python path; JAX's own
+# abort, see experiments/stderr_guard.py, exits 134).
+PEER_LOST_EXIT = 1
+
 # What the runtime says when a peer process is gone: gloo's collectives on CPU, the
 # coordination service's heartbeat and RPC errors (jax 0.10 / XLA), NCCL on GPUs.
 PEER_LOST_MARKERS = (

@@ -64,6 +64,11 @@ _RUNTIME_LOG = re.compile(rb"^[EWF]\d{4} [\d:.]+ +\d+ (coordination_service|pree
 _GLOG = re.compile(rb"^[IEWF]\d{4} ")
 
 
+# A gloo collective whose peer vanished mid-message can also end the process from a
+# C++ thread (std::terminate on gloo::EnforceNotMet, "Received data size doesn't match").
+GLOO_ABORT = b"terminate called after throwing an instance of 'gloo::"
+
+
 def copy(source, sink, marker: bytes, message: str, workdir: str) -> bool:
   """Copies ``source`` to ``sink`` line by line; the marker line and all after it become
   ``error: MESSAGE <resume point>`` (``{cause}`` in MESSAGE: the status the runtime
@@ -71,7 +76,9 @@ def copy(source, sink, marker: bytes, message: str, workdir: str) -> bool:
   marker came."""
   held: list[bytes] = []
   for line in iter(source.readline, b""):
-    if marker in line:
+    if GLOO_ABORT in line:  # gloo's exception escaped its thread: the cause is the next line
+      line = b"absl::Status: gloo: " + source.readline().partition(b"what():")[2].strip()
+    if marker in line or line.startswith(b"absl::Status: gloo: "):
       sink.write(f"error: {message.replace('{cause}', _cause(line))} "
                  f"{resume_point(workdir)}\n".encode())
       sink.flush()
@@ -92,6 +99,8 @@ def copy(source, sink, marker: bytes, message: str, workdir: str) -> bool:
 def _cause(line: bytes) -> str:
   status = line.decode(errors="replace").partition("absl::Status:")[2].strip()
   status = status.split(". ", 1)[0].rstrip(":.")
+  if status.startswith("gloo: "):
+    return status[:200]
   return "JAX's coordination service: " + (status[:160] or "fatal error")
 
 

@@ -149,6 +149,17 @@ def test_the_guard_turns_jax_abort_into_the_error_line():
   assert sink.getvalue() == text.split(b"F1202")[0] + b"W1202 other\n"
 
 
+def test_the_guard_turns_gloos_abort_into_the_error_line():
+  text = (b"step 4\nterminate called after throwing an instance of 'gloo::EnforceNotMet'\n"
+          b"  what():  [enforce fail at pair.cc:459] op.preamble.length <= op.nbytes. 8 vs 4.\n"
+          b"Fatal Python error: Aborted\n")
+  sink = io.BytesIO()
+  assert stderr_guard.copy(io.BytesIO(text), sink, D.FATAL_MARKER.encode(), "lost ({cause}).", "")
+  assert sink.getvalue().decode().splitlines()[1] == (
+      "error: lost (gloo: [enforce fail at pair.cc:459] op.preamble.length <= op.nbytes). it "
+      "resumes from the newest checkpoint in --workdir")
+
+
 def test_the_binary_refuses_a_bad_launch_in_one_line_before_jax_starts(tmp_path):
   proc = subprocess.run(
       [sys.executable, "-m", "experiments.train", "--config=configs/tiny.py",

@@ -1,8 +1,9 @@
 """The trainer across 2 processes x 4 CPU devices equals the single-process run.
 
-Each multi-process run launches multiprocess_train_child.py twice (process
-0 and 1, ``jax.distributed`` with gloo on 127.0.0.1); both call
-:func:`moejax.train.loop.train` on one workdir, process 0 holding its lock
+Each multi-process run launches the ``experiments.train`` binary twice
+(process 0 and 1 with ``--coordinator_address/--num_processes/--process_id``;
+the binary initialises ``jax.distributed``, gloo on 127.0.0.1:
+tests/train/launch.py); both train one workdir, process 0 holding its lock
 and writing its files. The reference is the same tiny config trained in
 this process on one device. The model has 8 experts so that the expert axis
 can span all 8 devices of both processes.
@@ -26,9 +27,6 @@ from __future__ import annotations
 import io
 import os
 import shutil
-import socket
-import subprocess
-import sys
 
 import numpy as np
 import pytest
@@ -37,9 +35,8 @@ from moejax.train import checkpoint as ckpt_lib
 from moejax.train import loop, metrics_log
 from moejax.train import step as step_lib
 from moejax.train.optim import make_optimizer
-from tests.train import helpers
+from tests.train import helpers, launch
 
-CHILD = "tests.train.multiprocess_train_child"
 STEPS = 4
 KEYS = ("loss", "ce", "aux_loss", "grad_norm", "max_vio_batch", "drop_rate")
 
@@ -51,36 +48,16 @@ def config(data_dir: str, **overrides):
       model__moe__topology__num_experts=8, model__moe__topology__expert_width=16, **overrides)
 
 
-def _free_port() -> int:
-  with socket.socket() as s:
-    s.bind(("127.0.0.1", 0))
-    return s.getsockname()[1]
-
-
 def run_processes(data_dir: str, workdir: str, data: int, expert: int, env_extra: dict,
-                  timeout: int = 500) -> list[str]:
-  """Trains on 2 processes x 4 devices; returns their stdouts. Both are killed whatever happens."""
-  port = _free_port()
-  env = dict(os.environ, JAX_NUM_CPU_DEVICES="4", JAX_PLATFORMS="cpu",
-             # Compile time dominates these tiny steps; LLVM's -O0 halves it.
-             XLA_FLAGS="--xla_backend_optimization_level=0", **env_extra)
-  procs = [subprocess.Popen([sys.executable, "-m", CHILD, str(i), "2", str(port), data_dir,
-                             workdir, str(data), str(expert)], env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            cwd=helpers.ROOT) for i in range(2)]
-  outs = []
-  try:
-    for p in procs:
-      outs.append(p.communicate(timeout=timeout))
-  finally:
-    for p in procs:
-      if p.poll() is None:
-        p.kill()
-        p.communicate()
-  for i, (p, (out, err)) in enumerate(zip(procs, outs)):
-    assert p.returncode == 0, f"process {i}:\nstdout:\n{out[-3000:]}\nstderr:\n{err[-6000:]}"
-    assert f"OK {i}" in out, out
-  return [out for out, _ in outs]
+                  log_dir: str) -> list[str]:
+  """Trains on 2 processes x 4 devices (the experiments.train binary); returns their stdouts."""
+  overrides = {"train.steps": STEPS, "train.warmup_steps": 1, "train.log_every": 1,
+               "train.eval_every": 0, "train.checkpoint_every": 2, "train.keep_checkpoints": 3,
+               "train.progress": False, "model.moe.topology.num_experts": 8,
+               "model.moe.topology.expert_width": 16, "parallel.data": data,
+               "parallel.expert": expert}
+  return launch.run(data_dir, workdir, overrides, processes=2, devices=4, env_extra=env_extra,
+                    log_dir=log_dir)
 
 
 def _router_bias(cfg, workdir: str, step: int) -> list[np.ndarray]:
@@ -137,7 +114,7 @@ def test_single_process_checkpoint_resumes_on_two_processes(one_process_run, tmp
   cfg, one = one_process_run
   resumed = str(tmp_path / "resumed")
   _resume_copy(one, resumed, 2)
-  outs = run_processes(data_dir, resumed, 1, 8, compilation_cache)
+  outs = run_processes(data_dir, resumed, 1, 8, compilation_cache, str(tmp_path / "logs"))
   for out in outs:
     assert "resumed from checkpoint at step 2" in out, out
     assert "parallel.expert: 1 -> 8" in out, out
@@ -152,7 +129,7 @@ def test_two_processes_equal_one_step_by_step_and_resume_in_one(one_process_run,
                                                                  data_dir, compilation_cache):
   cfg, one = one_process_run
   multi = str(tmp_path / "multi")
-  run_processes(data_dir, multi, 2, 4, compilation_cache)
+  run_processes(data_dir, multi, 2, 4, compilation_cache, str(tmp_path / "logs"))
   _check_same_run(cfg, multi, one, steps=range(1, STEPS + 1))
   back = str(tmp_path / "back")
   _resume_copy(multi, back, 2)
