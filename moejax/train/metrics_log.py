@@ -153,7 +153,7 @@ class _Events:
   def add_histograms(self, step: int, values: Mapping[str, np.ndarray]) -> None:
     for tag, value in values.items():
       self._writer.write_event(self._event(wall_time=time.time(), step=step,
-                                           summary=self._histogram(tag, value, "tensorflow")))
+                                           summary=self._histogram(tag, value, "auto")))
     self._flush()
 
   def _flush(self) -> None:
