@@ -1,5 +1,5 @@
-r"""Fine-tunes a trained run or a Hugging Face MoE: ``python -m experiments.finetune
---source=DIR --workdir=FT``.
+r"""Fine-tunes a trained run or a Hugging Face MoE, or upcycles a dense one: ``python -m
+experiments.finetune --source=DIR --workdir=FT``.
 
 The model is the source's: a moejax run directory (its config.json and
 newest checkpoint, or ``--config.finetune.source_step``) or a Hugging Face
@@ -15,6 +15,16 @@ optimisation and the fine-tuning options::
         --config.finetune.lora_rank=8                # per-expert LoRA
     --config.finetune.controller=frozen              # bias held while the router trains
     --config.data.loss_domains='("comment", "docstring")'   # the data mixture
+
+Upcycling (``--config=configs/upcycle.py``, or ``--source_format=upcycle``):
+the source is a dense moejax run or a Hugging Face Mistral / Llama, the
+model its own with the config file's ``model.moe`` in the layers of
+``model.moe_layout``, every expert starting from its layer's dense FFN
+(``--config.finetune.upcycle.split / noise / drop / renormalize /
+router_init``, docs/finetune.md)::
+
+    python -m experiments.finetune --config=configs/upcycle.py \
+        --source=/tmp/moejax_dense --workdir=/tmp/upcycled
 
 Before training it prints the run's accounting (trainable parameters,
 optimizer-state bytes, an activation-memory estimate) and which domains its
@@ -34,7 +44,6 @@ SIGTERM / SIGINT with a checkpoint of its last step (the same command resumes).
 
 from __future__ import annotations
 
-import json
 import os
 import sys
 
@@ -51,9 +60,12 @@ _CONFIG = config_flags.DEFINE_config_file(
     "--config.section.field=value.", lock_config=True)
 _SOURCE = flags.DEFINE_string("source", None, "The run directory (moejax) or Hugging Face "
                               "checkpoint directory to fine-tune.")
-_FORMAT = flags.DEFINE_enum("source_format", "auto", ["auto", "moejax", "hf"],
-                            "auto: a directory with checkpoints/ is a moejax run, one whose "
-                            "config.json has a model_type is a Hugging Face model.")
+_FORMAT = flags.DEFINE_enum("source_format", "auto", ["auto", "moejax", "hf", "upcycle"],
+                            "auto: the config file's finetune.source_format when it is "
+                            "'upcycle' (configs/upcycle.py); else a directory with checkpoints/ "
+                            "is a moejax run, one whose config.json has a model_type is a "
+                            "Hugging Face model. upcycle: a dense moejax run or Hugging Face "
+                            "Mistral / Llama made the config's MoE (moejax.finetune.upcycle).")
 _WORKDIR = flags.DEFINE_string("workdir", None, "The fine-tuning run's directory.")
 _ACCOUNTING = flags.DEFINE_bool("accounting", False, "First print the accounting of every "
                                 "standard option (full, router / experts frozen, LoRA on "
@@ -70,31 +82,31 @@ _TAKE_OVER = flags.DEFINE_bool("take_over_lock", False, "Take over the workdir's
 flags.mark_flags_as_required(["source"])
 
 
-def source_format(path: str, given: str) -> str:
-  """``given``, or for ``auto`` what the directory holds (see the flag)."""
+def source_format(path: str, given: str, tree=None) -> str:
+  """``given``, or for ``auto`` the config's upcycling or what the directory holds (see the
+  flag)."""
   if given != "auto":
     return given
-  if os.path.isdir(os.path.join(path, "checkpoints")):
-    return "moejax"
-  config = os.path.join(path, "config.json")
-  if os.path.exists(config):
-    try:
-      with open(config, encoding="utf-8") as f:
-        if "model_type" in json.load(f):
-          return "hf"
-    except (OSError, ValueError):
-      pass
-  return "moejax"
+  tree = tree.to_dict() if hasattr(tree, "to_dict") else dict(tree or {})
+  if dict(tree.get("finetune") or {}).get("source_format") == "upcycle":
+    return "upcycle"
+  from moejax.finetune.source import detect_format  # pylint: disable=g-import-not-at-top
+  return detect_format(path)
 
 
 def build(tree, source: str, fmt: str):
-  """The ExperimentConfig: the config file's sections, the source's model."""
+  """The ExperimentConfig: the config file's sections, the source's model (upcycling: the
+  source's, with the config's ``model.moe`` layers)."""
   # pylint: disable=g-import-not-at-top
-  from moejax.config import to_dict
+  from moejax.config import ConfigError, to_dict
   from moejax.finetune import source as source_lib
   from moejax.train.config import experiment_from_dict
   tree = tree.to_dict() if hasattr(tree, "to_dict") else dict(tree)
-  tree["model"] = to_dict(source_lib.source_model(source, fmt))
+  if tree.get("model") and fmt != "upcycle":
+    raise ConfigError("model", "...", f"a fine-tuning run's model is its source's "
+                      f"(source_format={fmt!r})", "drop the model section, or upcycle a dense "
+                      "source (--source_format=upcycle, configs/upcycle.py)")
+  tree["model"] = to_dict(source_lib.source_model(source, fmt, tree))
   tree.setdefault("finetune", {})
   tree["finetune"]["source"], tree["finetune"]["source_format"] = source, fmt
   return experiment_from_dict(tree)
@@ -152,7 +164,7 @@ def main(argv):
   from moejax.train.config import experiment_to_json
   source = _SOURCE.value
   try:
-    cfg = build(tree, source, source_format(source, _FORMAT.value))
+    cfg = build(tree, source, source_format(source, _FORMAT.value, tree))
     if _PRINT_CONFIG.value:
       print(experiment_to_json(cfg))
       return

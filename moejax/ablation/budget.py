@@ -15,7 +15,15 @@ Per arm (from :func:`moejax.topology.accounting.budget` at the run's
 - ``trainable``: the parameters the optimizer updates (``total`` unless
   something is frozen: a fine-tuning run's frozen components, a frozen
   router; LoRA adapters count in both), from
-  :mod:`moejax.finetune.accounting`.
+  :mod:`moejax.finetune.accounting`;
+- ``source_tokens`` / ``source_flops``: what the source of a fine-tuning
+  arm cost to train (its tokens and 3 x FLOPs/token x tokens, its own
+  source's included: :func:`moejax.finetune.accounting.source_compute`;
+  None for a run from scratch or a Hugging Face source), so that an
+  upcycled or continued model is charged for its pre-training;
+  ``total_tokens`` and ``compute`` (properties) add them to the arm's own
+  ``tokens`` and ``train_flops``: the quantities an equal-compute suite
+  holds fixed (a suite comparing upcycling with an MoE from scratch).
 
 A suite may exempt reference arms from fixed quantities (``suite.exempt``:
 a dense model with the MoE's total parameters has more active FLOPs by
@@ -53,7 +61,7 @@ from moejax.topology.accounting import human
 from moejax.train import audit as audit_lib
 from moejax.train.config import ExperimentConfig
 
-NUMERIC = ("total", "active", "flops_per_token", "tokens")
+NUMERIC = ("total", "active", "flops_per_token", "tokens", "total_tokens", "compute")
 
 
 class BudgetError(ValueError):
@@ -78,10 +86,25 @@ class ArmBudget:
     return 3.0 * self.flops_per_token * self.tokens
 
   def as_dict(self) -> dict:
-    return dataclasses.asdict(self)
+    out = dataclasses.asdict(self)
+    if self.source_tokens is not None:
+      out.update(total_tokens=self.total_tokens, compute=self.compute)
+    return out
 
   # Declared last, with a default: the field list above is what older budget.json files hold.
   trainable: Optional[int] = None
+  source_tokens: Optional[int] = None
+  source_flops: Optional[float] = None
+
+  @property
+  def total_tokens(self) -> int:
+    """This arm's tokens plus its source's."""
+    return self.tokens + (self.source_tokens or 0)
+
+  @property
+  def compute(self) -> float:
+    """This arm's training FLOPs plus its source's."""
+    return self.train_flops + (self.source_flops or 0.0)
 
 
 def optimizer_string(exp: ExperimentConfig) -> str:
@@ -91,8 +114,12 @@ def optimizer_string(exp: ExperimentConfig) -> str:
           f"steps={t.steps}")
 
 
-def arm_budget(exp: ExperimentConfig, label: str = "this run") -> ArmBudget:
+def arm_budget(exp: ExperimentConfig, label: str = "this run",
+               source: Optional[ExperimentConfig] = None) -> ArmBudget:
   """The budget of one arm (``label``, e.g. ``"arm 'aux'"``, names it in errors).
+
+  ``source``: the config of the arm's source when it is not trained yet (a
+  suite's ``source``); otherwise the source's config.json is read.
 
   Raises BudgetAuditError when the parameters its model initialises differ
   from the accounting (:func:`moejax.train.audit.audit`, abstract: no compute).
@@ -105,6 +132,10 @@ def arm_budget(exp: ExperimentConfig, label: str = "this run") -> ArmBudget:
   b = model_budget(exp.model, exp.data.seq_len)
   tokens = exp.train.steps * exp.data.batch_size * exp.data.seq_len
   total, trainable = int(b.total), int(b.total)
+  src = None
+  if exp.finetune.enabled:
+    from moejax.finetune.accounting import source_compute  # pylint: disable=g-import-not-at-top
+    src = source_compute(exp, source)
   if exp.finetune.enabled or (exp.model.moe is not None and exp.model.moe.routing.freeze):
     # Imported here: the accounting builds the model's shapes (jax), the rest needs no model.
     from moejax.finetune import accounting  # pylint: disable=g-import-not-at-top
@@ -117,7 +148,9 @@ def arm_budget(exp: ExperimentConfig, label: str = "this run") -> ArmBudget:
     trainable = acc.trainable
   return ArmBudget(total=total, active=float(b.active), active_max=float(b.active_max),
                    flops_per_token=float(b.flops_per_token), tokens=int(tokens),
-                   optimizer=optimizer_string(exp), trainable=trainable)
+                   optimizer=optimizer_string(exp), trainable=trainable,
+                   source_tokens=None if src is None else int(src.tokens),
+                   source_flops=None if src is None else float(src.flops))
 
 
 def spread(values: Sequence[float]) -> float:
@@ -136,10 +169,12 @@ def check(budgets: Mapping[str, ArmBudget], fixed: Mapping[str, float],
   errors, notes = [], []
   exempt = {a: tuple(qs) for a, qs in (exempt or {}).items()}
   held = [q for q in fixed]
+  sourced = any(b.source_tokens is not None for b in budgets.values())
+  quantities = ("total", "active", "flops_per_token", "tokens", "trainable", "optimizer") + (
+      ("total_tokens", "compute") if sourced else ())
   notes.append("held equal: " + (", ".join(held) if held else "nothing") +
-               "; not held: " + (", ".join(q for q in ("total", "active", "flops_per_token",
-                                                       "tokens", "trainable", "optimizer")
-                                           if q not in fixed) or "nothing"))
+               "; not held: " + (", ".join(q for q in quantities if q not in fixed)
+                                 or "nothing"))
   for q, tol in fixed.items():
     names = [n for n in budgets if q not in exempt.get(n, ())]
     out = [n for n in budgets if q in exempt.get(n, ())]
@@ -205,11 +240,17 @@ def corpus_check(fingerprints: Mapping[str, Mapping | None]) -> list[str]:
 def table(budgets: Mapping[str, ArmBudget], fixed: Mapping[str, float] = ()) -> str:
   """The budget table as aligned text; fixed quantities are marked with '*'."""
   mark = lambda q: q + ("*" if q in fixed else "")
+  sourced = any(b.source_tokens is not None for b in budgets.values())
+  extra = ["source_tokens", mark("total_tokens"), mark("compute")] if sourced else []
   head = ["arm", mark("total"), mark("active"), "active_max", mark("flops_per_token"),
-          mark("tokens"), "train_FLOPs", mark("optimizer")]
-  rows = [head] + [[n, human(b.total), human(b.active), human(b.active_max),
-                    human(b.flops_per_token), human(b.tokens), human(b.train_flops), b.optimizer]
-                   for n, b in budgets.items()]
+          mark("tokens"), "train_FLOPs"] + extra + [mark("optimizer")]
+  rows = [head]
+  for n, b in budgets.items():
+    more = ([human(b.source_tokens or 0), human(b.total_tokens), human(b.compute)]
+            if sourced else [])
+    rows.append([n, human(b.total), human(b.active), human(b.active_max),
+                 human(b.flops_per_token), human(b.tokens), human(b.train_flops)] + more
+                + [b.optimizer])
   widths = [max(len(r[i]) for r in rows) for i in range(len(head))]
   lines = ["  ".join(c.ljust(w) if i in (0, len(head) - 1) else c.rjust(w)
                      for i, (c, w) in enumerate(zip(r, widths))) for r in rows]

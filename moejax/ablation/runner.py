@@ -60,7 +60,11 @@ ROUTING_FILE = "routing.json"
 
 
 def budgets(suite: Suite) -> dict[str, budget_lib.ArmBudget]:
-  return {a.name: budget_lib.arm_budget(a.experiment, f"arm {a.name!r}") for a in suite.arms}
+  """Every arm's budget; arms fine-tuning from the suite's source are charged its training."""
+  return {a.name: budget_lib.arm_budget(
+      a.experiment, f"arm {a.name!r}",
+      source=suite.source if a.experiment.finetune.source == sources_lib.SUITE_SOURCE else None)
+          for a in suite.arms}
 
 
 def check_suite(suite: Suite, out: TextIO = sys.stdout) -> dict[str, budget_lib.ArmBudget]:

@@ -60,6 +60,8 @@ SUITE_KEYS = ("name", "description", "base", "arms", "fixed", "seeds", "baseline
 MIN_REPRODUCTION_SEEDS = 3
 # Fine-tuning and reference arms (see the module docstring).
 QUANTITIES = QUANTITIES + ("trainable",)
+# Compute including a fine-tuning arm's source (moejax.ablation.budget): upcycling suites.
+QUANTITIES = QUANTITIES + ("total_tokens", "compute")
 SUITE_KEYS = SUITE_KEYS + ("exempt", "compare_to", "source")
 SUITE_SOURCE = "suite:source"   # finetune.source of arms that start from the suite's source run
 NO_COMPARISON = "-"

@@ -13,6 +13,9 @@ The ``finetune`` section of an :class:`~moejax.train.config.ExperimentConfig`::
       lora_rank       r of every adapter (>= 1 with lora; 0 without)
       lora_alpha      adapters add (alpha / r) x A B; None: alpha = r (scale 1)
       controller      auto | on | frozen: the aux-loss-free bias controller
+      upcycle         with source_format='upcycle' (a dense source made an MoE,
+                      moejax.finetune.upcycle): split, noise, drop, renormalize,
+                      router_init (:class:`UpcycleConfig`)
 
 Components (:func:`component` classifies every parameter by its path):
 ``embeddings`` the token embedding and the LM head; ``norms`` the RMSNorm
@@ -46,14 +49,63 @@ import dataclasses
 import math
 from typing import Optional
 
-from moejax.config import ConfigError, ModelConfig, check_choice, check_count
+from moejax.config import ConfigError, ModelConfig, check_choice, check_count, check_number
 
 COMPONENTS = ("embeddings", "norms", "attention", "dense", "router", "experts", "mod")
 FREEZE_CHOICES = COMPONENTS + ("all",)
 LORA_TARGETS = ("attention", "dense", "experts")
 CONTROLLERS = ("auto", "on", "frozen")
-SOURCE_FORMATS = ("moejax", "hf")
+SOURCE_FORMATS = ("moejax", "hf", "upcycle")
+ROUTER_INITS = ("fresh", "uniform")
 ADAPTERS = "adapters"   # the component of every LoRA parameter
+
+
+@dataclasses.dataclass(frozen=True)
+class UpcycleConfig:
+  """How a dense source becomes the run's MoE (``finetune.source_format='upcycle'``).
+
+  Which layers become MoE, the number of experts, top-k and the gating are
+  the run's model config (``model.moe_layout`` / ``first_dense_layers``,
+  ``model.moe``); these fields say how the experts start:
+
+  - ``split`` G: the dense FFN's hidden units are cut into G slices of
+    width F / G (fine-grained upcycling: ``moe.topology.expert_width`` must
+    be F / G); expert e starts as slice e mod G. 1: every expert is a copy
+    of the whole dense FFN (Komatsuzaki et al. 2212.05055);
+  - ``noise``: each expert's copy gets N(0, (noise x std(W))^2) added,
+    independently per expert and tensor W (0: exact copies);
+  - ``drop`` r (drop-upcycling, Nakamura et al. 2502.19261): in every
+    expert, round(r x f) of its f hidden units, drawn per expert, are
+    re-initialised: their W_gate / W_up columns and W_down rows are drawn
+    from N(mean(W), std(W)^2) of the dense tensor W;
+  - ``renormalize``: scale each expert's W_down by G / routed_scaling_factor,
+    so that combine weights summing to 1 (gating ``normalized`` or
+    ``topk_softmax``, required) give the dense FFN's output when the K
+    chosen experts cover every slice K / G times: the first forward equals
+    the dense model's (for G = 1 with any router; for G > 1 with
+    ``router_init='uniform'``). False: weights copied unscaled, any gating;
+  - ``router_init``: ``fresh`` (the model's own router initialisation) or
+    ``uniform`` (zero router weights: every expert scores the same, the tie
+    goes to experts 0..K-1, which cover each slice K / G times).
+  """
+
+  split: int = 1
+  noise: float = 0.0
+  drop: float = 0.0
+  renormalize: bool = True
+  router_init: str = "fresh"
+
+  def __post_init__(self):
+    p = "finetune.upcycle"
+    check_count(f"{p}.split", self.split)
+    check_number(f"{p}.noise", self.noise, minimum=0, maximum=10,
+                 fix="use a relative noise std such as 0.01 (0: exact copies)")
+    check_number(f"{p}.drop", self.drop, minimum=0, maximum=1,
+                 fix="use the re-initialised fraction of each expert's hidden units, e.g. 0.5")
+    if not isinstance(self.renormalize, bool):
+      raise ConfigError(f"{p}.renormalize", self.renormalize, "must be True or False",
+                        f"set {p}.renormalize=True (first forward = the dense model's)")
+    check_choice(f"{p}.router_init", self.router_init, ROUTER_INITS)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -68,6 +120,7 @@ class FinetuneConfig:
   lora_rank: int = 0
   lora_alpha: Optional[float] = None
   controller: str = "auto"
+  upcycle: UpcycleConfig = dataclasses.field(default_factory=UpcycleConfig)
 
   def __post_init__(self):
     p = "finetune"
@@ -82,7 +135,8 @@ class FinetuneConfig:
       raise ConfigError(f"{p}.source", self.source, "must be a path", "pass a directory")
     if not self.source:
       for f in dataclasses.fields(self):
-        if f.name != "source" and getattr(self, f.name) != f.default:
+        default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
+        if f.name != "source" and getattr(self, f.name) != default:
           raise ConfigError(f"{p}.{f.name}", getattr(self, f.name),
                             "is a fine-tuning option, but finetune.source is empty (a run "
                             "from scratch)", "set finetune.source to the run (or Hugging "
@@ -91,6 +145,11 @@ class FinetuneConfig:
     check_choice(f"{p}.source_format", self.source_format, SOURCE_FORMATS)
     check_count(f"{p}.source_step", self.source_step, minimum=-1)
     check_choice(f"{p}.controller", self.controller, CONTROLLERS)
+    if self.source_format != "upcycle" and self.upcycle != UpcycleConfig():
+      raise ConfigError(f"{p}.upcycle", self.upcycle, "sets upcycling options, but "
+                        f"{p}.source_format={self.source_format!r} does not upcycle",
+                        f"set {p}.source_format='upcycle' (a dense source made an MoE), or "
+                        f"drop {p}.upcycle")
     for name, choices in (("freeze", FREEZE_CHOICES), ("lora", LORA_TARGETS)):
       value = getattr(self, name)
       for item in value:
@@ -181,6 +240,8 @@ def resolve_model(model: ModelConfig, ft: FinetuneConfig) -> ModelConfig:
   """
   if not ft.enabled:
     return model
+  if ft.source_format == "upcycle":
+    check_upcycle_model(model, ft.upcycle)
   present = present_components(model)
   for name, wanted in (("freeze", ft.freeze), ("lora", ft.lora)):
     for comp in wanted:
@@ -216,6 +277,46 @@ def resolve_model(model: ModelConfig, ft: FinetuneConfig) -> ModelConfig:
     raise ConfigError("finetune.freeze", ft.freeze, "leaves nothing to train",
                       "freeze fewer components or add LoRA adapters (finetune.lora)")
   return model if moe is model.moe else dataclasses.replace(model, moe=moe)
+
+
+def check_upcycle_model(model: ModelConfig, up: UpcycleConfig) -> None:
+  """ConfigError unless ``model`` is an MoE a dense FFN can be upcycled into with ``up``.
+
+  (The checks against the source itself, its widths and non-FFN fields, run
+  when the source is opened: :mod:`moejax.finetune.upcycle`.)
+  """
+  fmt = "finetune.source_format"
+  moe = model.moe
+  if moe is None:
+    raise ConfigError(fmt, "upcycle", "builds an MoE from a dense source, but model.moe is "
+                      "None", "give the run's model an MoE section (model.moe: experts, top-k)")
+  if not (moe.layer.routed and moe.layer.expert_bank):
+    raise ConfigError(fmt, "upcycle", f"copies the dense FFN into routed experts, but "
+                      f"model.moe.kind={moe.kind!r} has none", "use model.moe.kind='sparse'")
+  top = moe.topology
+  for field, value, bad, fix in (
+      ("expert_widths", top.expert_widths, top.expert_widths is not None, "None (equal widths)"),
+      ("num_shared_experts", top.num_shared_experts, top.num_shared_experts > 0, "0"),
+      ("zero_experts", top.zero_experts, moe.num_zero_compute > 0,
+       "0 (and copy_experts = constant_experts = 0)"),
+  ):
+    if bad:
+      raise ConfigError(f"model.moe.topology.{field}", value,
+                        "has no dense counterpart to start from when upcycling",
+                        f"set it to {fix}, or fine-tune a source of this model")
+  if model.expert_sharing_group != 1:
+    raise ConfigError("model.expert_sharing_group", model.expert_sharing_group,
+                      "shares experts across layers, but every upcycled layer starts from its "
+                      "own dense FFN", "set model.expert_sharing_group=1")
+  if moe.num_experts % up.split:
+    raise ConfigError("finetune.upcycle.split", up.split, f"does not divide "
+                      f"model.moe.topology.num_experts={moe.num_experts} (expert e starts as "
+                      f"slice e mod split)", "use a divisor of the number of experts")
+  if up.renormalize and moe.routing.gating == "scores":
+    raise ConfigError("finetune.upcycle.renormalize", True, "needs combine weights that sum to "
+                      "1, but model.moe.routing.gating='scores' does not renormalise them",
+                      "set model.moe.routing.gating='normalized', or "
+                      "finetune.upcycle.renormalize=False")
 
 
 def component(keys) -> str:

@@ -46,6 +46,7 @@ block's tensors are live at a time.
 from __future__ import annotations
 
 import dataclasses
+import os
 from typing import Optional
 
 import jax
@@ -192,3 +193,59 @@ def table(rows: dict) -> str:
   out.append("* activations: an estimate of what the backward pass keeps for one micro-batch "
              "(moejax.finetune.accounting); optimizer bytes are exact")
   return "\n".join(out)
+
+
+@dataclasses.dataclass(frozen=True)
+class Compute:
+  """Training tokens and FLOPs (3 x forward FLOPs/token x tokens, the backward ~ 2 forwards)."""
+
+  tokens: int
+  flops: float
+
+
+def run_compute(exp: ExperimentConfig, steps: Optional[int] = None) -> Compute:
+  """The compute of ``exp``'s own training (to ``steps``, default ``train.steps``)."""
+  from moejax.topology.accounting import budget  # pylint: disable=g-import-not-at-top
+  steps = exp.train.steps if steps is None else steps
+  tokens = steps * exp.data.batch_size * exp.data.seq_len
+  return Compute(tokens, 3.0 * float(budget(exp.model, exp.data.seq_len).flops_per_token) *
+                 tokens)
+
+
+def source_compute(exp: ExperimentConfig, source: Optional[ExperimentConfig] = None,
+                   depth: int = 8) -> Optional[Compute]:
+  """The compute that made ``exp``'s source: its training (to ``finetune.source_step``) plus,
+  recursively, its own source's. ``source``: the source's config when it is not on disk yet
+  (a suite's source run); else read from the moejax run directory. None for a run from scratch
+  and for a source whose training is unknown (a Hugging Face model)."""
+  ft = exp.finetune
+  if not ft.enabled or depth <= 0:
+    return None
+  if source is None:
+    from moejax.finetune.source import detect_format  # pylint: disable=g-import-not-at-top
+    from moejax.train import load as load_lib  # pylint: disable=g-import-not-at-top
+    path = os.path.expanduser(ft.source)
+    if ft.source_format == "hf" or not os.path.isdir(path) or detect_format(path) != "moejax":
+      return None
+    from moejax.train.checkpoint import WorkdirError  # pylint: disable=g-import-not-at-top
+    try:
+      source = load_lib.run_config(path)
+    except WorkdirError:  # no readable config.json: its compute is unknown
+      return None
+  own = run_compute(source, ft.source_step if ft.source_step >= 0 else None)
+  before = source_compute(source, None, depth - 1)
+  if before is None:
+    return own
+  return Compute(own.tokens + before.tokens, own.flops + before.flops)
+
+
+def compute_line(exp: ExperimentConfig) -> str:
+  """The compute of a fine-tuning run with its source's, in words (the trainer prints it)."""
+  from moejax.topology.accounting import human  # pylint: disable=g-import-not-at-top
+  own, src = run_compute(exp), source_compute(exp)
+  if src is None:
+    return (f"compute: this run {human(own.tokens)} tokens, {human(own.flops)} FLOPs; the "
+            "source's training is unknown (not a moejax run)")
+  return (f"compute: source {human(src.tokens)} tokens, {human(src.flops)} FLOPs + this run "
+          f"{human(own.tokens)} tokens, {human(own.flops)} FLOPs = {human(src.tokens + own.tokens)}"
+          f" tokens, {human(src.flops + own.flops)} FLOPs in all")

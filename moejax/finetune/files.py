@@ -1,7 +1,7 @@
 """Fine-tuning config files (``configs/finetune.py``) and the options compared side by side.
 
-A fine-tuning config file has no ``model`` section: the model is the
-source's (``experiments.finetune --source=DIR`` reads it from the run's
+A fine-tuning config file has no ``model`` section (an upcycling one has
+only its MoE fields, :data:`UPCYCLE_MODEL`): the model is the source's (``experiments.finetune --source=DIR`` reads it from the run's
 config.json or the Hugging Face config). :func:`finetune_config_dict` lists
 every field of the other sections, defaults included, so a misspelt
 ``--config.finetune.lora_rnak`` is an error; the ``finetune`` options are
@@ -16,12 +16,14 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Mapping
 
-from moejax.config import ModelConfig, ParallelConfig, from_dict, to_dict
+from moejax.config import ModelConfig, MoEConfig, ParallelConfig, from_dict, to_dict
 from moejax.config.finetune import present_components
 from moejax.data import DataConfig, vocab_size
 from moejax.train.config import ExperimentConfig, TrainConfig, _to_config_dict_tree
 
-SECTIONS = ("data", "train", "parallel", "finetune")
+SECTIONS = ("data", "train", "parallel", "finetune", "model")
+# The model fields an upcycling config file gives (the rest is the dense source's).
+UPCYCLE_MODEL = ("moe", "moe_layout", "first_dense_layers")
 
 # name -> finetune fields (rank: the run's lora_rank, or 8)
 OPTIONS = {
@@ -48,7 +50,18 @@ def finetune_config_dict(**sections: Mapping[str, Any]):
                          parallel=from_dict(ParallelConfig, sections.get("parallel", {}),
                                             "parallel"))
   tree = _to_config_dict_tree(cfg)
-  del tree["model"]
+  model = dict(sections.get("model") or {})
+  bad = sorted(set(model) - set(UPCYCLE_MODEL))
+  if bad:
+    raise ValueError(f"finetune_config_dict: model.{bad[0]} is the source's; an upcycling "
+                     f"config gives only {', '.join(UPCYCLE_MODEL)}")
+  if model:   # every MoE field listed, so that --config.model.moe.routing.top_k=1 works
+    moe = from_dict(MoEConfig, model.get("moe") or {}, "model.moe")
+    full = {k: v for k, v in tree["model"].items() if k in UPCYCLE_MODEL}
+    full.update({k: v for k, v in model.items() if k != "moe"}, moe=_to_config_dict_tree(moe))
+    tree["model"] = full
+  else:
+    del tree["model"]
   ft = tree["finetune"]
   for key, value in dict(sections.get("finetune", {})).items():
     if key not in ft:

@@ -23,6 +23,7 @@ every weight.
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 from typing import Any, Callable, Optional
 
@@ -56,27 +57,36 @@ class Source:
 
   def describe(self) -> str:
     where = f"checkpoint {self.step} of " if self.step is not None else ""
-    kind = "moejax run" if self.format == "moejax" else "Hugging Face model"
-    return f"{where}{kind} {self.path}"
+    return f"{where}{get_format(self.format).describes} {self.path}"
 
-  def load(self) -> tuple[dict, dict]:
-    """(base params, router state) as pure dicts in the run's model layout."""
+  def load(self) -> tuple[dict, Optional[dict]]:
+    """(base params, router state) as pure dicts in the run's model layout (see :func:`_overlay`
+    for leaves a source leaves fresh; router state None: the fresh one)."""
     return self._load()
 
   def apply(self, state, tx):
     """``state`` (a fresh TrainState) with the source's weights, router state, new optimizer."""
     params, router_state = self.load()
     new_params = _overlay(state.params, params)
-    new_router = jax.tree.map(lambda want, got: jnp.asarray(got, want.dtype),
-                              state.router_state, router_state)
+    new_router = state.router_state if router_state is None else jax.tree.map(
+        lambda want, got: jnp.asarray(got, want.dtype), state.router_state, router_state)
     return state.replace(params=new_params, router_state=new_router,
                          opt_state=tx.init(new_params))
 
 
 def _overlay(params: Any, source: Any, path: tuple = ()) -> Any:
-  """``params`` with every leaf the source has replaced by the source's (adapters kept)."""
+  """``params`` with every leaf the source has replaced by the source's (adapters kept).
+
+  A subtree the source lacks keeps its fresh initialisation (an upcycled
+  model's router: the shape checks of :func:`open_source` ran first, so an
+  ordinary source lacks none); a callable source leaf maps the fresh leaf
+  (a uniform router: ``jnp.zeros_like``).
+  """
+  if callable(source):
+    return jax.tree.map(lambda p: jnp.asarray(source(p), p.dtype), params)
   if isinstance(params, dict):
-    return {k: (v if k in ("lora", "adapters") else _overlay(v, source[k], path + (k,)))
+    return {k: (v if k in ("lora", "adapters") or k not in source
+                else _overlay(v, source[k], path + (k,)))
             for k, v in params.items()}
   return jnp.asarray(source, params.dtype)
 
@@ -87,13 +97,18 @@ def _shapes(tree: Any) -> dict[str, tuple]:
   return {"/".join(name(k) for k in p): tuple(v.shape) for p, v in flat}
 
 
-def base_shapes(model: ModelConfig) -> tuple[dict, dict]:
-  """({param path: shape}, {router-state path: shape}) of Transformer(model), no compute."""
+def abstract_base(model: ModelConfig) -> tuple[dict, dict]:
+  """(params, router state) of Transformer(model) as pure dicts of ShapeDtypeStructs."""
   def build():
     m = Transformer(model, rngs=nnx.Rngs(0))
     _, params, router_state, _ = nnx.split(m, nnx.Param, nnx.Variable, ...)
     return nnx.to_pure_dict(params), nnx.to_pure_dict(router_state)
-  params, router_state = jax.eval_shape(build)
+  return jax.eval_shape(build)
+
+
+def base_shapes(model: ModelConfig) -> tuple[dict, dict]:
+  """({param path: shape}, {router-state path: shape}) of Transformer(model), no compute."""
+  params, router_state = abstract_base(model)
   return _shapes(params), _shapes(router_state)
 
 
@@ -121,7 +136,8 @@ def _check_shapes(cfg: ExperimentConfig, src: ModelConfig, where: str) -> list[s
   return [f"model.{c}" for c in fields]
 
 
-def _moejax_source(cfg: ExperimentConfig, path: str) -> Source:
+def moejax_run(cfg: ExperimentConfig, path: str) -> tuple[ExperimentConfig, int]:
+  """(config, checkpoint step) of the moejax run at ``path`` that ``cfg`` starts from; checked."""
   from moejax.train import load as load_lib  # pylint: disable=g-import-not-at-top
   if not os.path.isdir(path):
     raise ConfigError(FIELD, path, "is not a directory", "pass the --workdir of a trained run")
@@ -138,18 +154,25 @@ def _moejax_source(cfg: ExperimentConfig, path: str) -> Source:
   if want >= 0 and want not in steps:
     raise ConfigError("finetune.source_step", want, f"{path} has no checkpoint there",
                       f"pick one of {steps}, or -1 for the newest")
-  step = steps[-1] if want < 0 else want
+  return src_cfg, (steps[-1] if want < 0 else want)
+
+
+def moejax_weights(src_cfg: ExperimentConfig, path: str, step: int) -> tuple[dict, dict]:
+  """(base params, router state) of a run's checkpoint, LoRA adapters merged."""
+  from moejax.train import load as load_lib  # pylint: disable=g-import-not-at-top
+  model, _ = load_lib.model_at(src_cfg, path, step)
+  _, params, router_state, _ = nnx.split(model, nnx.Param, nnx.Variable, ...)
+  params, router_state = nnx.to_pure_dict(params), nnx.to_pure_dict(router_state)
+  if src_cfg.finetune.lora:
+    params = lora_lib.merge_tree(params, src_cfg.finetune.lora_scale)
+  return params, router_state
+
+
+def _moejax_source(cfg: ExperimentConfig, path: str) -> Source:
+  src_cfg, step = moejax_run(cfg, path)
   notes = _check_shapes(cfg, src_cfg.model, path)
-
-  def load():
-    model, _ = load_lib.model_at(src_cfg, path, step)
-    _, params, router_state, _ = nnx.split(model, nnx.Param, nnx.Variable, ...)
-    params, router_state = nnx.to_pure_dict(params), nnx.to_pure_dict(router_state)
-    if src_cfg.finetune.lora:
-      params = lora_lib.merge_tree(params, src_cfg.finetune.lora_scale)
-    return params, router_state
-
-  return Source(path, "moejax", step, src_cfg.model, tuple(notes), load)
+  return Source(path, "moejax", step, src_cfg.model, tuple(notes),
+                lambda: moejax_weights(src_cfg, path, step))
 
 
 def _hf_source(cfg: ExperimentConfig, path: str) -> Source:
@@ -174,6 +197,41 @@ def _hf_source(cfg: ExperimentConfig, path: str) -> Source:
   return Source(path, "hf", None, model_cfg, tuple(notes), load)
 
 
+@dataclasses.dataclass(frozen=True)
+class SourceFormat:
+  """A kind of source (``finetune.source_format``): how it is opened and what model it holds.
+
+  ``open(cfg, path) -> Source`` (checks, reads nothing heavy); ``model(path, tree) ->
+  ModelConfig``: the model a run from this source trains (``tree``: the run's config tree,
+  whose ``model`` section an upcycling source reads for the MoE); ``describes``: in words.
+  """
+
+  name: str
+  open: Callable[[ExperimentConfig, str], Source]
+  model: Callable[[str, dict], ModelConfig]
+  describes: str
+
+
+_FORMATS: dict[str, SourceFormat] = {}
+# Formats registered by their own modules (imported on first use: they import this one).
+_FORMAT_MODULES = {"upcycle": "moejax.finetune.upcycle"}
+
+
+def register_format(fmt: SourceFormat) -> SourceFormat:
+  _FORMATS[fmt.name] = fmt
+  return fmt
+
+
+def get_format(name: str) -> SourceFormat:
+  if name not in _FORMATS and name in _FORMAT_MODULES:
+    import importlib  # pylint: disable=g-import-not-at-top
+    importlib.import_module(_FORMAT_MODULES[name])
+  if name not in _FORMATS:
+    raise ConfigError("finetune.source_format", name, "is not a source format",
+                      f"use one of {', '.join(sorted(set(_FORMATS) | set(_FORMAT_MODULES)))}")
+  return _FORMATS[name]
+
+
 def open_source(cfg: ExperimentConfig) -> Source:
   """The checked source of ``cfg`` (a fine-tuning run); reads only. See the module doc."""
   ft = cfg.finetune
@@ -183,24 +241,53 @@ def open_source(cfg: ExperimentConfig) -> Source:
   if not os.path.exists(path):
     raise ConfigError(FIELD, ft.source, "does not exist",
                       "pass an existing run directory or Hugging Face model directory")
-  return (_moejax_source if ft.source_format == "moejax" else _hf_source)(cfg, path)
+  return get_format(ft.source_format).open(cfg, path)
 
 
-def source_model(ft_source: str, source_format: str = "moejax") -> ModelConfig:
-  """The model config of a source (experiments.finetune builds its run with it)."""
-  cfg = ExperimentConfig()
-  path = os.path.expanduser(ft_source)
-  if source_format == "moejax":
-    from moejax.train import load as load_lib  # pylint: disable=g-import-not-at-top
+def detect_format(path: str) -> str:
+  """``moejax`` for a directory with checkpoints/, ``hf`` for one whose config.json has a
+  ``model_type``; ``moejax`` otherwise (its opener then says what is missing)."""
+  if os.path.isdir(os.path.join(path, "checkpoints")):
+    return "moejax"
+  config = os.path.join(path, "config.json")
+  if os.path.exists(config):
     try:
-      return load_lib.run_config(path).model
-    except ckpt_lib.WorkdirError as e:
-      raise ConfigError(FIELD, ft_source, "is not a moejax run directory (no config.json)",
-                        "pass the --workdir of a trained run, or --source_format=hf") from e
+      with open(config, encoding="utf-8") as f:
+        if "model_type" in json.load(f):
+          return "hf"
+    except (OSError, ValueError):
+      pass
+  return "moejax"
+
+
+def _moejax_model(ft_source: str, tree: Optional[dict] = None) -> ModelConfig:
+  del tree
+  from moejax.train import load as load_lib  # pylint: disable=g-import-not-at-top
+  try:
+    return load_lib.run_config(os.path.expanduser(ft_source)).model
+  except ckpt_lib.WorkdirError as e:
+    raise ConfigError(FIELD, ft_source, "is not a moejax run directory (no config.json)",
+                      "pass the --workdir of a trained run, or --source_format=hf") from e
+
+
+def _hf_model(ft_source: str, tree: Optional[dict] = None) -> ModelConfig:
+  del tree
   from moejax.interop import InteropError, load_hf_config  # pylint: disable=g-import-not-at-top
   from moejax.interop import models as hf_models  # pylint: disable=g-import-not-at-top
   try:
-    return hf_models.model_config_from_hf(load_hf_config(path), cfg.model)
+    return hf_models.model_config_from_hf(load_hf_config(os.path.expanduser(ft_source)),
+                                          ExperimentConfig().model)
   except InteropError as e:
     raise ConfigError(FIELD, ft_source, f"does not convert: {e}".rstrip("."),
                       "pass a Hugging Face Mixtral checkpoint directory") from e
+
+
+register_format(SourceFormat("moejax", _moejax_source, _moejax_model, "moejax run"))
+register_format(SourceFormat("hf", _hf_source, _hf_model, "Hugging Face model"))
+
+
+def source_model(ft_source: str, source_format: str = "moejax",
+                 tree: Optional[dict] = None) -> ModelConfig:
+  """The model config of a run from this source (experiments.finetune builds its run with it;
+  ``tree``: the run's config tree, read by formats that take the model from it)."""
+  return get_format(source_format).model(ft_source, tree or {})

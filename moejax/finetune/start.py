@@ -13,7 +13,8 @@ with the trainer's read-only checks, before the workdir is locked:
   the source again;
 - every start and resume prints the options, the domains the loss covers
   (:func:`moejax.finetune.scope.loss_scope`) and the accounting
-  (:mod:`moejax.finetune.accounting`) of the run.
+  (:mod:`moejax.finetune.accounting`) of the run, with the compute its
+  source's training cost (:func:`~moejax.finetune.accounting.compute_line`).
 
 A run from scratch (``finetune.source`` empty) gets None: nothing is said
 or changed.
@@ -41,6 +42,10 @@ def options(cfg: ExperimentConfig) -> str:
     parts.append(f"LoRA rank {ft.lora_rank} (x{ft.lora_scale:g}) on {', '.join(ft.lora)}")
   if ft.controller != "auto":
     parts.append(f"bias controller {ft.controller}")
+  if ft.source_format == "upcycle":
+    up = ft.upcycle
+    parts.append(f"upcycled (split {up.split}, noise {up.noise:g}, drop {up.drop:g}, "
+                 f"renormalize {up.renormalize}, router {up.router_init})")
   return "; ".join(parts)
 
 
@@ -58,4 +63,5 @@ def finetune_start(cfg: ExperimentConfig, *, fresh: bool, abstract_params: Any,
   say(f"fine-tuning ({options(cfg)}); {loss_scope(cfg)}")
   say("accounting before training:")
   say(accounting_lib.table({"this run": accounting_lib.accounting(cfg, abstract_params, tx)}))
+  say(accounting_lib.compute_line(cfg))
   return source
