@@ -258,7 +258,8 @@ def budget_mismatches(summary: Mapping, tolerance: float = 0.02,
       lo, hi = min(vals, key=vals.get), max(vals, key=vals.get)
       out.append(f"{title} differs by {100 * spread(list(vals.values())):.1f}% "
                  f"({lo} {human(vals[lo])} .. {hi} {human(vals[hi])})")
-  opts = {a["budget"].get("optimizer") for a in arms.values()}
+  opts = {a["budget"].get("optimizer") for n, a in arms.items()
+          if "optimizer" not in exempt.get(n, ())}
   if len(opts) > 1:
     out.append("optimizer settings differ: " + " | ".join(sorted(map(str, opts))))
   return out

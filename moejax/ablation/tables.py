@@ -59,12 +59,19 @@ def _has_trainable(summary: Mapping) -> bool:
              for a in summary["arms"].values())
 
 
+def _has_source_compute(summary: Mapping) -> bool:
+  """Whether some arm is charged its source's training (moejax.ablation.budget)."""
+  return any(a["budget"].get("compute") is not None for a in summary["arms"].values())
+
+
 def arms_table(summary: Mapping) -> str:
   base = summary.get("baseline")
   cols = skip_constant_zero(summary, present(summary, ARM_COLUMNS))
   trainable = _has_trainable(summary)
+  sourced = _has_source_compute(summary)
   head = (["arm", "seeds", "total params"] + (["trainable"] if trainable else [])
-          + ["active/token"] + [METRICS[k][0] for k in cols])
+          + ["active/token"] + (["tokens incl. source", "train FLOPs incl. source"]
+                                if sourced else []) + [METRICS[k][0] for k in cols])
   lines = ["| " + " | ".join(head) + " |", "|---|---:|" + "---:|" * (len(head) - 2)]
   for name, a in summary["arms"].items():
     label = f"{name} (baseline)" if name == base else name
@@ -72,6 +79,10 @@ def arms_table(summary: Mapping) -> str:
     if trainable:
       cells.append(fmt(a["budget"].get("trainable"), "total"))
     cells += [fmt(a["budget"].get("active"), "active")]
+    if sourced:
+      b = a["budget"]
+      cells += [human(float(b.get("total_tokens", b.get("tokens")) or 0)),
+                human(float(b.get("compute", 3.0 * b["flops_per_token"] * b["tokens"])))]
     cells += [_cell(a["metrics"].get(k), k) for k in cols]
     lines.append("| " + " | ".join(cells) + " |")
   return "\n".join(lines)

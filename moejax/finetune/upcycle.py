@@ -212,10 +212,10 @@ def open_upcycle(cfg: ExperimentConfig, path: str) -> source_lib.Source:
   _check_shapes(cfg, dense, path)
   moe = cfg.model.moe
   layers = [i for i in range(cfg.model.n_layers) if cfg.model.is_moe_layer(i)]
-  notes = (f"upcycling: {'moejax run' if kind == 'moejax' else 'Hugging Face model'} made an "
-           f"MoE in layers {layers}: E={moe.num_experts} top-{moe.routing.top_k}, split "
+  notes = (f"model.moe: upcycled from the {'moejax run' if kind == 'moejax' else 'Hugging Face'}"
+           f" dense FFNs in layers {layers} (E={moe.num_experts} top-{moe.routing.top_k}, split "
            f"{up.split}, noise {up.noise:g}, drop {up.drop:g}, renormalize {up.renormalize}, "
-           f"router {up.router_init}",)
+           f"router {up.router_init})",)
   load = lambda: (upcycle_params(load_dense(), cfg.model, up, cfg.train.seed), None)
   return source_lib.Source(path, "upcycle", step, dense, notes, load)
 
