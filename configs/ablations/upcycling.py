@@ -25,8 +25,8 @@ cosine schedule):
   SOURCE_STEPS + EXTRA_STEPS steps: the dense pre-training's tokens plus the
   additional ones.
 
-Held fixed: ``total_tokens`` (the arm's tokens plus its source's) and
-``compute`` (training FLOPs plus the source's; the router's d x E FLOPs per
+Held fixed: ``tokens`` and ``optimizer`` (the additional training),
+``total_tokens`` (the arm's tokens plus its source's) and ``compute`` (training FLOPs plus the source's; the router's d x E FLOPs per
 token make the MoE arms ~1% dearer). ``scratch`` is exempt from ``tokens``
 and ``optimizer`` (it has more steps by design), ``dense_continue`` from
 ``total`` (the dense model holds 1/3 of the MoE's parameters). Compared: upcycle vs dense
@@ -69,7 +69,7 @@ def get_config():
           "scratch": dict(finetune=dict(source="", source_format="moejax", upcycle=no_upcycle),
                           train=_steps(SOURCE_STEPS + EXTRA_STEPS)),
       },
-      fixed=dict(total_tokens=0.0, compute=0.02),
+      fixed=dict(tokens=0.0, optimizer=0.0, total_tokens=0.0, compute=0.02),
       exempt=dict(scratch=("tokens", "optimizer"), dense_continue=("total",)),
       seeds=(0, 1, 2),
       baseline="dense_continue",
