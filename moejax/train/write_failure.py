@@ -47,8 +47,12 @@ def classify(e: BaseException) -> Optional[tuple[int, Optional[str]]]:
       return e.errno, e.filename
     code = _CODE.search(str(e))
     if code and int(code.group(1)) in WRITE_ERRNOS:
-      path = _PATH.search(str(e))
-      return int(code.group(1)), path.group(1) if path else None
+      # The first absolute path: in 'Error writing "KEY" in OCDBT database at local file
+      # "/DIR/": Failed writing: "/DIR/d/FILE"' the first quoted name is an array's key
+      # inside the database.
+      paths = _PATH.findall(str(e))
+      return int(code.group(1)), next((p for p in paths if os.path.isabs(p)),
+                                      paths[0] if paths else None)
     e = e.__cause__ or e.__context__
   return None
 
