@@ -7,12 +7,13 @@ custom dataset config it opens. None of it is something a moejax user acts
 on. Both log through absl, that is the Python logger ``"absl"``.
 
 :class:`LibraryChatter` is the filter that drops those records below ERROR.
-Errors pass, except orbax's own records of a failed write (a full disk, a
-read-only directory: the exception :func:`moejax.train.write_failure.classify`
-recognises): when a checkpoint write fails, orbax logs several ERROR records,
-each with the same TensorStore traceback (a few thousand characters), while
-the trainer reports that failure in its one ``error:`` line (path, errno,
-resume point, fix), so they are dropped too. :func:`quiet_library_logs` applies it to the ``absl``
+Errors pass, except, in the binaries, orbax's own records of a failed write
+(a full disk, a read-only directory;
+:func:`moejax.train.write_failure.reported_by_moejax`): when a checkpoint
+write fails, orbax logs several ERROR records, each with the same
+TensorStore traceback (a few thousand characters), while the trainer
+reports that failure in its one ``error:`` line (path, errno, resume point,
+fix), so they are dropped too. :func:`quiet_library_logs` applies it to the ``absl``
 logger for the duration of a ``with`` block only, so a Python caller's
 logging config is left as it was; the binaries install it on their handlers
 for the whole run (``experiments.cli.quiet_logs``). Either way it stays off
@@ -24,6 +25,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+from typing import Callable, Optional
 
 from absl import flags
 
@@ -32,8 +34,17 @@ NOISY_PACKAGES = ("orbax", "tensorflow_datasets")
 
 
 class LibraryChatter(logging.Filter):
-  """Drops INFO / WARNING records logged from the :data:`NOISY_PACKAGES`, and orbax's ERROR
-  records of a write failure (reported by moejax's own ``error:`` line)."""
+  """Drops INFO / WARNING records logged from the :data:`NOISY_PACKAGES`.
+
+  ``reported``: ``record -> bool``, the ERROR records of those packages to
+  drop too because moejax reports their failure itself (the binaries pass
+  :func:`moejax.train.write_failure.reported_by_moejax`: orbax's records of a
+  failed checkpoint write). Without it, every error passes.
+  """
+
+  def __init__(self, reported: Optional[Callable[[logging.LogRecord], bool]] = None):
+    super().__init__()
+    self.reported = reported
 
   def filter(self, record: logging.LogRecord) -> bool:
     parts = (record.pathname or "").split(os.sep)
@@ -41,17 +52,7 @@ class LibraryChatter(logging.Filter):
       return True
     if record.levelno < logging.ERROR:
       return False
-    return not ("orbax" in parts and reported_write_failure(record))
-
-
-def reported_write_failure(record: logging.LogRecord) -> bool:
-  """Whether the record's exception (or, without one, its message) is a failed write."""
-  # pylint: disable=g-import-not-at-top
-  from moejax.train import write_failure  # imported here: moejax.train imports this module
-  error = record.exc_info[1] if record.exc_info and record.exc_info[1] is not None else None
-  if error is None:
-    error = RuntimeError(record.getMessage())
-  return write_failure.classify(error) is not None
+    return self.reported is None or not self.reported(record)
 
 
 def chatter_wanted() -> bool:

@@ -12,7 +12,7 @@ import sys
 import pytest
 
 import moejax
-from moejax import chatter
+from experiments import cli
 from moejax.train import checkpoint as ckpt_lib
 from moejax.train import step as step_lib
 from moejax.train.optim import make_optimizer
@@ -113,7 +113,7 @@ def _shown(*records) -> str:
   """What a handler with the binaries' filter (experiments.cli.quiet_logs) prints."""
   out = io.StringIO()
   handler = logging.StreamHandler(out)
-  handler.addFilter(chatter.LibraryChatter())
+  handler.addFilter(cli.library_filter())
   for record in records:
     handler.handle(record)
   return out.getvalue()

@@ -19,6 +19,7 @@ space (a restart's checkpoint manager would delete them too, and
 from __future__ import annotations
 
 import errno
+import logging
 import os
 import re
 import shutil
@@ -55,6 +56,16 @@ def classify(e: BaseException) -> Optional[tuple[int, Optional[str]]]:
                                       paths[0] if paths else None)
     e = e.__cause__ or e.__context__
   return None
+
+
+def reported_by_moejax(record: logging.LogRecord) -> bool:
+  """Whether an orbax log record is about a write failure (its exception, or without one its
+  message, :func:`classify`), which the trainer reports in its own ``error:`` line
+  (``moejax.chatter.LibraryChatter``'s ``reported`` in the binaries)."""
+  if "orbax" not in (record.pathname or "").split(os.sep):
+    return False
+  error = record.exc_info[1] if record.exc_info and record.exc_info[1] is not None else None
+  return classify(error if error is not None else RuntimeError(record.getMessage())) is not None
 
 
 def failure(e: BaseException, workdir: str, last_step: Optional[int],
