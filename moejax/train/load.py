@@ -17,8 +17,10 @@ data state that differs from what was saved is a
 :class:`~moejax.train.checkpoint.WorkdirError` naming the checkpoint, the leaf
 and the fix (load an earlier step, or move the damaged one aside); a
 checkpoint without the file (an older moejax, a run killed before it was
-written) loads, unverified, and one line on stderr says so, once per
-checkpoint directory in a process.
+written), or with arrays recorded unverified (sharded over the processes of
+the run that saved them), loads, and one line on stderr says what was not
+verified: once per run directory (an analysis loads every kept checkpoint),
+by process 0 of a multi-process program.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ import os
 import sys
 from typing import Optional
 
+import jax
 from flax import nnx
 
 from moejax import chatter
@@ -75,26 +78,26 @@ def model_at(cfg: ExperimentConfig, workdir: str, step: Optional[int] = None):
   return nnx.merge(graphdef, tree["params"], tree["router_state"], tree["other"]), step
 
 
-# Checkpoint directories already said to be unverified in this process (one line each, not one
-# per moejax.load of the same checkpoint: an analysis loads every kept step, a notebook reloads).
+# Run directories already said to hold an unverified checkpoint in this process (one line each,
+# not one per moejax.load: an analysis loads every kept step, a notebook reloads).
 _SAID_UNVERIFIED: set[str] = set()
 
 
 def _verify(step_dir: str, step: int, steps, tree, data_state: dict) -> None:
   """WorkdirError when the restored checkpoint differs from its checksums (module doc)."""
   verdict = integrity.verify_step(step_dir, tree, data_state)
+  workdir = os.path.dirname(os.path.dirname(step_dir))
   if verdict.mismatches:
     earlier = [s for s in steps if s < step]
     pick = (f"load an earlier checkpoint (step={earlier[-1]}; kept: {list(steps)})" if earlier
             else "retrain the run (no earlier checkpoint is kept)")
-    workdir = os.path.dirname(os.path.dirname(step_dir))
     aside = os.path.join(workdir, ckpt_lib.DAMAGED_DIR, str(step))
     raise ckpt_lib.WorkdirError(
         f"checkpoint {step} in {os.path.dirname(step_dir)} is {verdict.note}. Fix: {pick}, or "
         f"move it aside (mv {step_dir} {aside}) and resume the run, which trains from the "
         "previous checkpoint")
-  if not verdict.verified and step_dir not in _SAID_UNVERIFIED:
-    _SAID_UNVERIFIED.add(step_dir)
+  if not verdict.verified and workdir not in _SAID_UNVERIFIED and jax.process_index() == 0:
+    _SAID_UNVERIFIED.add(workdir)
     print(f"note: {step_dir} loaded {verdict.note}", file=sys.stderr)
 
 
