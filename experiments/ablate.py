@@ -35,6 +35,13 @@ Seeds in parallel: run each seed as its own process and directory
 then ``--import_runs=DIR_0,DIR_1,DIR_2 --workdir=DIR`` with the full suite
 copies their finished runs into ``DIR/<arm>/seed_<s>`` (moejax.ablation.merge)
 and writes the summary without training them again.
+
+Several processes (``--coordinator_address=HOST:PORT --num_processes=N
+--process_id=I``, or a SLURM / Open MPI / TPU-pod launch; see
+experiments/distributed.py and docs/parallel.md): every process runs every
+arm in the same order, each arm's training spread over all their devices;
+process 0 holds the suite's lock and writes every file of the suite
+(moejax.ablation.runner), and decides which runs are finished for all.
 """
 
 from __future__ import annotations
@@ -101,6 +108,7 @@ def main(argv):
   from moejax.config import ConfigError
   from moejax.data import DatasetUnavailableError
   from moejax.train import guard
+  from moejax.train.processes import LeadFailed
   from moejax.train.preempt import Preempted
   from moejax.train.checkpoint import WorkdirError
   try:
@@ -127,12 +135,6 @@ def main(argv):
       return
     if not _WORKDIR.value:
       cli.fail("--workdir is required unless --budget_only, --dry_run or --print_config")
-    import jax  # pylint: disable=g-import-not-at-top
-    if jax.process_count() > 1:  # the runner's suite lock and files assume one process
-      cli.fail(f"experiments.ablate runs a suite in one process (this launch has "
-               f"{jax.process_count()}: every process would take the suite's lock and write "
-               "its files). Fix: launch it as one process (--num_processes=1 inside a cluster "
-               "job), or train a single config across the processes with experiments.train")
     cli.compilation_cache(_WORKDIR.value)  # written from the first compile: after the checks
     imports = ((lambda: merge.import_runs(suite, _WORKDIR.value, _IMPORT_RUNS.value))
                if _IMPORT_RUNS.value else None)
@@ -140,6 +142,8 @@ def main(argv):
                      take_over_lock=_TAKE_OVER.value)
   except Preempted as e:  # SIGTERM / SIGINT: checkpoint written, lock released
     cli.preempted(e)
+  except LeadFailed as e:  # process 0's refusal, on another process: the same error line
+    cli.fail(e.line)
   except (ConfigError, BudgetError, DatasetUnavailableError, WorkdirError,
           guard.NonFiniteError) as e:
     cli.fail(f"{type(e).__name__}: {e}")

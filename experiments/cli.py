@@ -10,8 +10,9 @@
 - :func:`fail` prints ``error: ...`` to stderr and exits with status 1.
 - :func:`preempted` prints the line of a run stopped by SIGTERM / SIGINT
   (:mod:`moejax.train.preempt`) and exits with 143 / 130.
-- :func:`quiet_logs`: absl INFO, and TFDS / orbax notes below ERROR, stay
-  out of the output unless ``--verbosity`` (``-v``) is given.
+- :func:`quiet_logs`: absl INFO, TFDS / orbax notes below ERROR, and
+  orbax's error records of a failed checkpoint write (the ``error:`` line
+  reports it) stay out of the output unless ``--verbosity`` (``-v``) is given.
 """
 
 from __future__ import annotations
@@ -122,7 +123,14 @@ def quiet_logs(level=logging.WARNING) -> None:
   logging.set_verbosity(level)
   for handler in py_logging.getLogger().handlers + [logging.get_absl_handler()]:
     if not any(isinstance(f, chatter.LibraryChatter) for f in handler.filters):
-      handler.addFilter(chatter.LibraryChatter())
+      handler.addFilter(library_filter())
+
+
+def library_filter() -> chatter.LibraryChatter:
+  """The binaries' log filter: library notes, and orbax's records of a write failure the
+  trainer's ``error:`` line reports (moejax.train.write_failure), dropped."""
+  from moejax.train import write_failure  # pylint: disable=g-import-not-at-top
+  return chatter.LibraryChatter(reported=write_failure.reported_by_moejax)
 
 
 COMPILE_CACHE_DIR = "compile_cache"

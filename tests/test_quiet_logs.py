@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import errno
+import io
 import logging
 import os
 import subprocess
@@ -10,6 +12,7 @@ import sys
 import pytest
 
 import moejax
+from experiments import cli
 from moejax.train import checkpoint as ckpt_lib
 from moejax.train import step as step_lib
 from moejax.train.optim import make_optimizer
@@ -84,3 +87,53 @@ def test_generate_prints_no_log_lines_and_verbosity_brings_them_back(tiny_run, t
   loud = _generate(tiny_run, cache, "--verbosity=1")
   assert loud.returncode == 0, loud.stderr[-2000:]
   assert "checkpoint_manager.py" in loud.stderr and "Restoring checkpoint from" in loud.stderr
+
+
+# One of the five ERROR records orbax logs when a checkpoint write hits a full disk (the message
+# shortened; the real one carries the whole TensorStore spec), as tests/train/test_write_failure.py
+# has it.
+_ENOSPC = ('RESOURCE_EXHAUSTED: Failed writing: "/w/checkpoints/340.orbax-checkpoint-tmp/state/d/'
+           "a8\": Failed to write 2318 bytes to file 14: No space left on device "
+           "[os_error_code='28']")
+_ORBAX = os.path.join(os.sep, "venv", "site-packages", "orbax", "checkpoint", "_src", "futures",
+                      "future.py")
+
+
+def _record(pathname: str, level: int, message: str, error: BaseException | None):
+  exc_info = None
+  if error is not None:
+    try:
+      raise error
+    except type(error):
+      exc_info = sys.exc_info()
+  return logging.LogRecord("absl", level, pathname, 387, message, (), exc_info)
+
+
+def _shown(*records) -> str:
+  """What a handler with the binaries' filter (experiments.cli.quiet_logs) prints."""
+  out = io.StringIO()
+  handler = logging.StreamHandler(out)
+  handler.addFilter(cli.library_filter())
+  for record in records:
+    handler.handle(record)
+  return out.getvalue()
+
+
+def test_orbax_error_records_of_a_failed_write_are_left_to_moejax_error_line():
+  thread = "[process=0][thread=array_type_handler] _SignalingThread.run() raised an exception: "
+  failed = [
+      _record(_ORBAX, logging.ERROR, thread + _ENOSPC, ValueError(_ENOSPC)),
+      _record(_ORBAX, logging.ERROR, "Save Finalize thread (save_finalize) failed.",
+              OSError(errno.EROFS, "Read-only file system", "/w/checkpoints/50.orbax-tmp")),
+      _record(_ORBAX, logging.ERROR, thread + _ENOSPC, None),  # the errno in the message only
+  ]
+  assert _shown(*failed) == ""
+  # Any other orbax error passes whole, traceback included; so do errors of other code.
+  other = _record(_ORBAX, logging.ERROR, "restore failed", KeyError("params"))
+  text = _shown(other)
+  assert text.startswith("restore failed\nTraceback (most recent call last):") and \
+      "KeyError: 'params'" in text
+  mine = _record(os.path.join(os.sep, "src", "moejax", "x.py"), logging.ERROR, _ENOSPC, None)
+  assert _shown(mine) == _ENOSPC + "\n"
+  # Orbax's notes below ERROR stay dropped, as before.
+  assert _shown(_record(_ORBAX, logging.WARNING, "a note", None)) == ""

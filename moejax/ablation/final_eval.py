@@ -42,6 +42,7 @@ import numpy as np
 from moejax import data as data_lib
 from moejax.ablation import analysis as analysis_lib
 from moejax.evaluate import validation
+from moejax.train import processes
 from moejax.train import step as step_lib
 from moejax.train.config import ExperimentConfig
 
@@ -79,12 +80,15 @@ def evaluate_state(exp: ExperimentConfig, params, router_state, other, step: int
                    graphdef=None) -> FinalEval:
   """The whole-split evaluation of a state (pure-dict params, router state, other).
 
-  The state may live on any devices (the trainer's mesh): it is read to the
-  host first and evaluated with the single-device model of ``exp``.
+  The state may live on any devices (the trainer's mesh, over several
+  processes): it is read whole to the host first and evaluated with the
+  single-device model of ``exp``; every process of a multi-process run calls
+  this with its part of the same state and gets the same evaluation.
   """
   if graphdef is None:
     graphdef = _graphdef(exp)
-  params, router_state, other = jax.device_get((params, router_state, other))
+  # Whole on every process of a multi-process run (each evaluates the same split alike).
+  params, router_state, other = processes.host_tree((params, router_state, other))
   docs = data_lib.load_documents(exp.data, exp.data.eval_split)
   eval_step = validation.make_eval_step(graphdef, exp.model, len(docs.domain_names),
                                         num_docs=len(docs), with_routing=True)

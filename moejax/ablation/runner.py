@@ -24,10 +24,22 @@ rate) is refused there, naming the run and the field; ``extend=True``
 (``--extend``) trains the extra steps instead. The suite directory is
 locked while the suite runs (moejax.train.lock), each run's directory by its
 trainer.
+
+Several processes (a multi-process launch of ``experiments.ablate``): every
+process runs every run in the same order (each run's training, final
+evaluation and analysis need them all: the trainer's steps are collectives,
+the evaluation gathers the sharded state); process 0 alone holds the suite's
+lock and writes the suite's files (suite.json, budget.json, each run's
+result.json, routing.json and per_doc_loss.npz, the summary and plots), and
+the others read them after a barrier. Which runs are finished, and what
+happens to the others, is decided once by process 0 and sent to every
+process (:func:`moejax.train.processes.decided_by_lead`), so that no process
+can take another branch (:func:`run_suite`).
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import os
@@ -48,6 +60,7 @@ from moejax.balance.aux import LayerMetrics
 from moejax.train import checkpoint as ckpt_lib
 from moejax.train import lock as lock_lib
 from moejax.train import metrics_log
+from moejax.train import processes
 from moejax.train import step as step_lib
 from moejax.topology.accounting import human
 from moejax.train.config import ExperimentConfig, experiment_to_json
@@ -301,15 +314,23 @@ def run_suite(suite: Suite, workdir: str, *, out: TextIO = sys.stdout,
     train_fn = lambda exp, path, out, eta, hook: custom(exp, path, out=out)
   say = lambda text: print(text, file=out, flush=True)
   b = check_suite(suite, out)  # raises before anything is written
-  if before_plan is not None:
-    before_plan()
-  # Raises before anything is written.
-  plan = dict(plan_suite(suite, workdir, extend, take_over_lock))
   from moejax.data import fingerprint as fingerprint_lib  # pylint: disable=g-import-not-at-top
-  corpus = fingerprint_lib.corpus_fingerprint(suite.arms[0].experiment.data)
+
+  def decide() -> dict:  # process 0's reading of the directory, for every process
+    if before_plan is not None:
+      before_plan()
+    # Raises before anything is written.
+    return {"plan": plan_suite(suite, workdir, extend, take_over_lock),
+            # Reads (and on first use prepares) the dataset: once, before the others read it.
+            "corpus": fingerprint_lib.corpus_fingerprint(suite.arms[0].experiment.data)}
+  decided = processes.decided_by_lead(decide)
+  plan, corpus = {rel: what for rel, what in decided["plan"]}, decided["corpus"]
   say(f"corpus: {corpus['id']} (Python {corpus['python_version']})")
   prov = provenance.run_provenance(plugins=_suite_plugins(suite))
-  with lock_lib.WorkdirLock(workdir, say, take_over_lock):
+  lead = processes.is_lead()
+  # One process of a multi-process run holds the suite's lock for all of them.
+  locked = lock_lib.WorkdirLock(workdir, say, take_over_lock) if lead else contextlib.nullcontext()
+  with locked:
     _write_json(os.path.join(workdir, "suite.json"), {
         "name": suite.name, "description": suite.description, "fixed": dict(suite.fixed),
         "seeds": list(suite.seeds), "analysis": dict(suite.analysis),
@@ -324,7 +345,9 @@ def run_suite(suite: Suite, workdir: str, *, out: TextIO = sys.stdout,
     _write_json(os.path.join(workdir, "budget.json"), {n: v.as_dict() for n, v in b.items()})
     results = _train_runs(suite, workdir, b, plan, train_fn, analyse_runs, say, out, corpus,
                           prov)
-    summary_lib.write_summary(workdir, suite_name=suite.name)
+    if lead:
+      summary_lib.write_summary(workdir, suite_name=suite.name)
+  processes.sync("moejax_ablate_summary")  # the others print the summary process 0 wrote
   _report_suite(workdir, say)
   return results
 
@@ -371,7 +394,7 @@ def _train_runs(suite, workdir, b, plan, train_fn, analyse_runs, say, out, corpu
     # The trainer's final evaluation when it made one here; else (a run trained earlier, or
     # a custom train_fn) the same evaluation of the final checkpoint.
     ev = hook.result or final_eval.final_evaluation(exp, path)
-    res.update(_final_metrics(ev, path))
+    res.update(_final_metrics(ev, path, write=processes.is_lead()))
     if exp.finetune.enabled and seed in source_results and arm.experiment.finetune.source \
         == sources_lib.SUITE_SOURCE:
       res.update(sources_lib.finetune_metrics(exp, ev, source_results[seed]))
@@ -397,6 +420,7 @@ def _train_runs(suite, workdir, b, plan, train_fn, analyse_runs, say, out, corpu
                                 "analysis": time.process_time() - c_evaluated}
     res["experiment"] = json.loads(experiment_to_json(exp))
     _write_json(os.path.join(path, RESULT_FILE), res)  # last: marks the run finished
+    processes.sync(f"moejax_ablate_run_{rel}")  # every process is done with this run
     results[rel] = res
     walls.append(res["wall_seconds"])
     trained = (summary or {}).get("train_seconds") or 0.0
@@ -438,10 +462,13 @@ def _report_suite(workdir: str, say) -> None:
       "metrics.jsonl, tensorboard/, checkpoints/ per run")
 
 
-def _final_metrics(ev: final_eval.FinalEval, path: str) -> dict:
-  """The run's final numbers from the whole-split evaluation, and its per-document file."""
+def _final_metrics(ev: final_eval.FinalEval, path: str, write: bool = True) -> dict:
+  """The run's final numbers from the whole-split evaluation, and (``write``) its
+  per-document file."""
+  if write:
+    final_eval.write_per_doc(path, ev)
   out = {"val_loss": ev.metrics["loss"], "val_tokens": ev.metrics["tokens"],
-         "per_doc": {"file": os.path.basename(final_eval.write_per_doc(path, ev)),
+         "per_doc": {"file": final_eval.PER_DOC_FILE,
                      "documents": int(ev.doc_count.size), "step": ev.step}}
   for k in ("max_vio_global", "specialisation_mi", "specialisation_mi_norm"):
     if k in ev.metrics:
@@ -454,6 +481,9 @@ def _final_metrics(ev: final_eval.FinalEval, path: str) -> dict:
 
 
 def _write_json(path: str, obj, indent: Optional[int] = 1) -> None:
+  """Writes ``obj`` to ``path`` atomically; on process 0 only (the others' files are its)."""
+  if not processes.is_lead():
+    return
   tmp = path + ".tmp"
   with open(tmp, "w", encoding="utf-8") as f:
     json.dump(obj, f, indent=indent, sort_keys=True, default=_default)

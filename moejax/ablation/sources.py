@@ -40,6 +40,7 @@ import numpy as np
 from moejax.ablation import final_eval
 from moejax.ablation.suite import SUITE_SOURCE, Suite
 from moejax.train import checkpoint as ckpt_lib
+from moejax.train import processes
 from moejax.train.config import ExperimentConfig, experiment_to_json
 
 SOURCE_RESULT = "source_result.json"
@@ -86,7 +87,8 @@ def train_sources(suite: Suite, workdir: str, train_fn, say, out, corpus) -> dic
   results = {}
   for seed, rel in suite.source_runs():
     exp, path = seeded(suite.source, seed), os.path.join(workdir, rel)
-    if is_finished(path, exp):
+    # Process 0's answer on every process (moejax.ablation.runner: several processes).
+    if processes.decided_by_lead(lambda: is_finished(path, exp)):
       say(f"[source] {rel}: finished earlier, reused")
       results[seed] = _read(path)
       continue
@@ -103,10 +105,12 @@ def train_sources(suite: Suite, workdir: str, train_fn, say, out, corpus) -> dic
     for k in ("max_vio_global", "specialisation_mi", "specialisation_mi_norm"):
       if k in ev.metrics:
         res[k] = ev.metrics[k]
-    tmp = os.path.join(path, SOURCE_RESULT + ".tmp")
-    with open(tmp, "w", encoding="utf-8") as f:
-      json.dump(res, f, indent=1, sort_keys=True)
-    os.replace(tmp, os.path.join(path, SOURCE_RESULT))
+    if processes.is_lead():
+      tmp = os.path.join(path, SOURCE_RESULT + ".tmp")
+      with open(tmp, "w", encoding="utf-8") as f:
+        json.dump(res, f, indent=1, sort_keys=True)
+      os.replace(tmp, os.path.join(path, SOURCE_RESULT))
+    processes.sync(f"moejax_ablate_source_{rel}")
     results[seed] = res
   return results
 

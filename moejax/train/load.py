@@ -10,6 +10,17 @@
 The config is the run's ``config.json`` (an ExperimentConfig); the model is
 built from it and merged with the checkpoint's params and router state (the
 aux-loss-free bias), so it routes as it did in training. Nothing is written.
+
+The checkpoint is verified against its ``checksums.json`` (the rule of
+:mod:`moejax.train.integrity`, as a resumed run applies it): an array or the
+data state that differs from what was saved is a
+:class:`~moejax.train.checkpoint.WorkdirError` naming the checkpoint, the leaf
+and the fix (load an earlier step, or move the damaged one aside); a
+checkpoint without the file (an older moejax, a run killed before it was
+written), or with arrays recorded unverified (sharded over the processes of
+the run that saved them), loads, and one line on stderr says what was not
+verified: once per run directory (an analysis loads every kept checkpoint),
+by process 0 of a multi-process program.
 """
 
 from __future__ import annotations
@@ -19,11 +30,13 @@ import os
 import sys
 from typing import Optional
 
+import jax
 from flax import nnx
 
 from moejax import chatter
 from moejax.config import plugins as plugins_lib
 from moejax.train import checkpoint as ckpt_lib
+from moejax.train import integrity
 from moejax.train import step as step_lib
 from moejax.train.config import ExperimentConfig, experiment_from_dict
 from moejax.train.optim import make_optimizer
@@ -58,10 +71,34 @@ def model_at(cfg: ExperimentConfig, workdir: str, step: Optional[int] = None):
   with chatter.quiet_library_logs():
     ckpt = ckpt_lib.Checkpointer(workdir, max(len(steps), 1), read_only=True)
     try:
-      tree, _ = ckpt.restore(step, abstract.checkpoint_tree())
+      tree, data_state = ckpt.restore(step, abstract.checkpoint_tree())
+      _verify(ckpt.step_dir(step), step, steps, tree, data_state)
     finally:
       ckpt.close()
   return nnx.merge(graphdef, tree["params"], tree["router_state"], tree["other"]), step
+
+
+# Run directories already said to hold an unverified checkpoint in this process (one line each,
+# not one per moejax.load: an analysis loads every kept step, a notebook reloads).
+_SAID_UNVERIFIED: set[str] = set()
+
+
+def _verify(step_dir: str, step: int, steps, tree, data_state: dict) -> None:
+  """WorkdirError when the restored checkpoint differs from its checksums (module doc)."""
+  verdict = integrity.verify_step(step_dir, tree, data_state)
+  workdir = os.path.dirname(os.path.dirname(step_dir))
+  if verdict.mismatches:
+    earlier = [s for s in steps if s < step]
+    pick = (f"load an earlier checkpoint (step={earlier[-1]}; kept: {list(steps)})" if earlier
+            else "retrain the run (no earlier checkpoint is kept)")
+    aside = os.path.join(workdir, ckpt_lib.DAMAGED_DIR, str(step))
+    raise ckpt_lib.WorkdirError(
+        f"checkpoint {step} in {os.path.dirname(step_dir)} is {verdict.note}. Fix: {pick}, or "
+        f"move it aside (mv {step_dir} {aside}) and resume the run, which trains from the "
+        "previous checkpoint")
+  if not verdict.verified and workdir not in _SAID_UNVERIFIED and jax.process_index() == 0:
+    _SAID_UNVERIFIED.add(workdir)
+    print(f"note: {step_dir} loaded {verdict.note}", file=sys.stderr)
 
 
 def load(workdir: str, step: Optional[int] = None):

@@ -19,6 +19,7 @@ space (a restart's checkpoint manager would delete them too, and
 from __future__ import annotations
 
 import errno
+import logging
 import os
 import re
 import shutil
@@ -47,10 +48,24 @@ def classify(e: BaseException) -> Optional[tuple[int, Optional[str]]]:
       return e.errno, e.filename
     code = _CODE.search(str(e))
     if code and int(code.group(1)) in WRITE_ERRNOS:
-      path = _PATH.search(str(e))
-      return int(code.group(1)), path.group(1) if path else None
+      # The first absolute path: in 'Error writing "KEY" in OCDBT database at local file
+      # "/DIR/": Failed writing: "/DIR/d/FILE"' the first quoted name is an array's key
+      # inside the database.
+      paths = _PATH.findall(str(e))
+      return int(code.group(1)), next((p for p in paths if os.path.isabs(p)),
+                                      paths[0] if paths else None)
     e = e.__cause__ or e.__context__
   return None
+
+
+def reported_by_moejax(record: logging.LogRecord) -> bool:
+  """Whether an orbax log record is about a write failure (its exception, or without one its
+  message, :func:`classify`), which the trainer reports in its own ``error:`` line
+  (``moejax.chatter.LibraryChatter``'s ``reported`` in the binaries)."""
+  if "orbax" not in (record.pathname or "").split(os.sep):
+    return False
+  error = record.exc_info[1] if record.exc_info and record.exc_info[1] is not None else None
+  return classify(error if error is not None else RuntimeError(record.getMessage())) is not None
 
 
 def failure(e: BaseException, workdir: str, last_step: Optional[int],

@@ -1,6 +1,7 @@
 """Launches ``python -m experiments.train`` as N local processes (gloo on 127.0.0.1), as a user would.
 
-Shared by the multi-process trainer tests: every process gets
+Shared by the multi-process trainer and ablation tests (``command``: another
+binary's command line, e.g. ``experiments.ablate``): every process gets
 ``--coordinator_address=127.0.0.1:PORT --num_processes=N --process_id=I``
 and ``JAX_NUM_CPU_DEVICES`` devices; the binary initialises
 ``jax.distributed`` itself (experiments/distributed.py).
@@ -54,13 +55,16 @@ class Launched:
 
 
 def start(data_dir: str, workdir: str, overrides: dict, *, processes: int, devices: int,
-          env_extra: dict, extra_flags=(), log_dir: str) -> Launched:
-  """Starts ``processes`` processes of the binary (each ``devices`` CPU devices)."""
+          env_extra: dict, extra_flags=(), log_dir: str, command=None) -> Launched:
+  """Starts ``processes`` processes of the binary (each ``devices`` CPU devices).
+
+  ``command``: the command line to launch instead of :func:`train_args`'s.
+  """
   env = dict(os.environ, JAX_NUM_CPU_DEVICES=str(devices), **BASE_ENV, **env_extra)
   port = free_port()
   launched = Launched([], [], [])
   for i in range(processes):
-    args = train_args(data_dir, workdir, overrides) + list(extra_flags)
+    args = list(command or train_args(data_dir, workdir, overrides)) + list(extra_flags)
     if processes > 1:
       args += [f"--coordinator_address=127.0.0.1:{port}", f"--num_processes={processes}",
                f"--process_id={i}"]
@@ -74,18 +78,19 @@ def start(data_dir: str, workdir: str, overrides: dict, *, processes: int, devic
 
 
 def run(data_dir: str, workdir: str, overrides: dict, *, processes: int, devices: int,
-        env_extra: dict, log_dir: str, timeout: int = 600) -> list[str]:
-  """Runs a launch to its end; every process must exit 0. Returns their stdouts."""
+        env_extra: dict, log_dir: str, timeout: int = 600, command=None,
+        status: int = 0) -> list[str]:
+  """Runs a launch to its end; every process must exit ``status``. Returns their stdouts."""
   os.makedirs(log_dir, exist_ok=True)
   launched = start(data_dir, workdir, overrides, processes=processes, devices=devices,
-                   env_extra=env_extra, log_dir=log_dir)
+                   env_extra=env_extra, log_dir=log_dir, command=command)
   try:
     for p in launched.procs:
       p.wait(timeout=timeout)
   finally:
     launched.kill()
   for i, p in enumerate(launched.procs):
-    assert p.returncode == 0, (f"process {i} exited {p.returncode}:\nstdout:\n"
+    assert p.returncode == status, (f"process {i} exited {p.returncode}:\nstdout:\n"
                                f"{launched.text(i)[-3000:]}\nstderr:\n"
                                f"{launched.text(i, 'err')[-6000:]}")
   return [launched.text(i) for i in range(processes)]

@@ -22,6 +22,7 @@ from moejax.train import checkpoint as ckpt_lib
 from moejax.train import guard, integrity, loop, metrics_log
 from moejax.train import step as step_lib
 from moejax.train.optim import make_optimizer
+from tests.train import helpers
 
 SHA_EMPTY = "e3b0c44298fc1c149afbf4c8996fb92427ae41e4649b934ca495991b7852b855"  # sha256(b"")
 
@@ -106,19 +107,6 @@ def _abstract(cfg):
   return abstract.checkpoint_tree()
 
 
-def _flip_one_byte(workdir, step):
-  """Flips the lowest bit of the middle byte of the largest array data file of ``step``."""
-  root = os.path.join(workdir, "checkpoints", str(step), "state")
-  files = [os.path.join(d, f) for d, _, fs in os.walk(root) for f in fs
-           if os.sep + "d" + os.sep in os.path.join(d, f)]
-  path = max(files, key=os.path.getsize)
-  with open(path, "r+b") as f:
-    f.seek(os.path.getsize(path) // 2)
-    byte = f.read(1)[0]
-    f.seek(-1, os.SEEK_CUR)
-    f.write(bytes([byte ^ 0x01]))
-
-
 def test_a_checkpoint_without_checksums_is_accepted_unverified(tiny_copy):
   cfg, workdir = tiny_copy
   os.remove(os.path.join(workdir, "checkpoints", "40", integrity.FILE))
@@ -132,7 +120,7 @@ def test_a_checkpoint_without_checksums_is_accepted_unverified(tiny_copy):
 def test_a_flipped_byte_in_the_newest_checkpoint_falls_back_to_the_previous_one(tiny_copy):
   cfg, workdir = tiny_copy
   before = {r["step"]: r for r in metrics_log.read_metrics(workdir, "train")}
-  _flip_one_byte(workdir, 40)
+  helpers.flip_one_byte(workdir, 40)
   abstract = _abstract(cfg)
   # Without its checksums the damage is invisible: checkpoint 40 restores, finite.
   unchecked = os.path.join(os.path.dirname(workdir), "unchecked")
