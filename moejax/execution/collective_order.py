@@ -103,7 +103,7 @@ def _nested(comps, name: str, seen: frozenset = frozenset()) -> tuple[str, ...]:
   for _, opcode, rhs in comps.get(name, ()):
     if opcode in COLLECTIVES:
       found.append(opcode)
-    for callee in _NAME.findall(rhs):
+    for callee in dict.fromkeys(_NAME.findall(rhs)):
       if callee in comps and callee not in seen and callee != name:
         found.extend(_nested(comps, callee, seen | {name}))
   return tuple(found)
@@ -118,8 +118,8 @@ def _analyse(hlo: str):
     if opcode in COLLECTIVES:
       order.append(Collective(name, opcode))
     elif opcode in CONTROL_FLOW:
-      nested = tuple(o for c in _NAME.findall(rhs) if c in comps and c not in names
-                     for o in _nested(comps, c))
+      called = dict.fromkeys(c for c in _NAME.findall(rhs) if c in comps and c not in names)
+      nested = tuple(o for c in called for o in _nested(comps, c))
       if nested:
         order.append(Collective(name, opcode, nested))
   return order, deps
