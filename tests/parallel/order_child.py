@@ -10,7 +10,8 @@ Run as ``JAX_NUM_CPU_DEVICES=8 python tests/parallel/order_child.py GROUP [CALLS
   default step built with the bucket switch on (what GPU/TPU compile) has a
   nested all_to_all that the next collective does not depend on: the pattern
   XLA:CPU's runtime may run out of order (moejax.execution.collective_order),
-  i.e. what this code compiled to on CPU before the switch was turned off.
+  i.e. what this code compiled to on CPU before the switch was turned off;
+  one call of it equals the CPU step bit for bit.
 
 Prints ``OK <group>`` and exits 0 when every check holds.
 """
@@ -71,10 +72,16 @@ def check_structure(names, with_switch: bool) -> None:
   keep = transport.bucket_switch_for
   transport.bucket_switch_for = lambda platform: True
   try:
-    found = collective_order.hazards(compiled_step.__wrapped__(names[0])[0].as_text())
+    switched, args = compiled_step.__wrapped__(names[0])
   finally:
     transport.bucket_switch_for = keep
+  found = collective_order.hazards(switched.as_text())
   assert found and all("all-to-all" in h.first.nested for h in found), found
+  # The switch's branches (GPU/TPU) give the CPU path's results bit for bit
+  # (one call, waited for: 154 such calls in a row did not hang before the fix).
+  cpu, _ = compiled_step(names[0])
+  got, want = (jax.tree.leaves(jax.block_until_ready(f(*args))) for f in (switched, cpu))
+  assert all(bool(jnp.array_equal(a, b)) for a, b in zip(got, want)), "switch != no switch"
 
 
 def stress(names, calls: int) -> None:
