@@ -4,8 +4,8 @@ Run as ``JAX_NUM_CPU_DEVICES=8 python tests/parallel/order_child.py GROUP [CALLS
 
 * ``default CALLS``: the compiled step of the default dispatch
   (``ep_capacity``) has no collective inside control flow on CPU, and CALLS
-  calls of it in a row, each waited for as the bench does, finish under the
-  rendezvous timeout the test sets (a hang fails instead of stalling).
+  calls of it in a row, each waited for as the bench does, finish (a hang
+  aborts at XLA's rendezvous termination timeout).
 * ``all CALLS``: the same for every bucketed variant of the bench, and the
   default step built with the bucket switch on (what GPU/TPU compile) has a
   nested all_to_all that the next collective does not depend on: the pattern

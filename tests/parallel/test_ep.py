@@ -41,11 +41,11 @@ import pytest
 CHILD = pathlib.Path(__file__).with_name("ep_child.py")
 
 
-def run_child(script, *args, devices=8, timeout=600, xla_flags=""):
+def run_child(script, *args, devices=8, timeout=600):
   env = dict(os.environ, JAX_NUM_CPU_DEVICES=str(devices), JAX_PLATFORMS="cpu",
              # Compile time dominates these tiny programs; LLVM's -O0 halves it
              # and the oracle and the layer under test compile alike.
-             XLA_FLAGS=f"--xla_backend_optimization_level=0 {xla_flags}".strip())
+             XLA_FLAGS="--xla_backend_optimization_level=0")
   proc = subprocess.run([sys.executable, str(script), *args], env=env, capture_output=True,
                         text=True, timeout=timeout, cwd=CHILD.parents[2])
   assert proc.returncode == 0, f"stdout:\n{proc.stdout}\nstderr:\n{proc.stderr[-6000:]}"
