@@ -103,12 +103,15 @@ def select(pcfg: ParallelConfig, platform: str) -> tuple[type, transport.Transpo
   """(executor class, transport object) the config names on ``platform``: the one choice.
 
   The class is the one registered under ``pcfg.dispatch_unit``, the
-  transport the one registered under :func:`resolve_dispatch`'s name.
+  transport the one registered under :func:`resolve_dispatch`'s name, with
+  its bucket switch on where the runtime keeps a branch's collectives in
+  order (:func:`moejax.execution.transport.bucket_switch_for`; off on CPU).
   Raises RaggedUnsupportedError (native ragged off GPU/TPU) or
   ``registry.RegistryError`` (a name nothing registered).
   """
   cls = registry.EXECUTORS.get(pcfg.dispatch_unit)
-  return cls, registry.TRANSPORTS.get(resolve_dispatch(pcfg, platform))()
+  wire = registry.TRANSPORTS.get(resolve_dispatch(pcfg, platform))
+  return cls, wire(bucket_switch=transport.bucket_switch_for(platform))
 
 
 def gmm_backend_for(cfg: MoEConfig) -> str:

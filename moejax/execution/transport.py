@@ -19,6 +19,15 @@ of the layer per bucket. Every device takes the same branch (the index is a
 global maximum), so the collectives match. Exact: the bucket always holds
 every row, and the result is the same for every bucket.
 
+The switch needs a runtime that issues a branch's collective in program
+order. XLA:CPU's does not (:mod:`moejax.execution.collective_order`: the
+next collective may start before the branch's on some devices, which
+deadlocks or mixes up the rendezvous), so on CPU the transports are built
+with ``bucket_switch=False`` (:func:`bucket_switch_for`): the whole [G, U]
+buffer moves in one top-level all_to_all, rows past the bucket being empty
+either way, so results are the same; the bucket is still chosen and
+accounted (``wire_rows``).
+
 The same bucket choice sizes the padded all_to_all of the emulated
 ``ragged_all_to_all`` (:class:`EmulatedRaggedTransport`).
 
@@ -55,6 +64,12 @@ from moejax.execution.registry import register_transport
 # Platforms whose XLA implements ragged-all-to-all (XLA:CPU does not).
 NATIVE_RAGGED_PLATFORMS = ("gpu", "cuda", "rocm", "tpu")
 
+# Platforms whose runtime runs a device's program in order (GPU streams, TPU
+# cores), a conditional's collectives included. XLA:CPU's thunk runtime may
+# start the collective after a conditional before the one inside it
+# (moejax/execution/collective_order.py), so there the bucket switch is off.
+ORDERED_BRANCH_PLATFORMS = ("gpu", "cuda", "rocm", "tpu")
+
 # Consecutive buckets differ by this factor, so a step moves at most ~26% more
 # rows than its maximum count (plus the spread of counts over devices); 8
 # buckets reach down to U / 5.
@@ -90,17 +105,27 @@ def all_to_all(x: jax.Array, groups: Groups = None) -> jax.Array:
                             [list(g) for g in groups])
 
 
+def bucket_switch_for(platform: str) -> bool:
+  """Whether transports on ``platform`` move only the bucket (a collective in a switch)."""
+  return platform in ORDERED_BRANCH_PLATFORMS
+
+
 def bucketed_all_to_all(arrays: Sequence[jax.Array], index: jax.Array,
                         sizes: Sequence[int], groups: Groups = None,
-                        axis: int = 1) -> tuple[jax.Array, ...]:
+                        axis: int = 1, switch: bool = True) -> tuple[jax.Array, ...]:
   """:func:`all_to_all` of each [G, ..., U, ...] array, moving only ``sizes[index]`` along ``axis``.
 
   Rows at or past the bucket along ``axis`` must be empty (they are not
   moved and come back as zeros). Differentiable: the transpose of each
-  branch is the same slice, all_to_all and pad.
+  branch is the same slice, all_to_all and pad. ``switch=False`` moves all
+  U rows with one all_to_all outside any control flow (same result, since
+  the rows past the bucket are empty): for runtimes that do not keep a
+  branch's collective in program order (:data:`ORDERED_BRANCH_PLATFORMS`).
   """
   arrays = tuple(arrays)
   upper = arrays[0].shape[axis]
+  if not switch:
+    return tuple(all_to_all(a, groups) for a in arrays)
 
   def branch(c):
     def move(arrs):
@@ -196,6 +221,9 @@ class PaddedTransport:
   ragged: ClassVar[bool] = False      # False: fixed-size buffers
   exact_wire: ClassVar[bool] = False  # the wire carries the chosen bucket, not the count
   platforms: ClassVar[Optional[tuple]] = None  # None: every platform
+  # False: the bucket is chosen and accounted but the whole buffer moves, outside
+  # any switch (XLA:CPU; bucket_switch_for).
+  bucket_switch: bool = True
 
   def layout(self, ids, valid, groups: int, capacity: int) -> permute_lib.Dispatch:
     """Rows by group ([groups * capacity] rows, copies past ``capacity`` dropped)."""
@@ -214,14 +242,15 @@ class PaddedTransport:
     sizes = bucket_sizes(c, buckets)
     index = choose_bucket(jnp.max(counts), sizes, axes)
     bufs = tuple(a.reshape((g, s, c) + a.shape[1:]) for a in arrays)
-    recv = bucketed_all_to_all(bufs, index, sizes, groups, axis=2)   # [G(src), S, C, ...]
+    recv = bucketed_all_to_all(bufs, index, sizes, groups, axis=2,   # [G(src), S, C, ...]
+                               switch=self.bucket_switch)
     recv_counts = all_to_all(counts, groups)                          # [G(src), S]
     filled = jnp.arange(c, dtype=jnp.int32)[None, None, :] < recv_counts[:, :, None]
     sub = jnp.broadcast_to(jnp.arange(s, dtype=jnp.int32)[None, :, None], filled.shape)
     out = inner(tuple(r.reshape((g * s * c,) + r.shape[3:]) for r in recv), sub.reshape(-1),
                 filled.reshape(-1))
     (back,) = bucketed_all_to_all((out.reshape((g, s, c) + out.shape[1:]),), index, sizes,
-                                  groups, axis=2)
+                                  groups, axis=2, switch=self.bucket_switch)
     wire_rows = jnp.full((g,), s, jnp.int32) * jnp.asarray(sizes, jnp.int32)[index]
     return back.reshape((g * s * c,) + back.shape[3:]), wire_rows
 
@@ -236,6 +265,7 @@ class _RaggedTransport:
   """
 
   ragged: ClassVar[bool] = True
+  bucket_switch: bool = True  # as PaddedTransport's (the emulation's padded all_to_all)
 
   def layout(self, ids, valid, groups: int, capacity: int) -> permute_lib.Dispatch:
     """Rows sorted by group, dropless (``capacity`` does not apply)."""
@@ -325,7 +355,7 @@ class EmulatedRaggedTransport(_RaggedTransport):
   def _move(self, sizes, index, groups: Groups):
     def move(ops, outs, in_off, send, out_off, recv):
       bufs = tuple(_segments_to_buffer(a, in_off, send, sizes[-1]) for a in ops)
-      got = bucketed_all_to_all(bufs, index, sizes, groups)
+      got = bucketed_all_to_all(bufs, index, sizes, groups, switch=self.bucket_switch)
       return tuple(_buffer_to_output(b, o, out_off, recv, groups) for b, o in zip(got, outs))
     return move
 

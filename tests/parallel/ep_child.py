@@ -79,7 +79,8 @@ def group_routers():
 def group_routers_node():
   """Every router with the node dispatch (2 nodes of 2 devices), capacity and ragged transport."""
   for i, name in enumerate(sorted(H.CASES)):
-    # Two buckets per exchange: the switch is exercised, compile time stays low.
+    # Two buckets per exchange: chosen and accounted, compile time stays low (the
+    # switch itself is off on CPU; order_child.py 'all' runs it against the CPU path).
     pcfg = C.ParallelConfig(data=2, expert=4, devices_per_node=2, dispatch_unit="node",
                             dispatch=("capacity", "ragged")[i % 2], capacity_buckets=2)
     check_case(name, pcfg)
