@@ -36,7 +36,9 @@ setup(
         "qwix>=0.1.8",
     ],
     extras_require={
-        "test": ["pytest>=8.0", "pytest-xdist>=3.5", "hypothesis>=6.100",
+        # pytest.ini runs the tests on two pytest-xdist workers; the expensive shared
+        # fixtures are built once per run under a file lock (tests/shared_dirs.py).
+        "test": ["pytest>=8.0", "pytest-xdist>=3.5", "filelock>=3.12", "hypothesis>=6.100",
                  # tests/ablation executes the notebooks.
                  "nbclient>=0.10", "nbformat>=5.10", "ipykernel>=6.29"],
         # Checkpoint interop (moejax.interop). torch pinned exactly: a CPU build

@@ -35,6 +35,8 @@ checksum-mismatching checkpoints and says so.
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import dataclasses
 import datetime
 import json
@@ -292,6 +294,46 @@ def _placed(abstract_state: Any) -> Any:
   return jax.tree.map(place, abstract_state)
 
 
+# orbax (0.12) restores the arrays as tasks of a fresh event loop, and when
+# the first read fails (a damaged checkpoint) it closes that loop with the
+# other reads still in flight. Those reads then report, at some later moment
+# and from other threads, everything Python cannot raise: "Event loop is
+# closed" when tensorstore finishes one, and "Exception ignored in: <coroutine
+# object _read_array_index_and_device_put>" with the whole TensorStore spec
+# (dozens of lines per array) when the suspended coroutine is collected. A
+# loop made while restoring therefore cancels and finishes its pending tasks
+# before it closes: the abandoned reads end there, quietly (their errors are
+# the damage restore_latest already reports in one line).
+class _DrainingPolicy(asyncio.DefaultEventLoopPolicy):
+  """Event loops that cancel and await their pending tasks when closed."""
+
+  def new_event_loop(self):
+    loop = super().new_event_loop()
+    close = loop.close
+
+    def drain_then_close():
+      if not loop.is_closed() and not loop.is_running():
+        pending = [t for t in asyncio.all_tasks(loop) if not t.done()]
+        for task in pending:
+          task.cancel()
+        if pending:
+          loop.run_until_complete(asyncio.gather(*pending, return_exceptions=True))
+      close()
+    loop.close = drain_then_close
+    return loop
+
+
+@contextlib.contextmanager
+def draining_event_loops():
+  """Inside: every new event loop finishes its pending tasks (cancelled) before it closes."""
+  previous = asyncio.get_event_loop_policy()
+  asyncio.set_event_loop_policy(_DrainingPolicy())
+  try:
+    yield
+  finally:
+    asyncio.set_event_loop_policy(previous)
+
+
 class Checkpointer:
   """Orbax CheckpointManager over ``WORKDIR/checkpoints``: a TrainState plus the data state.
 
@@ -319,7 +361,8 @@ class Checkpointer:
 
   def check_shapes(self, step: int, abstract_state: Any) -> None:
     """WorkdirError when the checkpoint's arrays do not have the abstract state's shapes."""
-    meta = self.manager.item_metadata(step)["state"]
+    with draining_event_loops():  # damaged metadata: its reads end here too
+      meta = self.manager.item_metadata(step)["state"]
     want, have = _shapes(abstract_state), _shapes(meta)
     bad = sorted((k for k in set(want) | set(have) if want.get(k) != have.get(k)),
                  key=lambda k: (not k.startswith("params"), k))  # params first: the clearest
@@ -361,8 +404,9 @@ class Checkpointer:
     process count or mesh), and the leaf's saved sharding names devices that
     may not exist here.
     """
-    out = self.manager.restore(step, args=ocp.args.Composite(
-        state=ocp.args.StandardRestore(_placed(abstract_state)), data=ocp.args.JsonRestore()))
+    with draining_event_loops():  # a damaged checkpoint's reads end here (see above)
+      out = self.manager.restore(step, args=ocp.args.Composite(
+          state=ocp.args.StandardRestore(_placed(abstract_state)), data=ocp.args.JsonRestore()))
     return out["state"], dict(out["data"])
 
   def wait(self) -> None:

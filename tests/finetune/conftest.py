@@ -8,11 +8,15 @@ import pytest
 
 from moejax.finetune.start import finetune_start
 from moejax.train import loop
+from tests import shared_dirs
 from tests.train import helpers
 
+
 @pytest.fixture(scope="session")
-def ft_data_dir(tmp_path_factory):
-  return str(tmp_path_factory.mktemp("tfds_ft"))
+def ft_data_dir(request):
+  """One corpus directory for the whole run (every xdist worker; datasets prepare under
+  their own file lock)."""
+  return str(shared_dirs.build_once(request, "tfds_ft", lambda path: None))
 
 
 def source_experiment(data_dir, **overrides):
@@ -33,12 +37,13 @@ def finetune_experiment(data_dir, source, **overrides):
 
 
 @pytest.fixture(scope="session")
-def source_run(tmp_path_factory, ft_data_dir):
-  """(cfg, workdir) of a finished 12-step tiny run (pre-training on code and strings)."""
-  workdir = str(tmp_path_factory.mktemp("ft_source") / "source")
+def source_run(request, ft_data_dir):
+  """(cfg, workdir) of a finished 12-step tiny run (pre-training on code and strings), built
+  once per test run (every xdist worker reads the same one); read only."""
   cfg = source_experiment(ft_data_dir, data__loss_domains=("code", "string"))
-  loop.train(cfg, workdir, out=io.StringIO())
-  return cfg, workdir
+  path = shared_dirs.build_once(
+      request, "ft_source", lambda path: loop.train(cfg, str(path / "source"), out=io.StringIO()))
+  return cfg, str(path / "source")
 
 
 @pytest.fixture(scope="session")

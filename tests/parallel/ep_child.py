@@ -1,8 +1,9 @@
 """Child process of test_ep.py: the expert-parallel layer on 8 simulated CPU devices.
 
-Run as ``JAX_NUM_CPU_DEVICES=8 python tests/parallel/ep_child.py GROUP`` with
-GROUP one of ``routers``, ``dispatch``, ``topology``. Prints ``OK <group>``
-and exits 0 when every check holds; raises on the first mismatch.
+Run as ``JAX_NUM_CPU_DEVICES=8 python tests/parallel/ep_child.py GROUP...`` with
+groups of ``GROUPS`` (all by default). Prints ``OK <group>`` when every check
+of a group holds, the traceback and ``FAILED <group>`` at its first mismatch
+(the other groups still run; tests/parallel/children.py); exits 1 if any failed.
 """
 
 import os
@@ -24,6 +25,7 @@ from moejax.execution import mesh as mesh_lib  # noqa: E402
 from moejax.execution import parallel as EP  # noqa: E402
 from moejax.execution import placement as placement_lib  # noqa: E402
 from tests.configs import moe_config  # noqa: E402
+from tests.parallel import children  # noqa: E402
 from tests.parallel import ep_common as H  # noqa: E402
 
 N = 8
@@ -304,10 +306,8 @@ GROUPS = {"routers": group_routers, "routers_node": group_routers_node,
 
 def main(argv):
   assert len(jax.devices()) == N, f"need {N} devices, got {jax.devices()}"
-  for name in argv[1:] or list(GROUPS):
-    GROUPS[name]()
-    print("OK", name, flush=True)
+  return children.run_groups(GROUPS, argv[1:] or list(GROUPS))
 
 
 if __name__ == "__main__":
-  main(sys.argv)
+  sys.exit(main(sys.argv))

@@ -1,14 +1,15 @@
 """Child of test_executors.py: a registered expert-parallel executor against ReferenceExecutor.
 
-Run as ``JAX_NUM_CPU_DEVICES=8 python tests/parallel/executors_child.py NAME``
-with NAME a registered dispatch unit. For every transport this platform
+Run as ``JAX_NUM_CPU_DEVICES=8 python tests/parallel/executors_child.py NAME...``
+with NAMEs registered dispatch units (one ``OK``/``FAILED`` line each,
+tests/parallel/children.py). For every transport this platform
 runs, the executor :func:`moejax.execution.parallel.prepare` builds is
 called directly under ``shard_map`` (no router, no layer) on a fixed
 routing and must equal ``ReferenceExecutor`` on the whole batch: outputs
 and gradients with respect to the expert weights, the tokens and the gate
 weights. Two cases, one jit each: dropless with a placement that
 replicates two experts (S_p = 3), and capacity C = 1 (routing already
-within it, as the layer hands it over). Prints ``OK <name>``.
+within it, as the layer hands it over).
 """
 
 import os
@@ -32,6 +33,7 @@ from moejax.execution import placement as placement_lib  # noqa: E402
 from moejax.execution import registry  # noqa: E402
 from moejax.routing.types import RoutingResult  # noqa: E402
 from tests.configs import moe_config  # noqa: E402
+from tests.parallel import children  # noqa: E402
 from tests.parallel import ep_common as H  # noqa: E402
 
 N, E, T, K, DM = 8, 8, 4, 2, 8  # devices, FFN experts, tokens per device, slots, width
@@ -137,13 +139,15 @@ def main(argv):
   kx, ke = jax.random.split(jax.random.PRNGKey(0))
   experts = L.init_moe_params(ke, DM, cfg)["experts"]
   x = jax.random.normal(kx, (N * T, DM), jnp.float32)
-  for name in argv[1:]:
+
+  def check_every_transport(name):
     for transport in registry.TRANSPORTS.names():
       allowed = registry.TRANSPORTS.get(transport).platforms
       if allowed is None or platform in allowed:
         check(name, transport, cfg, experts, x)
-    print("OK", name, flush=True)
+  names = argv[1:]
+  return children.run_groups({n: lambda n=n: check_every_transport(n) for n in names}, names)
 
 
 if __name__ == "__main__":
-  main(sys.argv)
+  sys.exit(main(sys.argv))

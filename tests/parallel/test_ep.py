@@ -1,8 +1,9 @@
 """The expert-parallel layer on 8 simulated CPU devices equals the single-device layer.
 
 The device count must be set before JAX initialises, which this pytest process
-has already done with one device, so every group runs ep_child.py in a fresh
-subprocess with JAX_NUM_CPU_DEVICES=8:
+has already done with one device, so the groups run in ep_child.py in a fresh
+subprocess with JAX_NUM_CPU_DEVICES=8, all the groups this test run selected in
+one child (each group passes or fails on its own; tests/parallel/children.py):
 
 * ``routers``: every router kind (top-k softmax/sigmoid+bias+groups+shared,
   Switch with capacity, score-priority capacity, expert choice, hash, top-p
@@ -31,31 +32,26 @@ subprocess with JAX_NUM_CPU_DEVICES=8:
   equals the same model on one device (logits, gradients, router loads).
 """
 
-import os
 import pathlib
-import subprocess
-import sys
 
 import pytest
 
+from tests.parallel import children
+
 CHILD = pathlib.Path(__file__).with_name("ep_child.py")
+GROUPS = ("routers", "routers_node", "buckets", "dispatch", "topology", "scmoe")
 
 
-def run_child(script, *args, devices=8, timeout=600):
-  env = dict(os.environ, JAX_NUM_CPU_DEVICES=str(devices), JAX_PLATFORMS="cpu",
-             # Compile time dominates these tiny programs; LLVM's -O0 halves it
-             # and the oracle and the layer under test compile alike.
-             XLA_FLAGS="--xla_backend_optimization_level=0")
-  proc = subprocess.run([sys.executable, str(script), *args], env=env, capture_output=True,
-                        text=True, timeout=timeout, cwd=CHILD.parents[2])
-  assert proc.returncode == 0, f"stdout:\n{proc.stdout}\nstderr:\n{proc.stderr[-6000:]}"
-  return proc.stdout
+@pytest.fixture(scope="module")
+def selected_groups(request):
+  """{group: its section of the output} of one child running every group selected here."""
+  return children.run_child(CHILD, *children.selected(request, "group"))
 
 
-# routers_node (~40 s on CI) is slow-only: the node dispatch unit also runs in
-# the default run inside ``buckets`` (every unit and transport) and ``topology``.
-@pytest.mark.parametrize("group", ["routers", pytest.param("routers_node", marks=pytest.mark.slow),
-                                   "buckets", "dispatch", "topology", "scmoe"])
-def test_expert_parallel_equals_single_device(group):
-  out = run_child(CHILD, group)
-  assert f"OK {group}" in out, out
+# routers_node (~40 s on CI) is slow-only (and buckets, topology, scmoe: tests/conftest.py's
+# SLOW names what covers each in the default run).
+@pytest.mark.parametrize("group", [pytest.param(g, marks=pytest.mark.slow) if g == "routers_node"
+                                   else g for g in GROUPS])
+def test_expert_parallel_equals_single_device(group, selected_groups):
+  out = selected_groups[group]
+  assert out.endswith(f"OK {group}"), out

@@ -19,7 +19,7 @@ import pytest
 from moejax import config as C
 from moejax.config import registry as config_registry
 from moejax.execution import dispatch, parallel, registry, transport
-from tests.parallel.test_ep import run_child
+from tests.parallel import children
 
 CHILD = pathlib.Path(__file__).with_name("executors_child.py")
 
@@ -103,12 +103,17 @@ def test_executor_capabilities():
   assert transport.PaddedTransport.platforms is None
 
 
-# One process per executor: two transports x two cases, one jit each (~15 s
-# on an idle machine). The node unit's two hops compile twice the
-# collectives (~40 s on a shared one): slow-only; its layer-level equality
-# runs by default in test_ep.py (``buckets``, ``topology``).
+# Two transports x two cases per executor, one jit each (~15 s on an idle machine), every
+# executor this test run selected in one child. The node unit's two hops compile twice the
+# collectives (~40 s on a shared one): slow-only (and copy: tests/conftest.py's SLOW).
+@pytest.fixture(scope="module")
+def selected_executors(request):
+  """{name: its section of the output} of one child checking every executor selected here."""
+  return children.run_child(CHILD, *children.selected(request, "name"))
+
+
 @pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.slow) if n == "node" else n
                                   for n in registry.EXECUTORS.names()])
-def test_executor_agrees_with_reference(name):
-  out = run_child(CHILD, name)
-  assert f"OK {name}" in out, out
+def test_executor_agrees_with_reference(name, selected_executors):
+  out = selected_executors[name]
+  assert out.endswith(f"OK {name}"), out

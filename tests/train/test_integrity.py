@@ -16,7 +16,6 @@ import shutil
 import jax
 import jax.numpy as jnp
 import numpy as np
-import pytest
 
 from moejax.train import checkpoint as ckpt_lib
 from moejax.train import guard, integrity, loop, metrics_log
@@ -115,8 +114,6 @@ def test_a_checkpoint_without_checksums_is_accepted_unverified(tiny_copy):
   assert restored.integrity.startswith("unverified: no checksums.json")
 
 
-# Orbax may leave the read coroutines of a restore unawaited; harmless here.
-@pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
 def test_a_flipped_byte_in_the_newest_checkpoint_falls_back_to_the_previous_one(tiny_copy):
   cfg, workdir = tiny_copy
   before = {r["step"]: r for r in metrics_log.read_metrics(workdir, "train")}

@@ -34,9 +34,12 @@ from moejax.train import checkpoint as ckpt_lib
 from moejax.train import metrics_log
 from tests.train import launch
 
-STEPS = 4
+# As cheap as the comparison allows (3 processes compile their own programs; the compile
+# dominates): one layer, 2 steps, one checkpoint, one validation batch.
+STEPS = 2
 OVERRIDES = {"train.steps": STEPS, "train.warmup_steps": 1, "train.log_every": 1,
-             "train.eval_every": 0, "train.checkpoint_every": 2,
+             "train.eval_every": 0, "train.checkpoint_every": 2, "train.eval_batches": 1,
+             "model.n_layers": 1,
              "model.moe.topology.num_experts": 8, "model.moe.topology.expert_width": 16,
              "parallel.expert": 8, "parallel.data": 1}
 KEYS = ("loss", "ce", "aux_loss", "grad_norm", "max_vio_batch", "drop_rate")
@@ -94,7 +97,7 @@ def test_killing_one_process_stops_the_other_with_one_error_line(tmp_path, data_
                                                                   one_process):
   del one_process  # the dataset is prepared
   workdir = str(tmp_path / "run")
-  overrides = dict(OVERRIDES, **{"train.steps": 2000, "parallel.expert": 4,
+  overrides = dict(OVERRIDES, **{"train.steps": 2000, "parallel.expert": 4, "model.n_layers": 2,
                                  "parallel.data": 2, "train.checkpoint_every": 3})
   run = launch.start(data_dir, workdir, overrides, processes=2, devices=4,
                      env_extra=compilation_cache, log_dir=str(tmp_path),
