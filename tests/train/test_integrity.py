@@ -117,8 +117,8 @@ def test_a_checkpoint_without_checksums_is_accepted_unverified(tiny_copy):
 def test_a_flipped_byte_in_the_newest_checkpoint_falls_back_to_the_previous_one(tiny_copy):
   cfg, workdir = tiny_copy
   before = {r["step"]: r for r in metrics_log.read_metrics(workdir, "train")}
-  helpers.flip_one_byte(workdir, 40)
   abstract = _abstract(cfg)
+  helpers.flip_one_byte(workdir, 40, abstract)
   # Without its checksums the damage is invisible: checkpoint 40 restores, finite.
   unchecked = os.path.join(os.path.dirname(workdir), "unchecked")
   shutil.copytree(os.path.join(workdir, "checkpoints", "40"),

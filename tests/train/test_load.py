@@ -49,10 +49,11 @@ def test_load_of_a_directory_without_a_run_says_what_to_pass(tmp_path, tiny_run)
 # Orbax may leave the read coroutines of a restore unawaited; harmless here.
 @pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
 def test_load_verifies_the_checkpoint_against_its_checksums(tiny_copy, capsys):
-  _, workdir = tiny_copy
+  cfg, workdir = tiny_copy
   moejax.load(workdir)  # verified: nothing said
   assert capsys.readouterr().err == ""
-  helpers.flip_one_byte(workdir, 40)
+  _, abstract = step_lib.abstract_state(cfg, make_optimizer(cfg.train, cfg.model))
+  helpers.flip_one_byte(workdir, 40, abstract.checkpoint_tree())
   step_dir = os.path.join(workdir, "checkpoints", "40")
   with pytest.raises(ckpt_lib.WorkdirError) as e:
     moejax.load(workdir)
