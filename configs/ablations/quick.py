@@ -8,10 +8,10 @@ tokens (512k tokens), same data order and seed:
 - ``lossfree``: the aux-loss-free sign-bias controller (Wang et al.
   2408.15664), no balance loss, u = 1e-2: the paper's u = 1e-3 moves a bias
   by at most 0.25 in 250 steps, too little to balance in a run this short
-  (measured: MaxVio_global 1.22 vs 0.71 for the aux loss; RESULTS.md).
+  (the lossfree block of RESULTS.md measures both).
 
-Size: about 10 minutes on 2 CPU cores (~4 min of training per arm plus
-compilation and analysis). Expect the loss-free arm to reach a much lower
+Size: 2 arms of one seed; the wall time measured on 2 CPU cores is in the
+README (its first command). Expect the loss-free arm to reach a much lower
 MaxVio_global at a similar validation loss (Wang et al. Table 2: 0.72 -> 0.04).
 
   python -m experiments.ablate --config=configs/ablations/quick.py --workdir=/tmp/moejax_quick
