@@ -139,6 +139,7 @@ UNSCALED = {
     "train.microbatches": "count (divides the batch at every rung)",
     "finetune.lora_rank": "an adapter's rank is a fine-tuning arm's axis",
     "finetune.source_step": "a checkpoint step of the source (steps do not scale)",
+    "finetune.upcycle.split": "how many experts one dense FFN is cut into: the upcycling's axis",
 }
 
 

@@ -44,7 +44,13 @@ def _experiment(model: dict | None = None, **sections):
 @pytest.mark.parametrize("name", CONFIGS)
 def test_every_shipped_config_passes_the_audit(name):
   tree = config_files.load_config_file(os.path.join(helpers.ROOT, "configs", name))
-  exp = experiment_from_dict(tree.to_dict() if hasattr(tree, "to_dict") else tree)
+  tree = tree.to_dict() if hasattr(tree, "to_dict") else tree
+  ft = tree.get("finetune") or {}
+  if ft.get("source_format") and not ft.get("source"):
+    # A fine-tuning overlay (configs/upcycle.py) gets its source from experiments.finetune's
+    # --source; a placeholder path lets its model be built (nothing is read from it).
+    tree["finetune"] = dict(ft, source="/placeholder/source")
+  exp = experiment_from_dict(tree)
   rows = audit.audit(exp, label=name)
   assert all(r.ok for r in rows)
   # The audit covers the whole init: its components sum to the accounting's total.

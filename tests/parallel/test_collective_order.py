@@ -7,14 +7,30 @@ compiled program; the expert-parallel step on CPU must not contain it (the
 bucket switch is off there), and many steps in a row must not hang.
 """
 
+import os
+import pathlib
+import subprocess
+import sys
+
 import pytest
 
 from moejax.execution import collective_order as co
-from tests.parallel.test_ep import CHILD, run_child
 
 # A hang aborts the child at XLA:CPU's rendezvous termination timeout (40 s by
 # default), naming the collective the devices waited in.
-ORDER_CHILD = CHILD.with_name("order_child.py")
+ORDER_CHILD = pathlib.Path(__file__).with_name("order_child.py")
+
+
+def run_child(script, *args, devices=8, timeout=900) -> str:
+  """``script`` with ``args`` on ``devices`` CPU devices; its stdout (exit status 0 asserted).
+
+  The test run's XLA_FLAGS and compilation cache (tests/conftest.py) are inherited.
+  """
+  env = dict(os.environ, JAX_NUM_CPU_DEVICES=str(devices), JAX_PLATFORMS="cpu")
+  proc = subprocess.run([sys.executable, str(script), *args], env=env, capture_output=True,
+                        text=True, timeout=timeout, cwd=pathlib.Path(script).parents[2])
+  assert proc.returncode == 0, f"stdout:\n{proc.stdout}\nstderr:\n{proc.stderr[-6000:]}"
+  return proc.stdout
 
 BRANCH = """HloModule m
 
