@@ -23,13 +23,12 @@ import dataclasses
 from typing import Any, NamedTuple, Optional
 
 import jax.numpy as jnp
-import numpy as np
 
 from moejax.config import ModelConfig
 from moejax.interop import families as fam
 from moejax.interop import models as whole
 from moejax.interop.convert import _resolve_config
-from moejax.interop.errors import InteropError, TensorShapeError
+from moejax.interop.errors import InteropError
 from moejax.interop.tensors import open_source
 
 DENSE_SUPPORTED = ("mistral", "llama")
@@ -92,43 +91,16 @@ def import_dense_model(source: Any, hf_config: Any = None, *,
   """A whole dense HF decoder (checkpoint directory, safetensors file or state dict)."""
   hf_config = _resolve_config(source, hf_config)
   cfg = model_config_from_hf_dense(hf_config, base)
-  store = open_source(source)
-  p = whole._prefix(store)  # pylint: disable=protected-access
-  d, v, f = cfg.d_model, cfg.vocab_size, cfg.dense_ff_width
-  h, n, m = cfg.attn_head_dim, cfg.n_heads, cfg.kv_heads
+  f, d = cfg.dense_ff_width, cfg.d_model
 
-  def get(key: str, want: tuple, why: str) -> np.ndarray:
-    w = store.get(key)
-    if tuple(w.shape) != tuple(want):
-      raise TensorShapeError(key, w.shape, want, why)
-    return np.asarray(w)
+  def ffn(_, get, cast) -> dict:
+    kernel = lambda key, shape: {"kernel": cast(get(key, shape, "[out, in]").T)}
+    return {"w_gate": kernel("mlp.gate_proj.weight", (f, d)),
+            "w_up": kernel("mlp.up_proj.weight", (f, d)),
+            "w_down": kernel("mlp.down_proj.weight", (d, f))}
 
-  cast = lambda a: jnp.asarray(a, dtype)
-  kernel = lambda key, shape: {"kernel": cast(get(key, shape, "[out, in]").T)}
-  attn_shapes = {"q_proj": (n * h, d), "k_proj": (m * h, d), "v_proj": (m * h, d),
-                 "o_proj": (d, n * h)}
-  params: dict = {"embed": {"embedding": cast(get(p + "embed_tokens.weight", (v, d), "[V, d]"))},
-                  "blocks": {},
-                  "final_norm": {"scale": cast(get(p + "norm.weight", (d,), "[d]"))}}
-  for i in range(cfg.n_layers):
-    lp = f"{p}layers.{i}."
-    params["blocks"][i] = {
-        "attn_norm": {"scale": cast(get(lp + "input_layernorm.weight", (d,), "[d]"))},
-        "attn": {name: kernel(f"{lp}self_attn.{name}.weight", attn_shapes[name])
-                 for name in whole.ATTENTION},
-        "ffn_norm": {"scale": cast(get(lp + "post_attention_layernorm.weight", (d,), "[d]"))},
-        "ffn": {"w_gate": kernel(lp + "mlp.gate_proj.weight", (f, d)),
-                "w_up": kernel(lp + "mlp.up_proj.weight", (f, d)),
-                "w_down": kernel(lp + "mlp.down_proj.weight", (d, f))},
-    }
-  if "lm_head.weight" in store:
-    head = get("lm_head.weight", (v, d), "[V, d]")
-  elif fam.hf_get(hf_config, "tie_word_embeddings", default=False):
-    head = np.asarray(params["embed"]["embedding"])  # tied: an untied copy (models.py says why)
-  else:
-    raise InteropError("no lm_head.weight and tie_word_embeddings is false. Fix: pass the causal "
-                       "LM's weights (MistralForCausalLM), not the base model's")
-  params["lm_head"] = {"kernel": cast(np.asarray(head).T)}
+  params = whole.decoder_params(open_source(source), hf_config, cfg, dtype, ffn,
+                                "MistralForCausalLM")
   return ImportedDense(cfg, params)
 
 

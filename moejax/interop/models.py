@@ -37,7 +37,7 @@ named by :data:`MISSING` in the one-line error.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Mapping, NamedTuple, Optional
+from typing import Any, Callable, Mapping, NamedTuple, Optional
 
 import jax.numpy as jnp
 import numpy as np
@@ -141,6 +141,25 @@ def import_model(source: Any, hf_config: Any = None, *, base: Optional[ModelConf
   hf_config = _resolve_config(source, hf_config)
   cfg = model_config_from_hf(hf_config, base)
   store = open_source(source)
+  router_state: dict = {"blocks": {}}
+
+  def ffn(i: int, get, cast) -> dict:
+    block = import_moe_block(store, hf_config, layer=i, base_cfg=cfg.moe, dtype=dtype)
+    router_state["blocks"][i] = {"ffn": {"router_state": {
+        "bias": jnp.asarray(block.state.bias, jnp.float32),
+        "step": jnp.asarray(block.state.step, jnp.int32)}}}
+    return {"params": block.params}
+
+  params = decoder_params(store, hf_config, cfg, dtype, ffn, "MixtralForCausalLM")
+  return ImportedModel(cfg, params, router_state)
+
+
+def decoder_params(store, hf_config: Any, cfg: ModelConfig, dtype: Any,
+                   ffn: Callable[[int, Callable, Callable], dict], causal_lm: str) -> dict:
+  """moejax params of a whole HF decoder: embedding, norms, attention and head read here,
+  each block's ``ffn`` from ``ffn(layer, get, cast)`` (``get(key, shape, why)`` reads a
+  tensor and checks its shape; ``cast`` converts to ``dtype``). ``causal_lm``: the HF class
+  the missing-head error names."""
   p = _prefix(store)
   d, v = cfg.d_model, cfg.vocab_size
   h, n, m = cfg.attn_head_dim, cfg.n_heads, cfg.kv_heads
@@ -155,32 +174,26 @@ def import_model(source: Any, hf_config: Any = None, *, base: Optional[ModelConf
   params: dict = {"embed": {"embedding": cast(get(p + "embed_tokens.weight", (v, d), "[V, d]"))},
                   "blocks": {}, "final_norm": {"scale": cast(get(p + "norm.weight", (d,),
                                                                   "[d]"))}}
-  router_state: dict = {"blocks": {}}
   shapes = {"q_proj": (n * h, d), "k_proj": (m * h, d), "v_proj": (m * h, d),
             "o_proj": (d, n * h)}
   for i in range(cfg.n_layers):
     lp = f"{p}layers.{i}."
-    attn = {name: {"kernel": cast(get(f"{lp}self_attn.{name}.weight", shapes[name],
-                                      "[out, in]").T)} for name in ATTENTION}
-    block = import_moe_block(store, hf_config, layer=i, base_cfg=cfg.moe, dtype=dtype)
     params["blocks"][i] = {
         "attn_norm": {"scale": cast(get(lp + "input_layernorm.weight", (d,), "[d]"))},
-        "attn": attn,
+        "attn": {name: {"kernel": cast(get(f"{lp}self_attn.{name}.weight", shapes[name],
+                                           "[out, in]").T)} for name in ATTENTION},
         "ffn_norm": {"scale": cast(get(lp + "post_attention_layernorm.weight", (d,), "[d]"))},
-        "ffn": {"params": block.params},
+        "ffn": ffn(i, lambda key, want, why, lp=lp: get(lp + key, want, why), cast),
     }
-    router_state["blocks"][i] = {"ffn": {"router_state": {
-        "bias": jnp.asarray(block.state.bias, jnp.float32),
-        "step": jnp.asarray(block.state.step, jnp.int32)}}}
   if "lm_head.weight" in store:
     head = get("lm_head.weight", (v, d), "[V, d]")
   elif fam.hf_get(hf_config, "tie_word_embeddings", default=False):
-    head = np.asarray(params["embed"]["embedding"])  # tied: an untied copy (see the docstring)
+    head = np.asarray(params["embed"]["embedding"])  # tied: an untied copy (see import_model)
   else:
     raise InteropError("no lm_head.weight and tie_word_embeddings is false. Fix: pass the causal "
-                       "LM's weights (MixtralForCausalLM), not the base model's")
+                       f"LM's weights ({causal_lm}), not the base model's")
   params["lm_head"] = {"kernel": cast(np.asarray(head).T)}
-  return ImportedModel(cfg, params, router_state)
+  return params
 
 
 # Per whole-model family, the shipped config of configs/default.py's model routed as that
