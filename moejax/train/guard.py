@@ -24,6 +24,7 @@ import math
 from typing import Any, Sequence
 
 import jax
+from jax.tree_util import keystr
 import jax.numpy as jnp
 import numpy as np
 
@@ -43,13 +44,6 @@ def first_nonfinite_row(rows: Sequence[dict], first_step: int):
   return None
 
 
-def _key_name(k) -> str:
-  for attr in ("key", "name", "idx"):
-    if hasattr(k, attr):
-      return str(getattr(k, attr))
-  return str(k)
-
-
 @jax.jit
 def _finite_flags(leaves: list) -> jax.Array:
   """bool[n]: leaf i holds only finite values."""
@@ -67,7 +61,7 @@ def nonfinite_leaves(tree: Any) -> list[str]:
   if not flat:
     return []
   flags = np.asarray(jax.device_get(_finite_flags([x for _, x in flat])))
-  return ["/".join(_key_name(k) for k in p) for (p, _), ok in zip(flat, flags) if not ok]
+  return [keystr(p, simple=True, separator="/") for (p, _), ok in zip(flat, flags) if not ok]
 
 
 def describe(paths: Sequence[str], limit: int = 3) -> str:

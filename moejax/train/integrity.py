@@ -40,6 +40,7 @@ import os
 from typing import Any, Optional, Sequence
 
 import jax
+from jax.tree_util import keystr
 import numpy as np
 
 FILE = "checksums.json"
@@ -76,17 +77,10 @@ class Verdict:
   note: str = ""
 
 
-def _key_name(k) -> str:
-  for attr in ("key", "name", "idx"):
-    if hasattr(k, attr):
-      return str(getattr(k, attr))
-  return str(k)
-
-
 def leaf_paths(tree: Any) -> list[tuple[str, Any]]:
   """``[("params/blocks/0/attn/q_proj/kernel", leaf), ...]``: dict keys, attributes and
   indices as strings (the names checksums and the checkpoint's shape check use)."""
-  return [("/".join(_key_name(k) for k in p), x)
+  return [(keystr(p, simple=True, separator="/"), x)
           for p, x in jax.tree_util.tree_flatten_with_path(tree)[0]]
 
 

@@ -24,6 +24,7 @@ from __future__ import annotations
 from typing import Any, Optional
 
 import jax
+from jax.tree_util import keystr
 import jax.numpy as jnp
 import optax
 
@@ -58,10 +59,6 @@ def router_frozen(model: Optional[ModelConfig]) -> bool:
   return bool(value)
 
 
-def _key_name(k) -> str:
-  return str(getattr(k, "key", getattr(k, "name", getattr(k, "idx", k))))
-
-
 def frozen_components(model: Optional[ModelConfig],
                       finetune: Optional[FinetuneConfig] = None) -> frozenset:
   """The components (:func:`moejax.config.finetune.component`) that do not train."""
@@ -78,7 +75,7 @@ def trainable_labels(params: Any, frozen) -> Any:
   frozen = frozenset(frozen)
 
   def label(path, _):
-    return "frozen" if component([_key_name(k) for k in path]) in frozen else "train"
+    return "frozen" if component([keystr((k,), simple=True) for k in path]) in frozen else "train"
   return jax.tree_util.tree_map_with_path(label, params)
 
 
