@@ -113,6 +113,7 @@ def main(argv):
   from moejax.data import DatasetUnavailableError
   from moejax.train import guard
   from moejax.train.preempt import Preempted
+  from moejax.train import write_failure
   from moejax.train.audit import AuditError
   from moejax.train.checkpoint import WorkdirError
   from moejax.train.config import experiment_from_dict, experiment_to_json
@@ -136,7 +137,8 @@ def main(argv):
           guard.NonFiniteError) as e:
     cli.fail(f"{type(e).__name__}: {e}")
   except OSError as e:  # an unwritable path found late (disk full, permissions)
-    cli.fail(f"{type(e).__name__}: {e}")
+    failed = write_failure.late(e, _WORKDIR.value) if _WORKDIR.value else None
+    cli.fail(f"{type(failed or e).__name__}: {failed or e}")
 
 
 if __name__ == "__main__":

@@ -132,8 +132,9 @@ def finish(ckpt, writer, failing: bool) -> None:
   """Waits for the checkpoint in flight and closes the checkpointer and the metrics writer.
 
   ``failing`` (the run is already stopping on an exception): orbax's wait
-  re-raises a failed save, which would replace the error being raised, so
-  it is dropped here; that error says what failed.
+  re-raises a failed save, and its close may fail on the same disk; either
+  would replace the error being raised, so they are dropped here; that error
+  says what failed.
   """
   try:
     ckpt.wait()
@@ -143,5 +144,21 @@ def finish(ckpt, writer, failing: bool) -> None:
   finally:
     try:
       ckpt.close()
+    except Exception:  # pylint: disable=broad-except
+      # Closing flushes orbax's last metadata: on the full disk that stopped the run it
+      # fails with a bare "[Errno 28]" (a write(), no file name), which would replace the
+      # error that names the path and the resume point.
+      if not failing:
+        raise
     finally:
       writer.close()
+
+
+def late(e: BaseException, workdir: str) -> Optional[WriteFailed]:
+  """The :class:`WriteFailed` of a write failure outside the training loop (the run's
+  first files, its last summary), with the workdir's newest complete checkpoint; None when
+  ``e`` is not one."""
+  if classify(e) is None:
+    return None
+  steps = ckpt_lib.checkpoint_steps(workdir) if os.path.isdir(workdir) else []
+  return failure(e, workdir, steps[-1] if steps else None)

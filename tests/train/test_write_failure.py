@@ -80,6 +80,43 @@ def test_full_disk_stops_the_run_with_one_error_and_no_temporaries(data_dir, tmp
   assert not os.path.exists(os.path.join(workdir, lock_lib.LOCK_FILE))
 
 
+class _Closing:
+  """A checkpointer or metrics writer whose close fails as orbax's does on a full disk."""
+
+  def __init__(self, error=None):
+    self.error, self.closed = error, False
+
+  def wait(self):
+    pass
+
+  def close(self):
+    self.closed = True
+    if self.error is not None:
+      raise self.error
+
+
+def test_a_failing_close_does_not_replace_the_error_being_raised():
+  bare = OSError(errno.ENOSPC, "No space left on device")  # a write(): no file name
+  ckpt, writer = _Closing(bare), _Closing()
+  write_failure.finish(ckpt, writer, failing=True)  # the run's WriteFailed stays the error
+  assert ckpt.closed and writer.closed
+  writer = _Closing()
+  with pytest.raises(OSError):  # a run ending normally: the close error is the error
+    write_failure.finish(_Closing(bare), writer, failing=False)
+  assert writer.closed
+
+
+def test_a_write_failure_outside_the_loop_names_the_workdir_and_the_resume_point(tmp_path):
+  workdir = str(tmp_path / "run")
+  os.makedirs(os.path.join(workdir, ckpt_lib.CHECKPOINT_DIR))
+  bare = OSError(errno.ENOSPC, "No space left on device")
+  assert str(write_failure.late(bare, workdir)) == (
+      f"cannot write {workdir}: ENOSPC (No space left on device); the run stopped, no "
+      f"checkpoint was written before it. Fix: free space on that filesystem (df -h {workdir}), "
+      "then run the same command again")
+  assert write_failure.late(FileNotFoundError(errno.ENOENT, "gone", "/x"), workdir) is None
+
+
 def _mount(*args) -> bool:
   return subprocess.run(["mount", *args], capture_output=True).returncode == 0
 
