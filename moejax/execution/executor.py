@@ -106,9 +106,13 @@ def resolve_execution(cfg: MoEConfig, platform: Optional[str] = None) -> MoEConf
   """``cfg`` with ``execution.backend='auto'`` resolved for ``platform`` (default: JAX's).
 
   The new config names the chosen backend and records ``derived_from="auto
-  on <platform>"``; a config naming its backend is returned unchanged.
+  on <platform>"``; a config naming its backend, or of a layer kind that
+  reads no backend (Soft MoE, PEER: its ``honoured`` table), is returned
+  unchanged.
   """
-  ex = cfg.execution
+  ex, honoured = cfg.execution, cfg.layer.honoured.get("execution")
+  if honoured is not None and "backend" not in honoured:
+    return cfg
   chosen = gmm_lib.resolve_backend(ex.backend, platform)
   if chosen == ex.backend:
     return cfg
