@@ -113,7 +113,8 @@ def test_a_run_stored_before_auto_resumes_with_auto(tiny_copy, data_dir, stored)
   plan = ckpt_lib.check_workdir(workdir, cfg.for_platform("cpu"))  # as the trainer resolves it
   assert plan.step == 30 and not plan.finished
   moved = [f"model.moe.execution.backend: {stored!r} -> 'blocked'"] if stored != "blocked" else []
-  assert list(plan.changes) == moved + ["model.moe.execution.derived_from: '' -> 'auto on cpu'"]
+  execution = [c for c in plan.changes if c.startswith("model.moe.execution")]
+  assert execution == moved + ["model.moe.execution.derived_from: '' -> 'auto on cpu'"]
 
 
 def _damage(workdir, step, which):
