@@ -86,10 +86,10 @@ def resolved_suite(tree, suite) -> dict:
   from moejax.ablation.suite import base_experiment
   from moejax.config import to_dict
   from moejax.train.config import diff
-  base = to_dict(base_experiment(tree))
+  base = to_dict(base_experiment(tree).for_platform())  # what runs: 'auto' resolved
   arms = {}
   for arm in suite.arms:
-    changes = diff(base, to_dict(arm.experiment))
+    changes = diff(base, to_dict(arm.experiment.for_platform()))
     arms[arm.name] = {c.split(":", 1)[0]: c.split(": ", 1)[1].split(" -> ", 1)[1]
                       for c in changes}
   return {"name": suite.name, "description": suite.description, "fixed": dict(suite.fixed),

@@ -164,7 +164,7 @@ def main(argv):
   from moejax.train.config import experiment_to_json
   source = _SOURCE.value
   try:
-    cfg = build(tree, source, source_format(source, _FORMAT.value, tree))
+    cfg = build(tree, source, source_format(source, _FORMAT.value, tree)).for_platform()
     if _PRINT_CONFIG.value:
       print(experiment_to_json(cfg))
       return

@@ -118,7 +118,8 @@ def main(argv):
   from moejax.train.checkpoint import WorkdirError
   from moejax.train.config import experiment_from_dict, experiment_to_json
   try:
-    cfg = experiment_from_dict(tree)
+    # 'auto' backend resolved for this platform here, after the launch set JAX up.
+    cfg = experiment_from_dict(tree).for_platform()
     if _PRINT_CONFIG.value:
       print(experiment_to_json(cfg))
       return

@@ -135,10 +135,13 @@ def test_pallas_backend_on_cpu_is_refused_before_the_workdir_then_blocked_runs(t
 
 def test_print_config_shows_every_field_and_dry_run_writes_nothing(tmp_path, prepared):
   shown = _run("train", "--config=configs/tiny.py", "--print_config",
-               "--config.train.steps=7")
+               "--config.train.steps=7", "--config.model.moe.execution.backend=auto")
   assert shown.returncode == 0, shown.stderr[-2000:]
   tree = json.loads(shown.stdout)
   assert tree["train"]["steps"] == 7 and tree["train"]["nan_at_step"] == -1  # a default
+  # The backend that runs, and that 'auto' chose it on this platform.
+  assert tree["model"]["moe"]["execution"] == {"backend": "blocked", "interpret": False,
+                                               "derived_from": "auto on cpu"}
   assert set(tree) == {"model", "data", "train", "parallel", "finetune"}
   assert tree["finetune"]["source"] == ""  # a training run is no fine-tune unless told
   assert tree["model"]["moe"]["routing"]["top_k"] == 2

@@ -362,7 +362,8 @@ def _train_runs(suite, workdir, b, plan, train_fn, analyse_runs, say, out, corpu
   overhead: list[float] = []   # seconds per trained run outside its training steps
   walls: list[float] = []      # wall seconds per trained run
   for i, (arm, seed, rel) in enumerate(runs):
-    exp = sources_lib.resolve(suite, arm.experiment, seed, workdir)
+    # for_platform: result.json records the backend that ran (auto resolved), as config.json does.
+    exp = sources_lib.resolve(suite, arm.experiment, seed, workdir).for_platform()
     path = os.path.join(workdir, rel)
     tag = f"[{i + 1}/{len(runs)}] {rel}"
     if plan[rel] == "finished":

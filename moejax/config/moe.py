@@ -317,17 +317,26 @@ class TopologyConfig:
 class ExecutionConfig:
   """The execution plane: how the routed experts are computed.
 
-  backend: ``reference`` (every expert on every token, the oracle) or a
-    grouped-matmul backend of :mod:`moejax.execution.gmm` (``blocked``, the
-    fast portable path; ``ragged_dot``; ``pallas_tpu``; ``pallas_gpu``).
-    Under expert parallelism the local experts use the same backend
-    (``reference`` maps to ``ragged_dot`` there). Not part of a model's
-    identity: a run may resume with another backend.
+  backend: ``auto`` (the default: the fastest backend verified on the
+    platform the layer runs on, :func:`moejax.execution.gmm.resolve_backend`:
+    ``blocked`` on CPU, ``ragged_dot`` elsewhere until a Pallas kernel is
+    verified there), ``reference`` (every expert on every token, the oracle;
+    only when asked for) or a grouped-matmul backend of
+    :mod:`moejax.execution.gmm` (``blocked``, the fast portable path;
+    ``ragged_dot``; ``pallas_tpu``; ``pallas_gpu``). Under expert
+    parallelism the local experts use the same backend (``reference`` maps
+    to ``ragged_dot`` there). Not part of a model's identity: a run may
+    resume with another backend.
   interpret: run a Pallas backend in interpret mode (CPU tests).
+  derived_from: written when ``auto`` is resolved for a platform
+    (``"auto on cpu"``; :meth:`moejax.train.config.ExperimentConfig.for_platform`,
+    which the binaries and the trainer apply), so ``--print_config`` and
+    ``config.json`` say where the backend came from (leave empty).
   """
 
-  backend: str = "reference"
+  backend: str = reg.AUTO_BACKEND
   interpret: bool = False
+  derived_from: str = ""
 
   def __post_init__(self):
     check_choice("moe.execution.backend", self.backend, reg.EXPERT_BACKENDS)

@@ -172,7 +172,9 @@ ACTIVATIONS = ("swiglu", "gelu")
 
 # Execution plane. Grouped-matmul backends live in moejax.execution.<module>
 # (GMM_BACKEND_MODULES); ``reference`` is the layer-level oracle that runs
-# every expert on every token.
+# every expert on every token; ``auto`` (the default) is resolved to the
+# fastest backend verified on the platform (moejax.execution.gmm.resolve_backend,
+# which needs JAX and so is not here).
 GMM_BACKEND_MODULES = {
     "ragged_dot": "moejax.execution.gmm",
     "blocked": "moejax.execution.blocked",
@@ -180,7 +182,8 @@ GMM_BACKEND_MODULES = {
     "pallas_gpu": "moejax.execution.pallas_gpu",
 }
 GMM_BACKENDS = tuple(GMM_BACKEND_MODULES)
-EXPERT_BACKENDS = ("reference",) + GMM_BACKENDS
+AUTO_BACKEND = "auto"
+EXPERT_BACKENDS = (AUTO_BACKEND, "reference") + GMM_BACKENDS
 DISPATCHES = ("capacity", "ragged")
 # Expert-parallel strategies: executor classes by dispatch unit (token, copy,
 # node; moejax.execution.dispatch) and transport classes (padded capacity,

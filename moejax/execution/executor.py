@@ -34,6 +34,7 @@ import jax
 import jax.numpy as jnp
 
 from moejax.config import MoEConfig
+from moejax.execution import gmm as gmm_lib
 from moejax.execution import grouped_ffn
 from moejax.execution import scopes
 from moejax.routing.types import RoutingResult
@@ -101,9 +102,29 @@ class LocalExecutor:
     return y, {}
 
 
+def resolve_execution(cfg: MoEConfig, platform: Optional[str] = None) -> MoEConfig:
+  """``cfg`` with ``execution.backend='auto'`` resolved for ``platform`` (default: JAX's).
+
+  The new config names the chosen backend and records ``derived_from="auto
+  on <platform>"``; a config naming its backend, or of a layer kind that
+  reads no backend (Soft MoE, PEER: its ``honoured`` table), is returned
+  unchanged.
+  """
+  ex, honoured = cfg.execution, cfg.layer.honoured.get("execution")
+  if honoured is not None and "backend" not in honoured:
+    return cfg
+  chosen = gmm_lib.resolve_backend(ex.backend, platform)
+  if chosen == ex.backend:
+    return cfg
+  platform = jax.default_backend() if platform is None else platform
+  return dataclasses.replace(cfg, execution=dataclasses.replace(
+      ex, backend=chosen, derived_from=f"{ex.backend} on {platform}"))
+
+
 def local_executor(cfg: MoEConfig) -> Executor:
-  """The single-device executor ``cfg.execution`` names."""
+  """The single-device executor ``cfg.execution`` names (``auto``: resolved for JAX's platform)."""
   t, ex = cfg.topology, cfg.execution
-  if ex.backend == "reference":
+  backend = gmm_lib.resolve_backend(ex.backend)
+  if backend == "reference":
     return ReferenceExecutor(cfg.num_experts, t.activation)
-  return LocalExecutor(cfg.num_experts, t.activation, ex.backend, ex.interpret)
+  return LocalExecutor(cfg.num_experts, t.activation, backend, ex.interpret)

@@ -29,7 +29,8 @@ Backends (``BACKENDS``):
 =============  ==============================================================
 ``ragged_dot`` ``jax.lax.ragged_dot``: the reference. On CPU it lowers to a
                dense masked matmul over all G groups (G times the FLOPs).
-``blocked``    Portable XLA, the fast CPU path and the default: a loop over
+``blocked``    Portable XLA, the fast CPU path (``gmm``'s default, ``auto``'s
+               choice on CPU): a loop over
                row tiles that start at group boundaries, one dense
                [tm, k] x [k, n] matmul per tile. Dropless and exact.
 ``pallas_tpu`` Megablox-style Pallas TPU kernels (scalar-prefetched group
@@ -53,7 +54,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from moejax.config import GMM_BACKEND_MODULES
+from moejax.config import AUTO_BACKEND, EXPERT_BACKENDS, GMM_BACKEND_MODULES, check_choice
 from moejax.execution import registry, tiling
 
 # The names live in moejax.config.registry (importable without JAX, for
@@ -92,6 +93,10 @@ class Backend:
     interpretable: whether interpret=True runs it elsewhere.
     needs: one line on what it requires, for error messages.
     custom_vjp: False for the reference, whose gradient is JAX's own.
+    auto_on: platforms (``jax.default_backend()`` names) where
+      ``backend='auto'`` picks it: measured fastest there and checked
+      correct on that hardware (:func:`resolve_backend`); ``("*",)`` is the
+      fallback for every platform.
   """
 
   name: str
@@ -102,6 +107,39 @@ class Backend:
   needs: str = ""
   custom_vjp: bool = True
   availability: Optional[Callable[[], Optional[str]]] = None
+  auto_on: tuple = ()
+
+
+# What backend='auto' tries, first to last: the first whose ``auto_on`` names
+# the platform wins. The platform kernels come first (fastest where verified),
+# ``ragged_dot`` last: it runs everywhere (``auto_on=("*",)``).
+AUTO_ORDER = ("pallas_gpu", "pallas_tpu", "blocked", "ragged_dot")
+ANY_PLATFORM = "*"
+
+
+def resolve_backend(name: str, platform: Optional[str] = None) -> str:
+  """The backend ``name`` means on ``platform`` (default: JAX's): ``auto`` resolved.
+
+  ``auto`` becomes the first backend of :data:`AUTO_ORDER` whose
+  ``auto_on`` lists ``platform`` (``blocked`` on ``cpu``; ``ragged_dot`` on
+  any other platform until a kernel is verified there) and, on the platform
+  JAX runs on, whose ``availability`` does not object (a pre-Hopper GPU for
+  ``pallas_gpu``); every other valid name (``reference`` included) is
+  returned as it is. A bad name is a ConfigError on ``moe.execution.backend``
+  listing the valid ones.
+  """
+  check_choice("moe.execution.backend", name, EXPERT_BACKENDS)
+  if name != AUTO_BACKEND:
+    return name
+  platform = jax.default_backend() if platform is None else platform
+  for candidate in AUTO_ORDER:
+    be = get_backend(candidate)
+    if platform not in be.auto_on and ANY_PLATFORM not in be.auto_on:
+      continue
+    here = be.availability is not None and platform == jax.default_backend()
+    if not (here and be.availability()):
+      return candidate
+  raise AssertionError(f"no backend in {AUTO_ORDER} has auto_on={ANY_PLATFORM!r}")
 
 
 def get_backend(name: str) -> Backend:
@@ -303,4 +341,5 @@ def _ragged_tgmm(lhs, grad, group_sizes, *, out_dtype, interpret):
 
 
 BACKEND = Backend(name="ragged_dot", gmm=_ragged_gmm, tgmm=_ragged_tgmm,
-                  needs="nothing (any platform)", custom_vjp=False)
+                  needs="nothing (any platform)", custom_vjp=False,
+                  auto_on=(ANY_PLATFORM,))  # correct everywhere: auto's fallback

@@ -62,6 +62,7 @@ from jax.sharding import Mesh, PartitionSpec as P
 
 from moejax.config import MoEConfig, ParallelConfig, check_experts, check_route_limit
 from moejax.execution import dispatch as dispatch_lib
+from moejax.execution import gmm as gmm_lib
 from moejax.execution import mesh as mesh_lib
 from moejax.execution import placement as placement_lib
 from moejax.execution import registry
@@ -114,9 +115,15 @@ def select(pcfg: ParallelConfig, platform: str) -> tuple[type, transport.Transpo
   return cls, wire(bucket_switch=transport.bucket_switch_for(platform))
 
 
-def gmm_backend_for(cfg: MoEConfig) -> str:
-  """The local experts' grouped-matmul backend (the layer's ``reference`` -> ``ragged_dot``)."""
-  return "ragged_dot" if cfg.execution.backend == "reference" else cfg.execution.backend
+def gmm_backend_for(cfg: MoEConfig, platform: Optional[str] = None) -> str:
+  """The local experts' grouped-matmul backend on ``platform`` (default: JAX's).
+
+  ``auto`` is resolved as the single-device layer resolves it
+  (:func:`moejax.execution.gmm.resolve_backend`); the layer's ``reference``
+  (a per-expert loop, not a grouped matmul) runs as ``ragged_dot``.
+  """
+  backend = gmm_lib.resolve_backend(cfg.execution.backend, platform)
+  return "ragged_dot" if backend == "reference" else backend
 
 
 def device_index(axes) -> jax.Array:
@@ -208,7 +215,7 @@ def prepare(params: dict, cfg: MoEConfig, mesh: Mesh, pcfg: ParallelConfig, batc
       width_mask = jnp.take(width_mask, p2l, axis=0)
   executor = executor_cls.from_config(
       pcfg, node_of, num_experts=cfg.num_experts, activation=cfg.topology.activation,
-      placement=plc, backend=gmm_backend_for(cfg), axes=axes, has_fsdp=has_fsdp,
+      placement=plc, backend=gmm_backend_for(cfg, mesh.devices.flat[0].platform), axes=axes, has_fsdp=has_fsdp,
       transport=transport_obj)
   return Prepared(params, mesh_lib.param_specs(params, mesh), mesh_lib.batch_spec(mesh),
                   width_mask, executor)

@@ -21,6 +21,7 @@ from moejax.config import (ConfigError, ModelConfig, ParallelConfig, check_count
                            resolve_route_limit, to_dict, unwrap_optional)
 from moejax.config.finetune import FinetuneConfig, resolve_model
 from moejax.data import DataConfig, check_vocab_size
+from moejax.execution import executor as executor_lib
 from moejax.model import check_buildable, dense_twin
 
 
@@ -164,6 +165,24 @@ class ExperimentConfig:
     """This config with its model resolved (``self`` when it already is)."""
     model = self._resolved_model()
     return self if model == self.model else dataclasses.replace(self, model=model)
+
+  def for_platform(self, platform: Optional[str] = None) -> "ExperimentConfig":
+    """This config with ``model.moe.execution.backend='auto'`` resolved for ``platform``.
+
+    ``platform`` defaults to JAX's (``jax.default_backend()``). The result
+    names the backend that runs and says ``derived_from="auto on cpu"``; a
+    config naming its backend is returned unchanged. Not part of
+    :meth:`resolved`: building a config (a config file at flag parsing)
+    must not start JAX's backend before ``jax.distributed.initialize``; the
+    binaries call this once the launch is set up, and the trainer on every
+    config it runs.
+    """
+    moe = self.model.moe
+    if moe is None:
+      return self
+    new = executor_lib.resolve_execution(moe, platform)
+    return self if new is moe else dataclasses.replace(
+        self, model=dataclasses.replace(self.model, moe=new))
 
   def __post_init__(self):
     model = self._resolved_model()  # every check reads what will run

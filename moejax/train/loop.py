@@ -235,7 +235,9 @@ def train(cfg: ExperimentConfig, workdir: str, *, out: TextIO = sys.stdout,
     guard.NonFiniteError: a NaN/inf loss, gradient norm or state (checkpoints
     before it kept).
   """
-  cfg = cfg.resolved()  # a config built in Python or by replace(): what will run
+  # A config built in Python or by replace(): what will run, backend 'auto' resolved for this
+  # platform (so config.json names the backend that ran).
+  cfg = cfg.resolved().for_platform()
   tc = cfg.train
   say = lambda text: print(text, file=out, flush=True)
 

@@ -162,7 +162,7 @@ def test_configs_are_frozen():
 def test_registries_are_the_one_list_the_code_implements():
   from moejax.execution import gmm
   from moejax.routing import router
-  assert C.EXPERT_BACKENDS == ("reference", *gmm.BACKENDS)
+  assert C.EXPERT_BACKENDS == ("auto", "reference", *gmm.BACKENDS)
   assert router.ROUTERS is C.ROUTERS
   assert set(C.ROUTERS.names()) >= {"topk", "expert_choice", "hash", "top_p", "hierarchical"}
   with pytest.raises(C.ConfigError, match="did you mean 'blocked'"):

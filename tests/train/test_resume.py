@@ -98,6 +98,25 @@ def test_execution_backend_is_not_part_of_the_run(tiny_copy, data_dir):
   assert _config(workdir)["model"]["moe"]["execution"]["backend"] == "blocked"  # what ran last
 
 
+@pytest.mark.parametrize("stored", ["reference", "blocked"])
+def test_a_run_stored_before_auto_resumes_with_auto(tiny_copy, data_dir, stored):
+  # config.json as moejax wrote it before backend='auto' (and derived_from) existed.
+  _, workdir = tiny_copy
+  saved = _config(workdir)
+  ex = saved["model"]["moe"]["execution"]
+  del ex["derived_from"]
+  ex["backend"] = stored
+  with open(os.path.join(workdir, ckpt_lib.CONFIG_FILE), "w") as f:
+    json.dump(saved, f)
+  shutil.rmtree(os.path.join(workdir, "checkpoints", "40"))
+  cfg = helpers.experiment("tiny", data_dir, model__moe__execution__backend="auto")
+  plan = ckpt_lib.check_workdir(workdir, cfg.for_platform("cpu"))  # as the trainer resolves it
+  assert plan.step == 30 and not plan.finished
+  moved = [f"model.moe.execution.backend: {stored!r} -> 'blocked'"] if stored != "blocked" else []
+  execution = [c for c in plan.changes if c.startswith("model.moe.execution")]
+  assert execution == moved + ["model.moe.execution.derived_from: '' -> 'auto on cpu'"]
+
+
 def _damage(workdir, step, which):
   root = os.path.join(workdir, "checkpoints", str(step), "state")
   if which == "metadata":
