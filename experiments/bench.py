@@ -9,6 +9,8 @@ Usage:
   python -m experiments.bench --suite=serving --json_out=/tmp/serving.json \
       --serving_plot=/tmp/serving.png                # experiments/bench_serving.py
   python -m experiments.bench --suite=step --step_scale=m   # experiments/bench_step.py
+  python -m experiments.bench --suite=scaling --json_out=/tmp/scaling.json
+      # experiments/bench_scaling.py: the MoE / dense ratio as E and T grow
 
 ``--suite=layer`` times, side by side in one process, forward and
 forward+backward of
@@ -55,6 +57,7 @@ from absl import app, flags
 
 from experiments import bench_ep  # the expert-parallel suite and its ep_* flags
 from experiments import bench_lib
+from experiments import bench_scaling  # the E / T scaling suite and its scaling_* flags
 from experiments import bench_serving  # the serving suite and its serving_* flags
 from experiments import bench_step  # the training-step profile and its step_* flags
 from experiments.bench_lib import (SHAPES, conditions, dense_ffn, gshard_ffn,  # noqa: F401
@@ -62,7 +65,8 @@ from experiments.bench_lib import (SHAPES, conditions, dense_ffn, gshard_ffn,  #
                                    uneven_group_sizes)
 from moejax.execution import gmm as gmm_lib
 
-_SUITE = flags.DEFINE_enum("suite", "layer", ["layer", "gmm", "ep", "serving", "step"],
+_SUITE = flags.DEFINE_enum("suite", "layer",
+                           ["layer", "gmm", "ep", "serving", "step", "scaling"],
                            "which benchmark")
 _JSON = flags.DEFINE_string("json_out", None, "write the results here as JSON")
 _REPEATS = flags.DEFINE_integer("repeats", 5, "timed runs per variant (median)")
@@ -235,6 +239,11 @@ def main(argv):
   elif _SUITE.value == "step":
     res = bench_step.step_suite(conditions())
     bench_step.print_step_table(res)
+  elif _SUITE.value == "scaling":
+    spec = bench_scaling.spec_from_flags(_REPEATS.value, _SLOW_S.value, _SLOW_REPEATS.value,
+                                         _TORCH_THREADS.value, _SEED.value)
+    res = bench_scaling.scaling_suite(spec, conditions())
+    bench_scaling.print_scaling_table(res)
   elif _SUITE.value == "serving":
     res = bench_serving.serving_suite(conditions())
     bench_serving.print_serving_table(res)
