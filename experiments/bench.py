@@ -9,6 +9,7 @@ Usage:
   python -m experiments.bench --suite=serving --json_out=/tmp/serving.json \
       --serving_plot=/tmp/serving.png                # experiments/bench_serving.py
   python -m experiments.bench --suite=step --step_scale=m   # experiments/bench_step.py
+  python -m experiments.bench --suite=step --step_twin      # experiments/bench_twin.py
   python -m experiments.bench --suite=scaling --json_out=/tmp/scaling.json
       # experiments/bench_scaling.py: the MoE / dense ratio as E and T grow
 
@@ -60,6 +61,7 @@ from experiments import bench_lib
 from experiments import bench_scaling  # the E / T scaling suite and its scaling_* flags
 from experiments import bench_serving  # the serving suite and its serving_* flags
 from experiments import bench_step  # the training-step profile and its step_* flags
+from experiments import bench_twin  # --suite=step --step_twin: MoE vs its dense twin
 from experiments.bench_lib import (SHAPES, conditions, dense_ffn, gshard_ffn,  # noqa: F401
                                    native_backends, random_routing, time_round_robin,
                                    uneven_group_sizes)
@@ -236,6 +238,9 @@ def main(argv):
   elif _SUITE.value == "ep":
     res = bench_ep.ep_suite(_REPEATS.value)
     bench_ep.print_ep_table(res)
+  elif _SUITE.value == "step" and bench_twin.enabled():
+    res = bench_twin.run_from_flags(conditions())
+    bench_twin.print_twin_table(res)
   elif _SUITE.value == "step":
     res = bench_step.step_suite(conditions())
     bench_step.print_step_table(res)

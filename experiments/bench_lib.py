@@ -267,6 +267,13 @@ def torch_layer_fns(prob: dict, threads: int, hf_implementations=("eager",)) -> 
   return fns
 
 
+def spread(values) -> dict:
+  """min, max and the interquartile range (q25, q75) of a list of seconds or ratios."""
+  v = np.asarray(values, np.float64)
+  q25, q75 = np.percentile(v, [25, 75])
+  return {"min": float(v.min()), "max": float(v.max()), "q25": float(q25), "q75": float(q75)}
+
+
 def ratios_to(table: dict, base: str) -> None:
   """Adds ratio_to_<base> (median and CPU time) to every row of a layer table."""
   ref = table.get(base)

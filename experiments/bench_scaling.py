@@ -210,13 +210,6 @@ def add_floors(point: dict, bytes_per_s: float) -> None:
 
 # --- Timing one point. -------------------------------------------------------
 
-def spread(values) -> dict:
-  """min, max and the interquartile range of a list of seconds (or ratios)."""
-  v = np.asarray(values, np.float64)
-  q25, q75 = np.percentile(v, [25, 75])
-  return {"min": float(v.min()), "max": float(v.max()), "q25": float(q25), "q75": float(q75)}
-
-
 def add_ratios(table: dict) -> None:
   """Each row's ratio to its framework's dense (``BASE``): of the medians, of the CPU
   medians, and the spread of the per-round ratios (repeat r over the base's repeat r)."""
@@ -226,13 +219,13 @@ def add_ratios(table: dict) -> None:
       b = base.get(mode, {})
       if "median_s" not in r:
         continue
-      r["spread_s"] = spread(r["all_s"])
+      r["spread_s"] = bench_lib.spread(r["all_s"])
       if "median_s" not in b:
         continue
       r["ratio_to_dense"] = r["median_s"] / b["median_s"]
       r["cpu_ratio_to_dense"] = r["cpu_s"] / b["cpu_s"]
       rounds = min(len(r["all_s"]), len(b["all_s"]))
-      r["ratio_spread"] = spread([a / c for a, c in zip(r["all_s"][:rounds],
+      r["ratio_spread"] = bench_lib.spread([a / c for a, c in zip(r["all_s"][:rounds],
                                                          b["all_s"][:rounds])])
 
 
