@@ -175,7 +175,7 @@ def copy_bandwidth(mib: int, repeats: int) -> dict:
 
   ``xla``: a jitted in-place ``x = x + 1`` (the buffer donated, so no new allocation);
   ``numpy``: ``np.copyto`` into a preallocated array. A jitted copy into a fresh buffer
-  is not used: on CPU its time is mostly the kernel zeroing the new pages (3-4x slower).
+  is not used: on CPU its time includes the kernel zeroing the newly allocated pages.
   """
   n = mib * 2 ** 20 // 4
   holder = {"x": jnp.arange(n, dtype=jnp.float32)}
