@@ -72,8 +72,10 @@ _SUITE = flags.DEFINE_enum("suite", "layer",
                            "which benchmark")
 _JSON = flags.DEFINE_string("json_out", None, "write the results here as JSON")
 _REPEATS = flags.DEFINE_integer("repeats", 5, "timed runs per variant (median)")
-_SLOW_S = flags.DEFINE_float("slow_s", 20.0, "a first run slower than this is 'slow'")
-_SLOW_REPEATS = flags.DEFINE_integer("slow_repeats", 1, "timed runs for slow variants")
+_SLOW_S = flags.DEFINE_float("slow_s", 20.0, "a first run slower than this is 'slow' "
+                             "(--suite=scaling: its first timed run, 6 s unless given)")
+_SLOW_REPEATS = flags.DEFINE_integer("slow_repeats", 1, "timed runs for slow variants "
+                                     "(--suite=scaling: 2 unless given)")
 _SHAPES = flags.DEFINE_list("shapes", ["fine", "coarse"], "layer shapes to run")
 _TOKENS = flags.DEFINE_integer("tokens", 8192, "T for the layer suite")
 _D_MODEL = flags.DEFINE_integer("d_model", 512, "d for the layer suite")
@@ -245,7 +247,8 @@ def main(argv):
     res = bench_step.step_suite(conditions())
     bench_step.print_step_table(res)
   elif _SUITE.value == "scaling":
-    spec = bench_scaling.spec_from_flags(_REPEATS.value, _SLOW_S.value, _SLOW_REPEATS.value,
+    given = lambda flag: flag.value if flag.present else None  # else the suite's defaults
+    spec = bench_scaling.spec_from_flags(_REPEATS.value, given(_SLOW_S), given(_SLOW_REPEATS),
                                          _TORCH_THREADS.value, _SEED.value)
     res = bench_scaling.scaling_suite(spec, conditions())
     bench_scaling.print_scaling_table(res)

@@ -56,7 +56,7 @@ def block(x):
 
 def time_round_robin(fns: dict[str, Callable[[], object]], repeats: int,
                      slow_s: float = float("inf"), slow_repeats: int = 1,
-                     inner: int = 1) -> dict[str, dict]:
+                     inner: int = 1, slow_after_compile: bool = False) -> dict[str, dict]:
   """Median seconds per call of each fn; compile and first run excluded.
 
   Repeats go round-robin over the variants so that load from other
@@ -64,7 +64,10 @@ def time_round_robin(fns: dict[str, Callable[[], object]], repeats: int,
   (every thread), which other processes' load disturbs less than wall time.
   ``inner`` calls are made per timed repeat (short device kernels). A
   variant that fails on its first run (e.g. out of memory) is reported with
-  its error instead of a time, and the others still run.
+  its error instead of a time, and the others still run. A variant whose
+  first run exceeds ``slow_s`` gets ``slow_repeats`` timed runs; with
+  ``slow_after_compile`` its first *timed* run is judged instead, so a
+  long compilation does not cost a fast variant its repeats.
   """
   first, failed = {}, {}
   for name, fn in fns.items():
@@ -78,10 +81,14 @@ def time_round_robin(fns: dict[str, Callable[[], object]], repeats: int,
     first[name] = time.perf_counter() - t0
     logging.info("compiled+ran %s in %.2fs", name, first[name])
   live = {n: f for n, f in fns.items() if n in first}
-  want = {n: (slow_repeats if first[n] > slow_s else repeats) for n in live}
+  judge = lambda s: slow_repeats if s > slow_s else repeats
+  want = {n: (max(repeats, slow_repeats, 1) if slow_after_compile else judge(first[n]))
+          for n in live}
   times = {n: [] for n in live}
   cpu = {n: [] for n in live}
   for r in range(max(want.values(), default=0)):
+    if slow_after_compile and r == 1:  # every variant has one timed run now
+      want = {n: max(judge(times[n][0]), 1) for n in live}
     for name, fn in live.items():
       if r < want[name]:
         c0, t0 = time.process_time(), time.perf_counter()

@@ -122,3 +122,40 @@ def test_a_list_flag_that_is_not_integers_is_one_error_line():
   with pytest.raises(app.UsageError, match=r"^error: --scaling_experts=8,x is not a list of "
                                            r"integers; pass e\.g\. 8,64$"):
     sc.parse_ints("scaling_experts", ["8", "x"])
+
+
+class _Clock:
+  """A fake perf_counter / process_time that the timed functions advance."""
+
+  def __init__(self):
+    self.now = 0.0
+
+  def perf_counter(self):
+    return self.now
+
+  process_time = perf_counter
+
+
+@pytest.mark.parametrize("after_compile,runs", [(False, {"compiles": 1, "slow": 1}),
+                                                (True, {"compiles": 3, "slow": 1})])
+def test_slow_variants_are_judged_on_the_first_run_or_after_compile(monkeypatch, after_compile,
+                                                                   runs):
+  from experiments import bench_lib  # pylint: disable=g-import-not-at-top
+  clock = _Clock()
+  monkeypatch.setattr(bench_lib, "time", clock)
+  calls = {"compiles": 0, "slow": 0}
+
+  def compiles():  # 10 s to compile, then 0.1 s per call
+    calls["compiles"] += 1
+    clock.now += 10.0 if calls["compiles"] == 1 else 0.1
+
+  def slow():
+    calls["slow"] += 1
+    clock.now += 10.0
+
+  timed = bench_lib.time_round_robin({"compiles": compiles, "slow": slow}, repeats=3,
+                                     slow_s=5.0, slow_repeats=1,
+                                     slow_after_compile=after_compile)
+  assert {n: t["runs"] for n, t in timed.items()} == runs
+  assert {n: c - 1 for n, c in calls.items()} == runs  # plus the untimed first call
+  assert timed["slow"]["all_s"] == [10.0]
