@@ -18,7 +18,8 @@ K*f does the same FLOPs at every E):
 K = 8, f = 256, d = 512, float32 by default. A point both sweeps contain
 (T=8192, E=64) is measured once. At each point, side by side in one process
 (``bench_lib.time_round_robin``: round-robin repeats, medians, compile and
-first run excluded), forward and forward+backward of the variants
+first run excluded; a variant whose first timed run exceeds ``slow_s`` gets
+``slow_repeats`` runs), forward and forward+backward of the variants
 ``--scaling_variants`` (``bench_lib.jax_layer_fns`` / ``torch_layer_fns``):
 ``dense`` (JAX SwiGLU of width K*f), ``blocked`` (moejax's default, fused),
 ``blocked_unfused``, ``torch_dense`` and ``hf_mixtral`` (Hugging Face's
@@ -34,9 +35,9 @@ forward, read again in the backward, their gradient written once
 (``3 E d f x bytes`` for the forward alone); divided by this machine's
 memory bandwidth (:func:`copy_bandwidth`: the better of an in-place XLA
 update and a numpy copy, measured at the start and at the end of the run;
-the highest of these, so the floor stays a lower bound)
-it is a time, printed as a ratio to the dense FFN's time. Activations are not
-counted (the dense FFN streams those too).
+the highest of these, so the floor stays a lower bound), that is a time,
+printed as a ratio to the dense FFN's time. Activations are not counted (the
+dense FFN streams as many).
 """
 
 from __future__ import annotations
