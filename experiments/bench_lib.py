@@ -56,7 +56,8 @@ def block(x):
 
 def time_round_robin(fns: dict[str, Callable[[], object]], repeats: int,
                      slow_s: float = float("inf"), slow_repeats: int = 1,
-                     inner: int = 1, slow_after_compile: bool = False) -> dict[str, dict]:
+                     inner: int = 1, slow_after_compile: bool = False,
+                     once_s: float = float("inf")) -> dict[str, dict]:
   """Median seconds per call of each fn; compile and first run excluded.
 
   Repeats go round-robin over the variants so that load from other
@@ -67,20 +68,23 @@ def time_round_robin(fns: dict[str, Callable[[], object]], repeats: int,
   its error instead of a time, and the others still run. A variant whose
   first run exceeds ``slow_s`` gets ``slow_repeats`` timed runs; with
   ``slow_after_compile`` its first *timed* run is judged instead, so a
-  long compilation does not cost a fast variant its repeats.
+  long compilation does not cost a fast variant its repeats. A variant whose
+  first run exceeds ``once_s`` is not run again: that run is its only time
+  (``first_run_only``; meant for code with nothing to compile, e.g. torch).
   """
-  first, failed = {}, {}
+  first, first_cpu, failed = {}, {}, {}
   for name, fn in fns.items():
-    t0 = time.perf_counter()
+    c0, t0 = time.process_time(), time.perf_counter()
     try:
       block(fn())
     except Exception as e:  # noqa: BLE001 - recorded, the suite goes on
       failed[name] = f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"
       logging.warning("%s failed: %s", name, failed[name])
       continue
-    first[name] = time.perf_counter() - t0
+    first[name], first_cpu[name] = time.perf_counter() - t0, time.process_time() - c0
     logging.info("compiled+ran %s in %.2fs", name, first[name])
-  live = {n: f for n, f in fns.items() if n in first}
+  once = {n for n, t in first.items() if t > once_s}
+  live = {n: f for n, f in fns.items() if n in first and n not in once}
   judge = lambda s: slow_repeats if s > slow_s else repeats
   want = {n: (max(repeats, slow_repeats, 1) if slow_after_compile else judge(first[n]))
           for n in live}
@@ -101,8 +105,11 @@ def time_round_robin(fns: dict[str, Callable[[], object]], repeats: int,
              "runs": len(ts), "all_s": [round(t, 6) for t in ts],
              "first_run_s": round(first[n], 3)}
          for n, ts in times.items()}
+  out.update({n: {"median_s": first[n], "cpu_s": first_cpu[n], "runs": 1,
+                  "all_s": [round(first[n], 6)], "first_run_s": round(first[n], 3),
+                  "first_run_only": True} for n in once})
   out.update({n: {"error": err} for n, err in failed.items()})
-  return out
+  return {n: out[n] for n in fns if n in out}  # in the callers' order
 
 
 # --- Layer problems. --------------------------------------------------------

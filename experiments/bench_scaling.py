@@ -82,6 +82,8 @@ _VARIANTS = flags.DEFINE_list("scaling_variants", list(VARIANTS),
                               f"variants to time, among {','.join(VARIANTS)}")
 _COPY_MIB = flags.DEFINE_integer("scaling_copy_mib", 256,
                                  "MiB of the bandwidth benchmark's copied array")
+_ONCE_S = flags.DEFINE_float("scaling_once_s", 60.0,
+                             "a variant whose first run exceeds this is timed by that run only")
 _COPY_REPEATS = flags.DEFINE_integer("scaling_copy_repeats", 10,
                                      "timed copies of the bandwidth benchmark (median)")
 
@@ -99,10 +101,13 @@ class ScalingSpec:
   d: int = 512
   variants: tuple[str, ...] = VARIANTS
   repeats: int = 5
-  # The HF loop takes 10-40 s a call at E=512 and T=32768: 2 timed runs for those keep
-  # the default run short (bench's --slow_s / --slow_repeats override these when given).
+  # The HF loop takes 10-40 s a call at large E and T: 2 timed runs for those keep the
+  # default run short (bench's --slow_s / --slow_repeats override these when given).
   slow_s: float = 6.0
   slow_repeats: int = 2
+  # HF's default loop at E=512 takes minutes a fwd+bwd call (its backward of each
+  # expert's slice of the stacked [E, ...] weights makes a full [E, ...] gradient, E times).
+  once_s: float = 60.0
   torch_threads: int = os.cpu_count() or 1
   seed: int = 0
   copy_mib: int = 256
@@ -159,7 +164,7 @@ def spec_from_flags(repeats: int, slow_s: Optional[float], slow_repeats: Optiona
         token_sweep_experts=_T_SWEEP_E.value, k=_K.value, f=_F.value, d=_D.value,
         variants=tuple(_VARIANTS.value), repeats=repeats, slow_s=slow_s,
         slow_repeats=slow_repeats, torch_threads=torch_threads, seed=seed,
-        copy_mib=_COPY_MIB.value, copy_repeats=_COPY_REPEATS.value)
+        copy_mib=_COPY_MIB.value, copy_repeats=_COPY_REPEATS.value, once_s=_ONCE_S.value)
   except ValueError as e:
     raise app.UsageError(str(e)) from None
 
@@ -254,7 +259,7 @@ def run_point(spec: ScalingSpec, t: int, e: int) -> dict:
   prob = bench_lib.layer_problem(t, spec.d, e, spec.k, spec.f, seed=spec.seed)
   fns, note = layer_fns(prob, spec)
   timed = bench_lib.time_round_robin(fns, spec.repeats, spec.slow_s, spec.slow_repeats,
-                                     slow_after_compile=True)
+                                     slow_after_compile=True, once_s=spec.once_s)
   table = bench_lib.split_modes(timed)
   add_ratios(table)
   del fns, prob
@@ -317,7 +322,7 @@ def print_scaling_table(res: dict) -> None:
   print(f"\ncopy bandwidth {bw['bytes_per_s'] / 1e9:.2f} GB/s (read + write of "
         f"{bw['copy_mib']} MiB, the best of: {each}); float32")
   print("(x dense: JAX variants vs dense, torch variants vs torch_dense; [min-max] of the "
-        "per-round ratios; cpu: the ratio in process CPU time)")
+        "per-round ratios; cpu: the ratio in process CPU time; *: one run only, the first)")
   for p in res["points"].values():
     print(f"\nT={p['T']} d={p['d']} E={p['E']} K={p['K']} f={p['f']}; load "
           f"{p['load_1min_before']:.2f} -> {p['load_1min_after']:.2f}")
@@ -333,7 +338,9 @@ def print_scaling_table(res: dict) -> None:
           continue
         rs = r.get("ratio_spread")
         rng = "-" if rs is None else f"{rs['min']:.2f}-{rs['max']:.2f}"
-        line += (f"{r['median_s']:>10.3f}{_fmt(r.get('ratio_to_dense')):>9}{rng:>13}"
+        star = "*" if r.get("first_run_only") else ""
+        line += (f"{star + format(r['median_s'], '.3f'):>10}{_fmt(r.get('ratio_to_dense')):>9}"
+                 f"{rng:>13}"
                  f"{_fmt(r.get('cpu_ratio_to_dense')):>7}")
       runs = max((r.get("runs", 0) for r in row.values()), default=0)
       errs = "; ".join(f"{m}: {r['error'][:80]}" for m, r in row.items() if "error" in r)
@@ -367,8 +374,15 @@ def markdown_tables(res: dict) -> str:
                "|---:|---:|---|---:|---:|---:|---|"]
       for key in keys:
         lines.append(_markdown_row(res["points"][key], col, mode))
+      if any(_once(res["points"][k], "hf_mixtral", mode) for k in keys):
+        lines += ["", f"*: one call only (its first took over {spec['once_s']:.0f} s)."]
       blocks.append("\n".join(lines))
   return "\n\n".join(blocks)
+
+
+def _once(p: dict, name: str, mode: str) -> str:
+  """'*' where the variant was timed by its first run only (``once_s``)."""
+  return "*" if p["variants"].get(name, {}).get(mode, {}).get("first_run_only") else ""
 
 
 def _markdown_row(p: dict, col: str, mode: str) -> str:
@@ -379,6 +393,6 @@ def _markdown_row(p: dict, col: str, mode: str) -> str:
       f" [{rs['min']:.2f}-{rs['max']:.2f}]" if rs else ""))
   return (f"| {p[col]} | {_fmt(dense, '.3f')} | {moe_s} "
           f"| {_fmt(_ratio(p, 'blocked_unfused', mode))} "
-          f"| {_fmt(_ratio(p, 'hf_mixtral', mode))} "
+          f"| {_fmt(_ratio(p, 'hf_mixtral', mode))}{_once(p, 'hf_mixtral', mode)} "
           f"| {_fmt(p['floor'][mode]['x_dense'])} "
           f"| {p['load_1min_before']:.1f} -> {p['load_1min_after']:.1f} |")

@@ -159,3 +159,25 @@ def test_slow_variants_are_judged_on_the_first_run_or_after_compile(monkeypatch,
   assert {n: t["runs"] for n, t in timed.items()} == runs
   assert {n: c - 1 for n, c in calls.items()} == runs  # plus the untimed first call
   assert timed["slow"]["all_s"] == [10.0]
+
+
+def test_a_variant_over_once_s_is_timed_by_its_first_run_only(monkeypatch):
+  from experiments import bench_lib  # pylint: disable=g-import-not-at-top
+  clock = _Clock()
+  monkeypatch.setattr(bench_lib, "time", clock)
+  calls = {"huge": 0, "fast": 0}
+
+  def huge():
+    calls["huge"] += 1
+    clock.now += 100.0
+
+  def fast():
+    calls["fast"] += 1
+    clock.now += 1.0
+
+  timed = bench_lib.time_round_robin({"huge": huge, "fast": fast}, repeats=3, slow_s=5.0,
+                                     slow_repeats=2, slow_after_compile=True, once_s=60.0)
+  assert list(timed) == ["huge", "fast"] and calls == {"huge": 1, "fast": 4}
+  assert timed["huge"]["first_run_only"] and timed["huge"]["all_s"] == [100.0]
+  assert timed["huge"]["median_s"] == 100.0 and timed["huge"]["cpu_s"] == 100.0
+  assert timed["fast"]["runs"] == 3 and "first_run_only" not in timed["fast"]
