@@ -82,7 +82,7 @@ _VARIANTS = flags.DEFINE_list("scaling_variants", list(VARIANTS),
                               f"variants to time, among {','.join(VARIANTS)}")
 _COPY_MIB = flags.DEFINE_integer("scaling_copy_mib", 256,
                                  "MiB of the bandwidth benchmark's copied array")
-_ONCE_S = flags.DEFINE_float("scaling_once_s", 60.0,
+_ONCE_S = flags.DEFINE_float("scaling_once_s", 30.0,
                              "a variant whose first run exceeds this is timed by that run only")
 _COPY_REPEATS = flags.DEFINE_integer("scaling_copy_repeats", 10,
                                      "timed copies of the bandwidth benchmark (median)")
@@ -105,9 +105,10 @@ class ScalingSpec:
   # default run short (bench's --slow_s / --slow_repeats override these when given).
   slow_s: float = 6.0
   slow_repeats: int = 2
-  # HF's default loop at E=512 takes minutes a fwd+bwd call (its backward of each
-  # expert's slice of the stacked [E, ...] weights makes a full [E, ...] gradient, E times).
-  once_s: float = 60.0
+  # HF's default loop took 40-50 s a fwd+bwd call at E=128 and T=32768 on the loaded 2-core
+  # VM, minutes at E=512 (the backward of each expert's slice of its stacked [E, ...]
+  # weights is a full [E, ...] gradient, E times over): one call each.
+  once_s: float = 30.0
   torch_threads: int = os.cpu_count() or 1
   seed: int = 0
   copy_mib: int = 256
@@ -347,7 +348,7 @@ def print_scaling_table(res: dict) -> None:
       print(line + f"{runs:>6}" + (f"  ({errs})" if errs else ""))
     fl = p["floor"]
     print(f"{'floor':<18}" + "".join(
-        f"{fl[m]['s']:>10.3f}{_fmt(fl[m]['x_dense']):>9}{'':>13}{'':>7}" for m in MODES)
+        f"{fl[m]['s']:>10.3f}{_fmt(fl[m]['x_dense'], '.3f'):>9}{'':>13}{'':>7}" for m in MODES)
           + f"  ({fl['fwdbwd']['bytes'] / 2 ** 20:.0f} MiB fwd+bwd)")
     if p.get("torch_skipped"):
       print(f"{'torch variants':<18}skipped: {p['torch_skipped']}")
@@ -394,5 +395,5 @@ def _markdown_row(p: dict, col: str, mode: str) -> str:
   return (f"| {p[col]} | {_fmt(dense, '.3f')} | {moe_s} "
           f"| {_fmt(_ratio(p, 'blocked_unfused', mode))} "
           f"| {_fmt(_ratio(p, 'hf_mixtral', mode))}{_once(p, 'hf_mixtral', mode)} "
-          f"| {_fmt(p['floor'][mode]['x_dense'])} "
+          f"| {_fmt(p['floor'][mode]['x_dense'], '.3f')} "
           f"| {p['load_1min_before']:.1f} -> {p['load_1min_after']:.1f} |")
