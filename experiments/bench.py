@@ -9,6 +9,9 @@ Usage:
   python -m experiments.bench --suite=serving --json_out=/tmp/serving.json \
       --serving_plot=/tmp/serving.png                # experiments/bench_serving.py
   python -m experiments.bench --suite=step --step_scale=m   # experiments/bench_step.py
+  python -m experiments.bench --suite=step --step_twin      # experiments/bench_twin.py
+  python -m experiments.bench --suite=scaling --json_out=/tmp/scaling.json
+      # experiments/bench_scaling.py: the MoE / dense ratio as E and T grow
 
 ``--suite=layer`` times, side by side in one process, forward and
 forward+backward of
@@ -55,19 +58,24 @@ from absl import app, flags
 
 from experiments import bench_ep  # the expert-parallel suite and its ep_* flags
 from experiments import bench_lib
+from experiments import bench_scaling  # the E / T scaling suite and its scaling_* flags
 from experiments import bench_serving  # the serving suite and its serving_* flags
 from experiments import bench_step  # the training-step profile and its step_* flags
+from experiments import bench_twin  # --suite=step --step_twin: MoE vs its dense twin
 from experiments.bench_lib import (SHAPES, conditions, dense_ffn, gshard_ffn,  # noqa: F401
                                    native_backends, random_routing, time_round_robin,
                                    uneven_group_sizes)
 from moejax.execution import gmm as gmm_lib
 
-_SUITE = flags.DEFINE_enum("suite", "layer", ["layer", "gmm", "ep", "serving", "step"],
+_SUITE = flags.DEFINE_enum("suite", "layer",
+                           ["layer", "gmm", "ep", "serving", "step", "scaling"],
                            "which benchmark")
 _JSON = flags.DEFINE_string("json_out", None, "write the results here as JSON")
 _REPEATS = flags.DEFINE_integer("repeats", 5, "timed runs per variant (median)")
-_SLOW_S = flags.DEFINE_float("slow_s", 20.0, "a first run slower than this is 'slow'")
-_SLOW_REPEATS = flags.DEFINE_integer("slow_repeats", 1, "timed runs for slow variants")
+_SLOW_S = flags.DEFINE_float("slow_s", 20.0, "a first run slower than this is 'slow' "
+                             "(--suite=scaling: its first timed run, 6 s unless given)")
+_SLOW_REPEATS = flags.DEFINE_integer("slow_repeats", 1, "timed runs for slow variants "
+                                     "(--suite=scaling: 2 unless given)")
 _SHAPES = flags.DEFINE_list("shapes", ["fine", "coarse"], "layer shapes to run")
 _TOKENS = flags.DEFINE_integer("tokens", 8192, "T for the layer suite")
 _D_MODEL = flags.DEFINE_integer("d_model", 512, "d for the layer suite")
@@ -232,9 +240,18 @@ def main(argv):
   elif _SUITE.value == "ep":
     res = bench_ep.ep_suite(_REPEATS.value)
     bench_ep.print_ep_table(res)
+  elif _SUITE.value == "step" and bench_twin.enabled():
+    res = bench_twin.run_from_flags(conditions())
+    bench_twin.print_twin_table(res)
   elif _SUITE.value == "step":
     res = bench_step.step_suite(conditions())
     bench_step.print_step_table(res)
+  elif _SUITE.value == "scaling":
+    given = lambda flag: flag.value if flag.present else None  # else the suite's defaults
+    spec = bench_scaling.spec_from_flags(_REPEATS.value, given(_SLOW_S), given(_SLOW_REPEATS),
+                                         _TORCH_THREADS.value, _SEED.value)
+    res = bench_scaling.scaling_suite(spec, conditions())
+    bench_scaling.print_scaling_table(res)
   elif _SUITE.value == "serving":
     res = bench_serving.serving_suite(conditions())
     bench_serving.print_serving_table(res)

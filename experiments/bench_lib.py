@@ -56,7 +56,8 @@ def block(x):
 
 def time_round_robin(fns: dict[str, Callable[[], object]], repeats: int,
                      slow_s: float = float("inf"), slow_repeats: int = 1,
-                     inner: int = 1) -> dict[str, dict]:
+                     inner: int = 1, slow_after_compile: bool = False,
+                     once_s: float = float("inf")) -> dict[str, dict]:
   """Median seconds per call of each fn; compile and first run excluded.
 
   Repeats go round-robin over the variants so that load from other
@@ -64,24 +65,34 @@ def time_round_robin(fns: dict[str, Callable[[], object]], repeats: int,
   (every thread), which other processes' load disturbs less than wall time.
   ``inner`` calls are made per timed repeat (short device kernels). A
   variant that fails on its first run (e.g. out of memory) is reported with
-  its error instead of a time, and the others still run.
+  its error instead of a time, and the others still run. A variant whose
+  first run exceeds ``slow_s`` gets ``slow_repeats`` timed runs; with
+  ``slow_after_compile`` its first *timed* run is judged instead, so a
+  long compilation does not cost a fast variant its repeats. A variant whose
+  first run exceeds ``once_s`` is not run again: that run is its only time
+  (``first_run_only``; meant for code with nothing to compile, e.g. torch).
   """
-  first, failed = {}, {}
+  first, first_cpu, failed = {}, {}, {}
   for name, fn in fns.items():
-    t0 = time.perf_counter()
+    c0, t0 = time.process_time(), time.perf_counter()
     try:
       block(fn())
     except Exception as e:  # noqa: BLE001 - recorded, the suite goes on
       failed[name] = f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"
       logging.warning("%s failed: %s", name, failed[name])
       continue
-    first[name] = time.perf_counter() - t0
+    first[name], first_cpu[name] = time.perf_counter() - t0, time.process_time() - c0
     logging.info("compiled+ran %s in %.2fs", name, first[name])
-  live = {n: f for n, f in fns.items() if n in first}
-  want = {n: (slow_repeats if first[n] > slow_s else repeats) for n in live}
+  once = {n for n, t in first.items() if t > once_s}
+  live = {n: f for n, f in fns.items() if n in first and n not in once}
+  judge = lambda s: slow_repeats if s > slow_s else repeats
+  want = {n: (max(repeats, slow_repeats, 1) if slow_after_compile else judge(first[n]))
+          for n in live}
   times = {n: [] for n in live}
   cpu = {n: [] for n in live}
   for r in range(max(want.values(), default=0)):
+    if slow_after_compile and r == 1:  # every variant has one timed run now
+      want = {n: max(judge(times[n][0]), 1) for n in live}
     for name, fn in live.items():
       if r < want[name]:
         c0, t0 = time.process_time(), time.perf_counter()
@@ -94,8 +105,11 @@ def time_round_robin(fns: dict[str, Callable[[], object]], repeats: int,
              "runs": len(ts), "all_s": [round(t, 6) for t in ts],
              "first_run_s": round(first[n], 3)}
          for n, ts in times.items()}
+  out.update({n: {"median_s": first[n], "cpu_s": first_cpu[n], "runs": 1,
+                  "all_s": [round(first[n], 6)], "first_run_s": round(first[n], 3),
+                  "first_run_only": True} for n in once})
   out.update({n: {"error": err} for n, err in failed.items()})
-  return out
+  return {n: out[n] for n in fns if n in out}  # in the callers' order
 
 
 # --- Layer problems. --------------------------------------------------------
@@ -265,6 +279,13 @@ def torch_layer_fns(prob: dict, threads: int, hf_implementations=("eager",)) -> 
     name = "hf_mixtral" if impl == "eager" else f"hf_mixtral_{impl}"
     add(name, lambda xx, m=block_m: m(xx.view(1, t, d)).view(t, d), list(block_m.parameters()))
   return fns
+
+
+def spread(values) -> dict:
+  """min, max and the interquartile range (q25, q75) of a list of seconds or ratios."""
+  v = np.asarray(values, np.float64)
+  q25, q75 = np.percentile(v, [25, 75])
+  return {"min": float(v.min()), "max": float(v.max()), "q25": float(q25), "q75": float(q75)}
 
 
 def ratios_to(table: dict, base: str) -> None:

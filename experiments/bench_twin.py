@@ -1,0 +1,157 @@
+r"""MoE vs its dense twin, one trainer step each (``--suite=step --step_twin``).
+
+Usage:
+  python -m experiments.bench --suite=step --step_twin --json_out=/tmp/twin.json
+
+Builds ``--step_twin_config`` (default configs/default.py) and its ``active``
+dense twin (:func:`moejax.model.dense_twin`: every MoE FFN replaced by one
+dense FFN of width K*f, the same active parameters and FLOPs per token;
+attention, embeddings, data and optimiser identical), compiles both trainer
+steps (moejax.train.step: forward, backward, AdamW, the bias controller,
+metrics) and times them interleaved with a square f32 matmul of
+``--step_matmul_n`` (``bench_lib.time_round_robin``: round-robin repeats,
+medians, the compiling first run excluded; both steps see the same batches).
+
+Reported per arm: tokens/s (batch x seq_len over the median step), its CPU
+time twin, the spread of the per-round MoE / dense ratios, and the achieved
+FLOP rate (3 x the forward FLOPs per token of
+``moejax.topology.accounting.budget``, times the step's tokens, over the
+step) next to the matmul's rate (2 n^3 / its median): the gap between a
+step and the matmul roof is what neither arm spends in matmuls.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+from absl import flags
+
+from experiments import bench_lib
+
+_TWIN = flags.DEFINE_bool("step_twin", False, "--suite=step: time the MoE config's trainer "
+                          "step against its dense twin's instead of profiling one arm")
+_TWIN_CONFIG = flags.DEFINE_string("step_twin_config", "configs/default.py",
+                                   "config file of the MoE arm of --step_twin")
+_TWIN_REPEATS = flags.DEFINE_integer("step_twin_repeats", 20, "timed steps per arm (median)")
+_MATMUL_N = flags.DEFINE_integer("step_matmul_n", 1024, "n of the [n, n] x [n, n] f32 matmul")
+
+ARMS = ("moe", "dense")
+
+
+def enabled() -> bool:
+  return _TWIN.value
+
+
+def twin_configs(exp) -> dict:
+  """{'moe': exp, 'dense': exp with its model replaced by the 'active' dense twin}."""
+  from moejax.model import dense_twin  # pylint: disable=g-import-not-at-top
+  if exp.model.moe is None:
+    raise ValueError("error: --step_twin_config: model.moe is None (a dense model); "
+                     "pass an MoE config such as configs/default.py")
+  return {"moe": exp, "dense": dataclasses.replace(exp, model=dense_twin(exp.model, "active"))}
+
+
+def _step_fn(exp, batches) -> tuple[Callable[[], object], float]:
+  """(a thunk running one compiled trainer step on the next batch, compile seconds)."""
+  # pylint: disable=g-import-not-at-top
+  import time
+  from moejax.train import step as step_lib
+  from moejax.train.optim import make_optimizer
+  tx = make_optimizer(exp.train, exp.model)
+  graphdef, state = step_lib.init_state(exp, tx)
+  t0 = time.perf_counter()
+  compiled = step_lib.make_train_step(graphdef, exp, tx).lower(state, batches[0]).compile()
+  compile_s = time.perf_counter() - t0
+  holder = {"state": state, "i": 0}
+
+  def run():
+    holder["i"] += 1
+    holder["state"], metrics = compiled(holder["state"], batches[holder["i"] % len(batches)])
+    return metrics
+
+  return run, compile_s
+
+
+def matmul_fn(n: int) -> Callable[[], object]:
+  a = jax.random.normal(jax.random.key(0), (n, n), jnp.float32)
+  b = jax.random.normal(jax.random.key(1), (n, n), jnp.float32)
+  mm = jax.jit(jnp.matmul)
+  return lambda: mm(a, b)
+
+
+def twin_suite(exp, repeats: int, matmul_n: int, conditions: dict,
+               label: str = "config") -> dict:
+  """Both arms' trainer steps and the matmul, interleaved (see the module doc)."""
+  # pylint: disable=g-import-not-at-top
+  from moejax import data as data_lib
+  from moejax.topology.accounting import budget
+  load_before = os.getloadavg()[0]
+  arms = twin_configs(exp)
+  b, s = exp.data.batch_size, exp.data.seq_len
+  train_it = data_lib.make_batches(exp.data, exp.data.train_split)
+  batches = [{k: jnp.asarray(v) for k, v in next(train_it).items()} for _ in range(4)]
+  fns, compile_s = {}, {}
+  for name, cfg in arms.items():
+    fns[name], compile_s[name] = _step_fn(cfg, batches)
+  fns["matmul"] = matmul_fn(matmul_n)
+  timed = bench_lib.time_round_robin(fns, repeats)
+  failed = {n: t["error"] for n, t in timed.items() if "error" in t}
+  if failed:
+    raise RuntimeError(f"step twin: failed: {failed}")
+  tokens = b * s
+  out = {}
+  for name, cfg in arms.items():
+    t = timed[name]
+    flops = 3.0 * budget(cfg.model, s).flops_per_token * tokens
+    out[name] = {"median_s": t["median_s"], "cpu_s": t["cpu_s"], "all_s": t["all_s"],
+                 "spread_s": bench_lib.spread(t["all_s"]), "compile_s": compile_s[name],
+                 "tokens_per_s": tokens / t["median_s"], "cpu_tokens_per_s": tokens / t["cpu_s"],
+                 "train_flops": flops, "flops_per_s": flops / t["median_s"],
+                 "ffn": (f"dense, width {cfg.model.dense_ff_width}" if cfg.model.moe is None
+                         else f"MoE, E={cfg.model.moe.num_experts} K="
+                              f"{cfg.model.moe.routing.top_k} f={cfg.model.moe.topology.expert_width}")}
+  mm = timed["matmul"]
+  mm_rate = 2.0 * matmul_n ** 3 / mm["median_s"]
+  for r in out.values():
+    r["fraction_of_matmul"] = r["flops_per_s"] / mm_rate
+  rounds = zip(timed["moe"]["all_s"], timed["dense"]["all_s"])
+  ratio = {"tokens_per_s": out["moe"]["tokens_per_s"] / out["dense"]["tokens_per_s"],
+           "cpu_tokens_per_s": out["moe"]["cpu_tokens_per_s"] / out["dense"]["cpu_tokens_per_s"],
+           "spread": bench_lib.spread([d / m for m, d in rounds])}
+  return {"conditions": conditions, "config": label,
+          "batch": b, "seq_len": s, "tokens_per_step": tokens, "repeats": repeats,
+          "arms": out, "moe_over_dense": ratio,
+          "load_1min_before": load_before, "load_1min_after": os.getloadavg()[0],
+          "matmul": {"n": matmul_n, "median_s": mm["median_s"], "flops_per_s": mm_rate}}
+
+
+def run_from_flags(conditions: dict) -> dict:
+  from moejax.config import files  # pylint: disable=g-import-not-at-top
+  from moejax.train.config import experiment_from_dict  # pylint: disable=g-import-not-at-top
+  exp = experiment_from_dict(files.load_config_file(_TWIN_CONFIG.value))
+  return twin_suite(exp, _TWIN_REPEATS.value, _MATMUL_N.value, conditions,
+                    label=_TWIN_CONFIG.value)
+
+
+def print_twin_table(res: dict) -> None:
+  mm = res["matmul"]
+  print(f"\n{res['config']} and its active dense twin: batch {res['batch']} x "
+        f"{res['seq_len']} = {res['tokens_per_step']} tokens per step, medians of "
+        f"{res['repeats']} interleaved steps; f32 matmul {mm['n']}^3: "
+        f"{mm['flops_per_s'] / 1e9:.1f} GFLOP/s; 1-min load {res['load_1min_before']:.1f} -> "
+        f"{res['load_1min_after']:.1f}")
+  print("| arm | step ms [min-max] | tokens/s | CPU tokens/s | GFLOP/s | x matmul | compile s |")
+  print("|---|---:|---:|---:|---:|---:|---:|")
+  for name, r in res["arms"].items():
+    sp = r["spread_s"]
+    print(f"| {name} | {1e3 * r['median_s']:.1f} [{1e3 * sp['min']:.1f}-{1e3 * sp['max']:.1f}] "
+          f"| {r['tokens_per_s']:.0f} | {r['cpu_tokens_per_s']:.0f} "
+          f"| {r['flops_per_s'] / 1e9:.2f} | {r['fraction_of_matmul']:.2f} "
+          f"| {r['compile_s']:.1f} |")
+  q = res["moe_over_dense"]
+  print(f"MoE / dense tokens/s: {q['tokens_per_s']:.3f} (per-round [{q['spread']['min']:.3f}-"
+        f"{q['spread']['max']:.3f}]; CPU time {q['cpu_tokens_per_s']:.3f}); target >= 0.98")
