@@ -23,15 +23,11 @@ import os
 
 import pytest
 
-# XLA:CPU's LLVM back end at its lowest optimisation level: the suite's programs are tiny
-# and run for milliseconds, but compiling one at the default level costs seconds (the
-# tiny config's train step: 7.0 CPU-s at the default level, 3.8 at level 0), and the
-# suite compiles hundreds. The level changes instruction selection, not the program:
-# the golden-value and agreement tests hold at both (run them without this line to
-# check). Set before JAX starts its backend, so the binaries the tests launch inherit it.
-_FAST_COMPILE = "--xla_backend_optimization_level=0"
-if _FAST_COMPILE.split("=")[0] not in os.environ.get("XLA_FLAGS", ""):
-  os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {_FAST_COMPILE}".strip()
+from tests import fast_compile
+
+# The fast-compile XLA:CPU flags (why: tests/fast_compile.py), set before JAX starts its
+# backend, so the binaries the tests launch inherit them.
+fast_compile.install()
 
 # nodeid (without the file's directory prefix "tests/") -> what covers it in the default run.
 SLOW = {
