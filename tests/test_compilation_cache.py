@@ -15,11 +15,14 @@ import jax.numpy as jnp
 import numpy as np
 
 
-def _program(w, x):
-  """A small MLP step with a reduction: (B, D) @ (D, D) twice, then a softmax and a sum."""
-  h = jax.nn.gelu(x @ w)
-  y = jax.nn.softmax(h @ w.T, axis=-1)
-  return jnp.sum(y * x, axis=-1), jax.grad(lambda w: jnp.sum(jnp.tanh(x @ w) ** 2))(w)
+def _new_program():
+  """A new function object each call (its own in-memory jit cache), the same program each
+  time: a small MLP step, (B, D) @ (D, D) twice, then a softmax, a sum and a gradient."""
+  def _program(w, x):
+    h = jax.nn.gelu(x @ w)
+    y = jax.nn.softmax(h @ w.T, axis=-1)
+    return jnp.sum(y * x, axis=-1), jax.grad(lambda w: jnp.sum(jnp.tanh(x @ w) ** 2))(w)
+  return _program
 
 
 def test_cached_executable_gives_the_bits_of_a_fresh_compile(compilation_cache):
@@ -33,12 +36,11 @@ def test_cached_executable_gives_the_bits_of_a_fresh_compile(compilation_cache):
     w = jax.random.normal(jax.random.key(0), (16, 16), jnp.float32)
     x = jax.random.normal(jax.random.key(1), (4, 16), jnp.float32)
     before = set(os.listdir(cache_dir))
-    fresh = jax.jit(_program)(w, x)
+    fresh = jax.jit(_new_program())(w, x)
     written = set(os.listdir(cache_dir)) - before
     assert any(name.startswith("jit__program") for name in written), written
-    jax.clear_caches()  # forget the in-memory executable: the next call reads the file
     del hits[:]
-    cached = jax.jit(_program)(w, x)
+    cached = jax.jit(_new_program())(w, x)  # not in memory: compiled, or read from the file
     assert "/jax/compilation_cache/cache_hits" in hits
   finally:
     jax.config.update("jax_persistent_cache_min_compile_time_secs", previous)
