@@ -23,15 +23,11 @@ import os
 
 import pytest
 
-# XLA:CPU's LLVM back end at its lowest optimisation level: the suite's programs are tiny
-# and run for milliseconds, but compiling one at the default level costs seconds (the
-# tiny config's train step: 7.0 CPU-s at the default level, 3.8 at level 0), and the
-# suite compiles hundreds. The level changes instruction selection, not the program:
-# the golden-value and agreement tests hold at both (run them without this line to
-# check). Set before JAX starts its backend, so the binaries the tests launch inherit it.
-_FAST_COMPILE = "--xla_backend_optimization_level=0"
-if _FAST_COMPILE.split("=")[0] not in os.environ.get("XLA_FLAGS", ""):
-  os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {_FAST_COMPILE}".strip()
+from tests import fast_compile
+
+# The fast-compile XLA:CPU flags (why: tests/fast_compile.py), set before JAX starts its
+# backend, so the binaries the tests launch inherit them.
+fast_compile.install()
 
 # nodeid (without the file's directory prefix "tests/") -> what covers it in the default run.
 SLOW = {
@@ -94,6 +90,16 @@ _CACHE = {"jax_compilation_cache_dir": "JAX_COMPILATION_CACHE_DIR",
           "jax_persistent_cache_min_entry_size_bytes": "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES"}
 
 
+# Only programs that take this long to compile are written to the cache. Writing every
+# program (0 s) costs more than it saves: the hundreds of one-operation programs of eager
+# jnp calls compile in milliseconds each, and serialising and writing each of them made
+# tests/test_layer_golden.py 10% dearer than no cache at all (33.9 vs 30.8 CPU-s), while
+# at 0.3 s it cost what no cache costs (31.7) and the binaries' train steps (seconds) still
+# hit: tests/plugins/test_plugin_router.py 57.0 CPU-s at 0 s, 54.8 at 0.3 s, 63.0 without
+# a cache (measured with `-n 0` under /usr/bin/time at a load of ~5, 2026-12-02).
+MIN_CACHED_COMPILE_S = 0.3
+
+
 @pytest.fixture(scope="session", autouse=True)
 def compilation_cache(tmp_path_factory):
   """One persistent compilation cache for the whole run: every worker and every binary launched.
@@ -112,7 +118,8 @@ def compilation_cache(tmp_path_factory):
     base = base.parent  # the run's directory, above this worker's own
   path = str(base / "jax_cache")
   os.makedirs(path, exist_ok=True)
-  values = {"jax_compilation_cache_dir": path, "jax_persistent_cache_min_compile_time_secs": 0.0,
+  values = {"jax_compilation_cache_dir": path,
+            "jax_persistent_cache_min_compile_time_secs": MIN_CACHED_COMPILE_S,
             "jax_persistent_cache_min_entry_size_bytes": 0}
   previous = {name: getattr(jax.config, name) for name in _CACHE}
   saved_env = {var: os.environ.get(var) for var in _CACHE.values()}

@@ -23,6 +23,7 @@ import sys
 import pytest
 
 from moejax.ablation import report, summary as summary_lib
+from tests import fast_compile
 from tests.ablation import helpers
 
 # metric -> absolute tolerance on each arm's value and on the arm's difference to the baseline.
@@ -34,20 +35,18 @@ def _readme_environment() -> dict:
 
   A 250-step run's MaxVio is chaotic in the last bits of its arithmetic (a top-k choice
   flips and the trajectories part), so the reproduction runs exactly as a user's shell
-  does: without tests/conftest.py's XLA:CPU optimisation level (other instruction
+  does: without tests/fast_compile.py's XLA:CPU flags (other instruction
   selection) and without simulated devices (the batch reduced over 8 devices sums in
   another order than on one).
   """
   env = dict(os.environ, PYTHONPATH=helpers.ROOT)
-  flags = [f for f in env.get("XLA_FLAGS", "").split()
-           if not f.startswith("--xla_backend_optimization_level")]
-  env["XLA_FLAGS"] = " ".join(flags)
+  env["XLA_FLAGS"] = fast_compile.without(env.get("XLA_FLAGS", ""))
   env.pop("JAX_NUM_CPU_DEVICES", None)
   return env
 
 
 def test_the_reproduction_runs_in_the_readme_environment(monkeypatch):
-  monkeypatch.setenv("XLA_FLAGS", "--xla_backend_optimization_level=0 --xla_dump_to=/tmp/x")
+  monkeypatch.setenv("XLA_FLAGS", f"{fast_compile.XLA_FLAGS} --xla_dump_to=/tmp/x")
   monkeypatch.setenv("JAX_NUM_CPU_DEVICES", "8")
   env = _readme_environment()
   assert env["XLA_FLAGS"] == "--xla_dump_to=/tmp/x" and "JAX_NUM_CPU_DEVICES" not in env

@@ -72,7 +72,7 @@ def run_child(script, *groups: str, devices: int = 8, timeout: int = 1200) -> di
   A group the child never reached (it crashed, or timed out) maps to the
   child's output and the end of its stderr.
   """
-  # XLA_FLAGS (LLVM at -O0) and the run's compilation cache (tests/conftest.py) are
+  # XLA_FLAGS (tests/fast_compile.py) and the run's compilation cache (tests/conftest.py) are
   # inherited: compile time dominates these tiny programs.
   env = dict(os.environ, JAX_NUM_CPU_DEVICES=str(devices), JAX_PLATFORMS="cpu")
   proc = subprocess.run([sys.executable, str(script), *groups], env=env, capture_output=True,

@@ -13,6 +13,8 @@ import socket
 import subprocess
 import sys
 
+from tests import fast_compile
+
 CHILD = pathlib.Path(__file__).with_name("multiprocess_child.py")
 
 
@@ -35,7 +37,7 @@ def _port_is_free(port: int) -> bool:
 def test_two_processes_equal_single_device():
   port = _free_port()
   env = dict(os.environ, JAX_NUM_CPU_DEVICES="4", JAX_PLATFORMS="cpu",
-             XLA_FLAGS="--xla_backend_optimization_level=0")
+             XLA_FLAGS=fast_compile.XLA_FLAGS)
   procs = [subprocess.Popen([sys.executable, str(CHILD), str(i), "2", str(port)], env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             cwd=CHILD.parents[2]) for i in range(2)]

@@ -20,6 +20,7 @@ import pytest
 from moejax import config as C
 from moejax.config.registry import ROUTERS, RegistryError
 from moejax.routing import RouterSpec, register
+from tests import fast_compile
 from tests.plugins import cosine_router  # noqa: F401  (registers the kinds)
 
 HERE = pathlib.Path(__file__).resolve().parent
@@ -128,7 +129,7 @@ def test_ablate_runs_it_as_an_arm_with_budget_and_load_metrics(tmp_path):
 def test_ep_moe_layer_runs_it_on_8_devices_like_one_device():
   proc = _run([str(HERE / "ep_child.py")],
               env={"JAX_NUM_CPU_DEVICES": "8",
-                   "XLA_FLAGS": "--xla_backend_optimization_level=0"})
+                   "XLA_FLAGS": fast_compile.XLA_FLAGS})
   assert proc.returncode == 0, proc.stdout + proc.stderr[-4000:]
   assert "OK cosine" in proc.stdout
 

@@ -15,10 +15,11 @@ import socket
 import subprocess
 import sys
 
+from tests import fast_compile
 from tests.train import helpers
 
-# Compile time dominates these tiny steps; LLVM's -O0 halves it.
-BASE_ENV = {"JAX_PLATFORMS": "cpu", "XLA_FLAGS": "--xla_backend_optimization_level=0"}
+# Compile time dominates these tiny steps (tests/fast_compile.py).
+BASE_ENV = {"JAX_PLATFORMS": "cpu", "XLA_FLAGS": fast_compile.XLA_FLAGS}
 
 
 def free_port() -> int:
