@@ -1,16 +1,18 @@
 """Fused routed-expert FFN for the ``blocked`` backend (portable XLA).
 
 Legend: T tokens, d model width, K slots per token, E FFN experts, f expert
-hidden width, M = T * K token copies, tm row tile.
+hidden width, M = T * K token copies, tm row tile, n_e rows of expert e.
 
 Composing permute -> 3 grouped matmuls -> unpermute writes and re-reads
 several [M, d] and [M, f] arrays; on a CPU that is memory-bound outside the
 matmuls (M * d * 4 bytes = 128 MiB at T=8192, K=8, d=512) and it cost about
 as much as two of the nine matmul passes of a forward+backward. Here one
 loop visits the experts and, inside an expert, its row tiles of the dropless
-layout (``permute.sort_by_expert``): full tm-row tiles, then tiles of ts rows
-for the remainder (waste < ts rows per expert). Per tile, with
-W1 = [W_gate | W_up] (one [d, 2f] matmul instead of two [d, f] ones):
+layout (``permute.sort_by_expert``, tiles from ``tiling.expert_tiles``):
+n_e // tm full tm-row tiles (no row masks), and the remainder in *one* tile
+rounded up to a multiple of the grain (waste < grain rows per expert). Per
+tile, with W1 = [W_gate | W_up] (one [d, 2f] matmul instead of two [d, f]
+ones):
 
     forward:  x_t = x[tokens]            (gather from [T, d], which stays in cache)
               [a|b] = x_t W1, h = silu(a) * b, y_t = h W_down
@@ -21,10 +23,18 @@ W1 = [W_gate | W_up] (one [d, 2f] matmul instead of two [d, f] ones):
 
 so the only [M, *] traffic is saving [a|b] ([M, 2f]) for the backward pass;
 the backward does the matmuls a dense FFN backward does, no recomputation.
-Weight gradients accumulate in the inner loop's carry (hot in cache) and are
-written once per expert. Rows of a tile that belong to another expert gather
-token T (out of range, filled with zeros), so they add nothing and scatter
-nowhere. GELU experts use W1 = W_up and save a only.
+
+Per-tile cost, not per-row cost, is what the layout is chosen for (profile
+in docs/execution.md): every tile pays ~0.4 ms on the 2-core CPU beyond its
+rows, mostly the two weight-gradient accumulator adds ([d, 2f] + [f, d] per
+tile); with many experts (E=512 at T=8192: ~128 rows each) the old layout
+ran 2-3 64-row remainder tiles per expert. So: an expert's first tile (its
+remainder) *sets* the accumulators, only later full tiles add to them; the
+gate and up gradients are written per expert into their own [E, d, f]
+outputs (slicing the cache-resident accumulator), not split out of an
+[E, d, 2f] array afterwards. Rows of a remainder tile that belong to
+another expert gather token T (out of range, filled with zeros), so they add
+nothing and scatter nowhere. GELU experts use W1 = W_up and save a only.
 """
 
 from __future__ import annotations
@@ -55,43 +65,6 @@ def _act_fwd(activation, a, b):
   return jax.nn.gelu(a)
 
 
-class _Tiles:
-  """Expert g's row tiles of the dropless layout (``tiling.group_tiles``).
-
-  Full tm-row tiles, then the remainder in ts-row tiles, so the padding
-  waste is < ts rows per expert while the bulk runs in tm-row matmuls.
-  """
-
-  def __init__(self, src_token, group_sizes, num_tokens, tm, ts):
-    self.src_token = src_token
-    self.num_tokens = num_tokens
-    self.classes = tiling.group_tiles(group_sizes, src_token.shape[0], tm, ts)
-
-  def loop(self, g, body, carry):
-    """carry = body(size, r0, keep, tok, carry) over expert g's tiles.
-
-    r0 is the tile's first row, keep bool[size] the rows it owns (a tile
-    clamped back inside the operand re-reads rows of the previous tile and
-    must not count them twice), tok the token of each row, T where not kept.
-    """
-    for size, tiles in self.classes:
-      def step(i, c, size=size, tiles=tiles):
-        r0 = tiles.row[i]
-        keep = tiles.owned(i, size)
-        tok = jnp.where(keep, lax.dynamic_slice(self.src_token, (r0,), (size,)),
-                        self.num_tokens)
-        return body(size, r0, keep, tok, c)
-
-      carry = lax.fori_loop(tiles.offsets[g], tiles.offsets[g + 1], step, carry)
-    return carry
-
-
-def _merge_rows(buf, r0, keep, val):
-  old = lax.dynamic_slice(buf, (r0, 0), val.shape)
-  return lax.dynamic_update_slice(buf, jnp.where(keep[:, None], val.astype(buf.dtype), old),
-                                  (r0, 0))
-
-
 def _first_layer(params, g, gated):
   """[d, F1] input weights of expert g: [w_gate | w_up] (F1 = 2f) or w_up.
 
@@ -105,33 +78,110 @@ def _first_layer(params, g, gated):
   return jnp.concatenate([wg, wu], axis=1)
 
 
+def _rows(a, r0, size):
+  return lax.dynamic_slice_in_dim(a, r0, size, 0)
+
+
+def _masked(keep, v, fill):
+  """v where the tile owns the row, else fill; full tiles (keep None) own all."""
+  return v if keep is None else jnp.where(keep.reshape((-1,) + (1,) * (v.ndim - 1)), v, fill)
+
+
+def _put(buf, r0, val, keep):
+  """buf[r0:r0+size] = val on the rows the tile owns (in place on a loop carry)."""
+  val = val.astype(buf.dtype)
+  if keep is not None:
+    val = _masked(keep, val, _rows(buf, r0, val.shape[0]))
+  return lax.dynamic_update_slice_in_dim(buf, val, r0, 0)
+
+
+def _expert_loop(tiles, g, tile, carry, zero_acc):
+  """(carry, acc) after expert g's tiles: its remainder tile, then its full tiles.
+
+  ``tile(size, r0, keep, carry) -> (carry, acc_t)``; the remainder tile's
+  acc_t *is* the accumulator (no zero-fill and add), full tiles add to it.
+  ``zero_acc()`` is the accumulator of an expert without a remainder tile.
+  """
+  acc = zero_acc()
+  for c, size in enumerate(tiles.sizes):
+    off = tiles.offsets[c]
+
+    def rest(i, ca, size=size, off=off):
+      # g + i - off[g] is g (the loop runs at most once), written through i
+      # so that XLA cannot hoist the tile out of the loop: loop-invariant
+      # code motion would run every size class for every expert.
+      r0, keep = tiles.rest_tile(g + i - off[g], size)
+      return tile(size, r0, keep, ca[0])
+
+    carry, acc = lax.fori_loop(off[g], off[g + 1], rest, (carry, acc))
+
+  def full(i, ca):
+    carry, acc = ca
+    carry, acc_t = tile(tiles.tm, tiles.starts[g] + i * tiles.tm, None, carry)
+    return carry, jax.tree.map(jnp.add, acc, acc_t)
+
+  return lax.fori_loop(0, tiles.full[g], full, (carry, acc))
+
+
 def _forward(activation, tm, ts, params, x, w_rows, src_token, group_sizes):
   t, d = x.shape
   m = src_token.shape[0]
   f = params["w_up"].shape[2]
   gated = activation == "swiglu"
-  tiles = _Tiles(src_token, group_sizes, t, tm, ts)
+  tiles = tiling.expert_tiles(group_sizes, m, tm, ts)
 
   def group(g, carry):
     w1 = _first_layer(params, g, gated)
     wd = lax.dynamic_index_in_dim(params["w_down"], g, keepdims=False)
 
-    def tile(size, r0, keep, tok, carry):
+    def tile(size, r0, keep, carry):
       y, pre = carry
-      xt = _gather(x, tok)
-      ab = _dot(xt, w1, _NN)  # pre-activations [a | b]
+      tok = _masked(keep, _rows(src_token, r0, size), t)
+      ab = _dot(_gather(x, tok), w1, _NN)  # pre-activations [a | b]
       h = (_act_fwd(activation, ab[:, :f], ab[:, f:]) if gated
            else _act_fwd(activation, ab, None)).astype(x.dtype)
-      yt = _dot(h, wd, _NN)
-      wt = jnp.where(keep, lax.dynamic_slice(w_rows, (r0,), (size,)), 0)
-      y = y.at[tok].add(yt * wt[:, None], mode="drop")
-      return y, _merge_rows(pre, r0, keep, ab)
+      wt = _masked(keep, _rows(w_rows, r0, size), 0)
+      y = y.at[tok].add(_dot(h, wd, _NN) * wt[:, None], mode="drop")
+      return (y, _put(pre, r0, ab, keep)), ()
 
-    return tiles.loop(g, tile, carry)
+    return _expert_loop(tiles, g, tile, carry, tuple)[0]
 
   init = (jnp.zeros((t, d), jnp.float32), jnp.zeros((m, 2 * f if gated else f), x.dtype))
   y, pre = lax.fori_loop(0, group_sizes.shape[0], group, init)
   return y.astype(x.dtype), pre
+
+
+def _tile_backward(activation, x, dy, w_rows, src_token, pre, w1, wd, size, r0, keep,
+                   carry):
+  """One tile's backward: (dx, dw_rows) updated, (dW1_t [d, F1], dWd_t [f, d])."""
+  dx, dw_rows = carry
+  t = x.shape[0]
+  f = wd.shape[0]
+  tok = _masked(keep, _rows(src_token, r0, size), t)
+  xt = _gather(x, tok)
+  dyt = _gather(dy, tok)
+  wt = _masked(keep, _rows(w_rows, r0, size), 0)
+  ab = _rows(pre, r0, size).astype(jnp.float32)
+  dh_u = _dot(dyt, wd, _NT)  # [size, f] = dy Wd^T, before the gate weight
+  if activation == "swiglu":
+    a, b = ab[:, :f], ab[:, f:]
+    sig = jax.nn.sigmoid(a)
+    silu = a * sig
+    h = silu * b
+  else:
+    h, gelu_vjp = jax.vjp(jax.nn.gelu, ab)
+  # <y_t, dy> = <h Wd, dy> = <h, dy Wd^T>: the gate-weight gradient
+  # without recomputing y_t.
+  dw_rows = _put(dw_rows, r0, _masked(keep, jnp.sum(h * dh_u, axis=1), 0), keep)
+  dh = dh_u * wt[:, None]
+  dwd = _dot(h.astype(x.dtype), (dyt * wt[:, None]).astype(x.dtype), _TN)
+  if activation == "swiglu":
+    dab = jnp.concatenate([dh * b * sig * (1 + a * (1 - sig)), dh * silu], axis=1)
+  else:
+    dab = gelu_vjp(dh)[0]
+  dab = dab.astype(x.dtype)
+  dx = dx.at[tok].add(_dot(dab, w1, _NT), mode="drop")
+  return (dx, dw_rows), (_dot(xt, dab, _TN), dwd)
 
 
 def _backward(activation, tm, ts, params, x, w_rows, src_token, group_sizes, pre, dy):
@@ -139,60 +189,31 @@ def _backward(activation, tm, ts, params, x, w_rows, src_token, group_sizes, pre
   m = src_token.shape[0]
   f = params["w_up"].shape[2]
   gated = activation == "swiglu"
-  tiles = _Tiles(src_token, group_sizes, t, tm, ts)
+  tiles = tiling.expert_tiles(group_sizes, m, tm, ts)
   dy = dy.astype(x.dtype)
-  f1 = pre.shape[1]
+  names = ("w_gate", "w_up") if gated else ("w_up",)
 
   def group(g, carry):
     dx, dw_rows, g1, gd = carry
     w1 = _first_layer(params, g, gated)
     wd = lax.dynamic_index_in_dim(params["w_down"], g, keepdims=False)
-
-    def tile(size, r0, keep, tok, inner):
-      dx, dw_rows, acc1, accd = inner
-      xt = _gather(x, tok)
-      dyt = _gather(dy, tok)
-      wt = jnp.where(keep, lax.dynamic_slice(w_rows, (r0,), (size,)), 0)
-      ab = lax.dynamic_slice(pre, (r0, 0), (size, f1)).astype(jnp.float32)
-      dh_u = _dot(dyt, wd, _NT)  # [tm, f] = dy Wd^T, before the gate weight
-      if gated:
-        a, b = ab[:, :f], ab[:, f:]
-        sig = jax.nn.sigmoid(a)
-        silu = a * sig
-        h = silu * b
-      else:
-        h, gelu_vjp = jax.vjp(jax.nn.gelu, ab)
-      # <y_t, dy> = <h Wd, dy> = <h, dy Wd^T>: the gate-weight gradient
-      # without recomputing y_t.
-      dw_t = jnp.where(keep, jnp.sum(h * dh_u, axis=1), 0)
-      dw_rows = lax.dynamic_update_slice(
-          dw_rows, jnp.where(keep, dw_t, lax.dynamic_slice(dw_rows, (r0,), (size,))), (r0,))
-      dh = dh_u * wt[:, None]
-      accd = accd + _dot(h.astype(x.dtype), (dyt * wt[:, None]).astype(x.dtype), _TN)
-      if gated:
-        dab = jnp.concatenate([dh * b * sig * (1 + a * (1 - sig)), dh * silu], axis=1)
-      else:
-        dab = gelu_vjp(dh)[0]
-      dab = dab.astype(x.dtype)
-      acc1 = acc1 + _dot(xt, dab, _TN)
-      dx = dx.at[tok].add(_dot(dab, w1, _NT), mode="drop")
-      return dx, dw_rows, acc1, accd
-
-    acc0 = (jnp.zeros((d, f1), jnp.float32), jnp.zeros((f, d), jnp.float32))
-    dx, dw_rows, acc1, accd = tiles.loop(g, tile, (dx, dw_rows) + acc0)
-    g1 = lax.dynamic_update_index_in_dim(g1, acc1.astype(g1.dtype), g, 0)
+    tile = functools.partial(_tile_backward, activation, x, dy, w_rows, src_token, pre,
+                             w1, wd)
+    zero = lambda: (jnp.zeros((d, pre.shape[1]), jnp.float32), jnp.zeros((f, d), jnp.float32))
+    (dx, dw_rows), (acc1, accd) = _expert_loop(tiles, g, tile, (dx, dw_rows), zero)
+    # Each of w_gate / w_up gets its own [E, d, f] gradient: slicing the
+    # cache-resident accumulator here is cheap, splitting an [E, d, 2f]
+    # array after the loop is not (at E=512 it is 512 MiB written twice).
+    parts = (acc1[:, :f], acc1[:, f:]) if gated else (acc1,)
+    g1 = tuple(lax.dynamic_update_index_in_dim(gg, p.astype(gg.dtype), g, 0)
+               for gg, p in zip(g1, parts))
     gd = lax.dynamic_update_index_in_dim(gd, accd.astype(gd.dtype), g, 0)
     return dx, dw_rows, g1, gd
 
-  e = group_sizes.shape[0]
   init = (jnp.zeros((t, d), jnp.float32), jnp.zeros((m,), jnp.float32),
-          jnp.zeros((e, d, f1), params["w_up"].dtype), jnp.zeros_like(params["w_down"]))
-  dx, dw_rows, g1, gd = lax.fori_loop(0, e, group, init)
-  grads = {"w_down": gd}
-  if gated:
-    grads["w_gate"], grads["w_up"] = g1[:, :, :f], g1[:, :, f:]
-  else:
-    grads["w_up"] = g1
+          tuple(jnp.zeros_like(params[n]) for n in names), jnp.zeros_like(params["w_down"]))
+  dx, dw_rows, g1, gd = lax.fori_loop(0, group_sizes.shape[0], group, init)
+  grads = dict(zip(names, g1), w_down=gd)
   return grads, dx.astype(x.dtype), dw_rows
 
 
@@ -227,9 +248,12 @@ def blocked_ffn(params, x, weights, plan, *, activation: str,
 
   ``plan`` is a dropless :class:`moejax.execution.permute.Dispatch`;
   ``params`` holds the expert weights for ``activation`` (width mask already
-  folded into ``w_down`` by the caller).
+  folded into ``w_down`` by the caller). ``tile_m`` is the full row tile,
+  ``tile_small`` the grain of the one remainder tile per expert (defaults
+  ``tiling.FUSED_TILE_M`` / ``FUSED_TILE_GRAIN``).
   """
-  tm, ts = tiling.fit_tiles(plan.num_rows, tile_m, tile_small)
+  tm, ts = tiling.fit_tiles(plan.num_rows, tile_m, tile_small,
+                            defaults=(tiling.FUSED_TILE_M, tiling.FUSED_TILE_GRAIN))
   keys = ("w_gate", "w_up", "w_down") if activation == "swiglu" else ("w_up", "w_down")
   params = {k: params[k] for k in keys}
   return _ffn(activation, tm, ts, params, x, weights, plan.src_token, plan.src_slot,

@@ -12,6 +12,10 @@ kernel works on static shapes while skipping the work of absent rows:
 * :func:`group_tiles` starts each group on a fresh tile (tiles may spill into
   the next group and are masked there; the last tile of the operand is
   clamped back inside it): the XLA ``blocked`` backend.
+* :func:`expert_tiles` gives each group its full tm-row tiles and *one*
+  remainder tile whose size is the remainder rounded up to a multiple of a
+  grain (one of a few static sizes): the fused FFN (``fused.py``), whose
+  per-tile cost makes a tile worth ~25 rows.
 * :func:`grid_tiles` keeps tiles on a fixed ``tm`` grid and visits a tile
   once per group that overlaps it (megablox): the Pallas kernels, whose
   BlockSpecs need tile-aligned row blocks.
@@ -28,6 +32,12 @@ from flax import struct
 # defaults for both; docs/execution.md has the measurements.
 DEFAULT_TILE_M = 256
 DEFAULT_TILE_SMALL = 64
+# The fused FFN's tiles (:func:`expert_tiles`): 512-row tiles, remainders in
+# one tile of a multiple of 64 rows. Each tile costs a fixed ~0.4 ms on the
+# 2-core CPU (weight-gradient accumulator adds, per-op dispatch), so fewer,
+# larger tiles win; docs/execution.md has the measurements.
+FUSED_TILE_M = 512
+FUSED_TILE_GRAIN = 64
 
 
 def cdiv(a: int, b: int) -> int:
@@ -120,12 +130,77 @@ def _tiles(first, ends, per_group, m, t, bound) -> GroupTiles:
                     num_tiles=tile_end[-1], ends=ends, offsets=offsets)
 
 
-def fit_tiles(m: int, tile_m: int | None = None,
-              tile_small: int | None = None) -> tuple[int, int]:
+@struct.dataclass
+class ExpertTiles:
+  """Per group: ``full[g]`` tm-row tiles from its first row, then at most one
+  remainder tile of ``sizes[c]`` rows.
+
+  Attributes:
+    starts, ends: int32[G] the row range of each group.
+    full: int32[G] full tiles of group g (rows ``starts[g] + i * tm``); they
+      lie inside the group, so they need no row mask.
+    rest_lo: int32[G] first row of the remainder (``starts + full * tm``).
+    size_class: int32[G] index into ``sizes`` of the remainder tile; -1 when
+      the size is a multiple of tm (no remainder tile).
+    offsets: int32[C, G + 1] ``offsets[c, g + 1] - offsets[c, g]`` is 1 when
+      group g's remainder tile has size class c, else 0: loop bounds that
+      run a size class's tile only for its groups (read from an array, so XLA
+      cannot prove the trip count <= 1 and rewrite the loop into a select
+      over the whole carry).
+    sizes: static tile sizes of the remainder classes (multiples of the
+      grain, clamped to tm and m).
+    tm: static full-tile rows; m: static operand rows.
+  """
+
+  starts: jax.Array
+  ends: jax.Array
+  full: jax.Array
+  rest_lo: jax.Array
+  size_class: jax.Array
+  offsets: jax.Array
+  sizes: tuple = struct.field(pytree_node=False)
+  tm: int = struct.field(pytree_node=False)
+  m: int = struct.field(pytree_node=False)
+
+  def rest_tile(self, g: jax.Array, size: int) -> tuple[jax.Array, jax.Array]:
+    """(first row read, bool[size] rows owned) of group g's remainder tile of
+    ``size`` rows; clamped back inside the operand like :class:`GroupTiles`."""
+    r0 = jnp.minimum(self.rest_lo[g], self.m - size)
+    rows = r0 + jnp.arange(size, dtype=jnp.int32)
+    return r0, (rows >= self.rest_lo[g]) & (rows < self.ends[g])
+
+
+def expert_tiles(group_sizes: jax.Array, m: int, tm: int, grain: int) -> ExpertTiles:
+  """Full tm-row tiles per group, the remainder in one tile rounded up to the grain.
+
+  Waste < grain rows per group and at most one partial tile per group, so a
+  group of n rows costs n // tm + 1 tiles (n < tm: one tile).
+  """
+  if not 1 <= grain <= tm <= max(m, 1):
+    raise ValueError(f"tiles need 1 <= grain <= tm <= m; got grain={grain}, tm={tm}, "
+                     f"m={m}. Fix: use fit_tiles")
+  starts, ends = group_bounds(group_sizes)
+  full = group_sizes // tm
+  rest = group_sizes - full * tm
+  sizes = tuple(sorted({min(k * grain, tm) for k in range(1, cdiv(tm, grain) + 1)}))
+  # First size >= rest; rest < tm <= sizes[-1], so the index is in range.
+  cls = jnp.sum(jnp.asarray(sizes, jnp.int32)[None, :] < rest[:, None], axis=1)
+  cls = jnp.where(rest > 0, cls, -1).astype(jnp.int32)
+  hits = (cls[None, :] == jnp.arange(len(sizes), dtype=jnp.int32)[:, None]).astype(jnp.int32)
+  offsets = jnp.concatenate([jnp.zeros((len(sizes), 1), jnp.int32),
+                             jnp.cumsum(hits, axis=1, dtype=jnp.int32)], axis=1)
+  return ExpertTiles(starts=starts, ends=ends, full=full.astype(jnp.int32),
+                     rest_lo=(starts + full * tm).astype(jnp.int32), size_class=cls,
+                     offsets=offsets, sizes=sizes, tm=tm, m=m)
+
+
+def fit_tiles(m: int, tile_m: int | None = None, tile_small: int | None = None,
+              defaults: tuple[int, int] = (DEFAULT_TILE_M, DEFAULT_TILE_SMALL)
+              ) -> tuple[int, int]:
   """(tm, ts) for an operand of m rows: the defaults or the given sizes,
   clamped to 1 <= ts <= tm <= max(m, 1)."""
-  tm = max(1, min(int(DEFAULT_TILE_M if tile_m is None else tile_m), m))
-  ts = max(1, min(int(DEFAULT_TILE_SMALL if tile_small is None else tile_small), tm))
+  tm = max(1, min(int(defaults[0] if tile_m is None else tile_m), m))
+  ts = max(1, min(int(defaults[1] if tile_small is None else tile_small), tm))
   return tm, ts
 
 
