@@ -113,10 +113,10 @@ def resolve_execution(cfg: MoEConfig, platform: Optional[str] = None) -> MoEConf
   ex, honoured = cfg.execution, cfg.layer.honoured.get("execution")
   if honoured is not None and "backend" not in honoured:
     return cfg
+  platform = jax.default_backend() if platform is None else platform
   chosen = gmm_lib.resolve_backend(ex.backend, platform)
   if chosen == ex.backend:
     return cfg
-  platform = jax.default_backend() if platform is None else platform
   return dataclasses.replace(cfg, execution=dataclasses.replace(
       ex, backend=chosen, derived_from=f"{ex.backend} on {platform}"))
 

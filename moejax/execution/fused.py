@@ -172,7 +172,7 @@ def _tile_backward(activation, x, dy, w_rows, src_token, pre, w1, wd, size, r0, 
     h, gelu_vjp = jax.vjp(jax.nn.gelu, ab)
   # <y_t, dy> = <h Wd, dy> = <h, dy Wd^T>: the gate-weight gradient
   # without recomputing y_t.
-  dw_rows = _put(dw_rows, r0, _masked(keep, jnp.sum(h * dh_u, axis=1), 0), keep)
+  dw_rows = _put(dw_rows, r0, jnp.sum(h * dh_u, axis=1), keep)  # _put keeps foreign rows
   dh = dh_u * wt[:, None]
   dwd = _dot(h.astype(x.dtype), (dyt * wt[:, None]).astype(x.dtype), _TN)
   if activation == "swiglu":

@@ -215,7 +215,7 @@ def prepare(params: dict, cfg: MoEConfig, mesh: Mesh, pcfg: ParallelConfig, batc
       width_mask = jnp.take(width_mask, p2l, axis=0)
   executor = executor_cls.from_config(
       pcfg, node_of, num_experts=cfg.num_experts, activation=cfg.topology.activation,
-      placement=plc, backend=gmm_backend_for(cfg, mesh.devices.flat[0].platform), axes=axes, has_fsdp=has_fsdp,
-      transport=transport_obj)
+      placement=plc, backend=gmm_backend_for(cfg, mesh.devices.flat[0].platform), axes=axes,
+      has_fsdp=has_fsdp, transport=transport_obj)
   return Prepared(params, mesh_lib.param_specs(params, mesh), mesh_lib.batch_spec(mesh),
                   width_mask, executor)
