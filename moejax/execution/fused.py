@@ -78,6 +78,12 @@ def _first_layer(params, g, gated):
   return jnp.concatenate([wg, wu], axis=1)
 
 
+def _expert_weights(params, gated, g):
+  """(W1 [d, F1], W_down [f, d]) of expert g."""
+  return (_first_layer(params, g, gated),
+          lax.dynamic_index_in_dim(params["w_down"], g, keepdims=False))
+
+
 def _rows(a, r0, size):
   return lax.dynamic_slice_in_dim(a, r0, size, 0)
 
@@ -95,66 +101,63 @@ def _put(buf, r0, val, keep):
   return lax.dynamic_update_slice_in_dim(buf, val, r0, 0)
 
 
-def _expert_loop(tiles, g, tile, carry, zero_acc):
-  """(carry, acc) after expert g's tiles: its remainder tile, then its full tiles.
+def _remainder_loops(tiles, tile, carry):
+  """carry after every group's remainder tile: one loop per size class, over
+  exactly the groups of that class (``tile(g, size, r0, keep, carry)``).
 
-  ``tile(size, r0, keep, carry) -> (carry, acc_t)``; the remainder tile's
-  acc_t *is* the accumulator (no zero-fill and add), full tiles add to it.
-  ``zero_acc()`` is the accumulator of an expert without a remainder tile.
+  The bounds come from an array and the body indexes the group through the
+  induction variable: XLA can neither prove a trip count <= 1 (it would turn
+  the loop into a select over the whole carry) nor hoist the body out of
+  the loop (every class would run for every group).
   """
-  acc = zero_acc()
   for c, size in enumerate(tiles.sizes):
-    off = tiles.offsets[c]
+    def rest(i, carry, size=size):
+      g = tiles.by_class[i]
+      r0, keep = tiles.rest_tile(g, size)
+      return tile(g, size, r0, keep, carry)
 
-    def rest(i, ca, size=size, off=off):
-      # g + i - off[g] is g (the loop runs at most once), written through i
-      # so that XLA cannot hoist the tile out of the loop: loop-invariant
-      # code motion would run every size class for every expert.
-      r0, keep = tiles.rest_tile(g + i - off[g], size)
-      return tile(size, r0, keep, ca[0])
-
-    carry, acc = lax.fori_loop(off[g], off[g + 1], rest, (carry, acc))
-
-  def full(i, ca):
-    carry, acc = ca
-    carry, acc_t = tile(tiles.tm, tiles.starts[g] + i * tiles.tm, None, carry)
-    return carry, jax.tree.map(jnp.add, acc, acc_t)
-
-  return lax.fori_loop(0, tiles.full[g], full, (carry, acc))
+    carry = lax.fori_loop(tiles.class_start[c], tiles.class_start[c + 1], rest, carry)
+  return carry
 
 
-def _forward(activation, tm, ts, params, x, w_rows, src_token, group_sizes):
+def _full_loops(tiles, expert, carry):
+  """carry after ``expert(g, carry)`` for each group with full tiles."""
+  return lax.fori_loop(0, tiles.num_with_full,
+                       lambda j, carry: expert(tiles.with_full[j], carry), carry)
+
+
+def _forward(activation, tm, ts, fine, params, x, w_rows, src_token, group_sizes):
   t, d = x.shape
   m = src_token.shape[0]
   f = params["w_up"].shape[2]
   gated = activation == "swiglu"
-  tiles = tiling.expert_tiles(group_sizes, m, tm, ts)
+  tiles = tiling.expert_tiles(group_sizes, m, tm, ts, fine)
+  weights = functools.partial(_expert_weights, params, gated)
 
-  def group(g, carry):
-    w1 = _first_layer(params, g, gated)
-    wd = lax.dynamic_index_in_dim(params["w_down"], g, keepdims=False)
+  def tile(w, size, r0, keep, carry):
+    (w1, wd), (y, pre) = w, carry
+    tok = _masked(keep, _rows(src_token, r0, size), t)
+    ab = _dot(_gather(x, tok), w1, _NN)  # pre-activations [a | b]
+    h = (_act_fwd(activation, ab[:, :f], ab[:, f:]) if gated
+         else _act_fwd(activation, ab, None)).astype(x.dtype)
+    wt = _masked(keep, _rows(w_rows, r0, size), 0)
+    y = y.at[tok].add(_dot(h, wd, _NN) * wt[:, None], mode="drop")
+    return y, _put(pre, r0, ab, keep)
 
-    def tile(size, r0, keep, carry):
-      y, pre = carry
-      tok = _masked(keep, _rows(src_token, r0, size), t)
-      ab = _dot(_gather(x, tok), w1, _NN)  # pre-activations [a | b]
-      h = (_act_fwd(activation, ab[:, :f], ab[:, f:]) if gated
-           else _act_fwd(activation, ab, None)).astype(x.dtype)
-      wt = _masked(keep, _rows(w_rows, r0, size), 0)
-      y = y.at[tok].add(_dot(h, wd, _NN) * wt[:, None], mode="drop")
-      return (y, _put(pre, r0, ab, keep)), ()
+  def expert(g, carry):  # weights sliced once for all of g's full tiles
+    w = weights(g)
+    return lax.fori_loop(0, tiles.full[g],
+                         lambda i, c: tile(w, tm, tiles.starts[g] + i * tm, None, c), carry)
 
-    return _expert_loop(tiles, g, tile, carry, tuple)[0]
-
-  init = (jnp.zeros((t, d), jnp.float32), jnp.zeros((m, 2 * f if gated else f), x.dtype))
-  y, pre = lax.fori_loop(0, group_sizes.shape[0], group, init)
+  carry = (jnp.zeros((t, d), jnp.float32), jnp.zeros((m, 2 * f if gated else f), x.dtype))
+  carry = _remainder_loops(tiles, lambda g, *a: tile(weights(g), *a), carry)
+  y, pre = _full_loops(tiles, expert, carry)
   return y.astype(x.dtype), pre
 
 
-def _tile_backward(activation, x, dy, w_rows, src_token, pre, w1, wd, size, r0, keep,
-                   carry):
+def _tile_backward(activation, x, dy, w_rows, src_token, pre, w, size, r0, keep, carry):
   """One tile's backward: (dx, dw_rows) updated, (dW1_t [d, F1], dWd_t [f, d])."""
-  dx, dw_rows = carry
+  (w1, wd), (dx, dw_rows) = w, carry
   t = x.shape[0]
   f = wd.shape[0]
   tok = _masked(keep, _rows(src_token, r0, size), t)
@@ -184,54 +187,78 @@ def _tile_backward(activation, x, dy, w_rows, src_token, pre, w1, wd, size, r0, 
   return (dx, dw_rows), (_dot(xt, dab, _TN), dwd)
 
 
-def _backward(activation, tm, ts, params, x, w_rows, src_token, group_sizes, pre, dy):
+def _write_grads(grads, g, acc, f, gated, add):
+  """grads (w_gate?, w_up, w_down) [E, ...] f32 with expert g's accumulator
+  (dW1 [d, F1], dWd [f, d]) written (``add``: added) at g.
+
+  Each of w_gate / w_up gets its own [E, d, f] gradient: slicing the
+  cache-resident [d, 2f] accumulator here is cheap, splitting an [E, d, 2f]
+  array after the loop is not (at E=512 it is 512 MiB written twice).
+  """
+  acc1, accd = acc
+  parts = (acc1[:, :f], acc1[:, f:], accd) if gated else (acc1, accd)
+
+  def put(gg, p):
+    if add:
+      p = lax.dynamic_index_in_dim(gg, g, keepdims=False) + p
+    return lax.dynamic_update_index_in_dim(gg, p, g, 0)
+
+  return tuple(put(gg, p) for gg, p in zip(grads, parts))
+
+
+def _backward(activation, tm, ts, fine, params, x, w_rows, src_token, group_sizes, pre, dy):
   t, d = x.shape
   m = src_token.shape[0]
   f = params["w_up"].shape[2]
   gated = activation == "swiglu"
-  tiles = tiling.expert_tiles(group_sizes, m, tm, ts)
+  tiles = tiling.expert_tiles(group_sizes, m, tm, ts, fine)
+  weights = functools.partial(_expert_weights, params, gated)
   dy = dy.astype(x.dtype)
-  names = ("w_gate", "w_up") if gated else ("w_up",)
+  names = ("w_gate", "w_up", "w_down") if gated else ("w_up", "w_down")
+  tile = functools.partial(_tile_backward, activation, x, dy, w_rows, src_token, pre)
 
-  def group(g, carry):
-    dx, dw_rows, g1, gd = carry
-    w1 = _first_layer(params, g, gated)
-    wd = lax.dynamic_index_in_dim(params["w_down"], g, keepdims=False)
-    tile = functools.partial(_tile_backward, activation, x, dy, w_rows, src_token, pre,
-                             w1, wd)
-    zero = lambda: (jnp.zeros((d, pre.shape[1]), jnp.float32), jnp.zeros((f, d), jnp.float32))
-    (dx, dw_rows), (acc1, accd) = _expert_loop(tiles, g, tile, (dx, dw_rows), zero)
-    # Each of w_gate / w_up gets its own [E, d, f] gradient: slicing the
-    # cache-resident accumulator here is cheap, splitting an [E, d, 2f]
-    # array after the loop is not (at E=512 it is 512 MiB written twice).
-    parts = (acc1[:, :f], acc1[:, f:]) if gated else (acc1,)
-    g1 = tuple(lax.dynamic_update_index_in_dim(gg, p.astype(gg.dtype), g, 0)
-               for gg, p in zip(g1, parts))
-    gd = lax.dynamic_update_index_in_dim(gd, accd.astype(gd.dtype), g, 0)
-    return dx, dw_rows, g1, gd
+  # An expert's remainder tile runs first and *sets* its gradient (no
+  # accumulator to zero-fill and add); its full tiles then add one sum.
+  def rest(g, size, r0, keep, carry):
+    rows, grads = carry
+    rows, acc = tile(weights(g), size, r0, keep, rows)
+    return rows, _write_grads(grads, g, acc, f, gated, add=False)
 
-  init = (jnp.zeros((t, d), jnp.float32), jnp.zeros((m,), jnp.float32),
-          tuple(jnp.zeros_like(params[n]) for n in names), jnp.zeros_like(params["w_down"]))
-  dx, dw_rows, g1, gd = lax.fori_loop(0, group_sizes.shape[0], group, init)
-  grads = dict(zip(names, g1), w_down=gd)
+  def expert(g, carry):
+    rows, grads = carry
+    w = weights(g)
+    rows, acc = tile(w, tm, tiles.starts[g], None, rows)
+
+    def more(i, ca):
+      rows, acc_t = tile(w, tm, tiles.starts[g] + i * tm, None, ca[0])
+      return rows, jax.tree.map(jnp.add, ca[1], acc_t)
+
+    rows, acc = lax.fori_loop(1, tiles.full[g], more, (rows, acc))
+    return rows, _write_grads(grads, g, acc, f, gated, add=True)
+
+  carry = ((jnp.zeros((t, d), jnp.float32), jnp.zeros((m,), jnp.float32)),
+           tuple(jnp.zeros(params[n].shape, jnp.float32) for n in names))
+  carry = _remainder_loops(tiles, rest, carry)
+  (dx, dw_rows), grads = _full_loops(tiles, expert, carry)
+  grads = {n: gg.astype(params[n].dtype) for n, gg in zip(names, grads)}
   return grads, dx.astype(x.dtype), dw_rows
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2))
-def _ffn(activation, tm, ts, params, x, weights, src_token, src_slot, dst, group_sizes):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2, 3))
+def _ffn(activation, tm, ts, fine, params, x, weights, src_token, src_slot, dst, group_sizes):
   w_rows = jnp.take(weights.reshape(-1), src_slot, mode="fill", fill_value=0)
-  return _forward(activation, tm, ts, params, x, w_rows, src_token, group_sizes)[0]
+  return _forward(activation, tm, ts, fine, params, x, w_rows, src_token, group_sizes)[0]
 
 
-def _ffn_fwd(activation, tm, ts, params, x, weights, src_token, src_slot, dst, group_sizes):
+def _ffn_fwd(activation, tm, ts, fine, params, x, weights, src_token, src_slot, dst, group_sizes):
   w_rows = jnp.take(weights.reshape(-1), src_slot, mode="fill", fill_value=0)
-  y, pre = _forward(activation, tm, ts, params, x, w_rows, src_token, group_sizes)
+  y, pre = _forward(activation, tm, ts, fine, params, x, w_rows, src_token, group_sizes)
   return y, (params, x, weights, w_rows, src_token, src_slot, dst, group_sizes, pre)
 
 
-def _ffn_bwd(activation, tm, ts, res, dy):
+def _ffn_bwd(activation, tm, ts, fine, res, dy):
   params, x, weights, w_rows, src_token, src_slot, dst, group_sizes, pre = res
-  grads, dx, dw_rows = _backward(activation, tm, ts, params, x, w_rows, src_token,
+  grads, dx, dw_rows = _backward(activation, tm, ts, fine, params, x, w_rows, src_token,
                                  group_sizes, pre, dy)
   # Slot (t, k) reads the weight gradient of its row: a gather by dst.
   d_weights = jnp.take(dw_rows, dst.reshape(-1), mode="fill", fill_value=0)
@@ -243,18 +270,22 @@ _ffn.defvjp(_ffn_fwd, _ffn_bwd)
 
 
 def blocked_ffn(params, x, weights, plan, *, activation: str,
-                tile_m: int | None = None, tile_small: int | None = None) -> jax.Array:
+                tile_m: int | None = None, tile_small: int | None = None,
+                tile_fine: int | None = None) -> jax.Array:
   """y[T, d] = sum_k weights[t, k] FFN_{expert}(x[t]) over dispatched slots.
 
   ``plan`` is a dropless :class:`moejax.execution.permute.Dispatch`;
   ``params`` holds the expert weights for ``activation`` (width mask already
   folded into ``w_down`` by the caller). ``tile_m`` is the full row tile,
   ``tile_small`` the grain of the one remainder tile per expert (defaults
-  ``tiling.FUSED_TILE_M`` / ``FUSED_TILE_GRAIN``).
+  ``tiling.FUSED_TILE_M`` / ``FUSED_TILE_GRAIN``), ``tile_fine`` the step
+  of the extra remainder sizes near the balanced group size
+  (``tiling.remainder_sizes``; default ``FUSED_TILE_FINE``, 0 for none).
   """
   tm, ts = tiling.fit_tiles(plan.num_rows, tile_m, tile_small,
                             defaults=(tiling.FUSED_TILE_M, tiling.FUSED_TILE_GRAIN))
   keys = ("w_gate", "w_up", "w_down") if activation == "swiglu" else ("w_up", "w_down")
   params = {k: params[k] for k in keys}
-  return _ffn(activation, tm, ts, params, x, weights, plan.src_token, plan.src_slot,
+  fine = tiling.FUSED_TILE_FINE if tile_fine is None else int(tile_fine)
+  return _ffn(activation, tm, ts, fine, params, x, weights, plan.src_token, plan.src_slot,
               plan.dst, plan.group_sizes)

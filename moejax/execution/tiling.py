@@ -38,6 +38,10 @@ DEFAULT_TILE_SMALL = 64
 # larger tiles win; docs/execution.md has the measurements.
 FUSED_TILE_M = 512
 FUSED_TILE_GRAIN = 64
+# Fine remainder sizes (:func:`remainder_sizes`): a 16-row step around the
+# balanced group size, for operands of at least FINE_MIN_ROWS rows.
+FUSED_TILE_FINE = 16
+FINE_MIN_ROWS = 2048
 
 
 def cdiv(a: int, b: int) -> int:
@@ -142,13 +146,16 @@ class ExpertTiles:
     rest_lo: int32[G] first row of the remainder (``starts + full * tm``).
     size_class: int32[G] index into ``sizes`` of the remainder tile; -1 when
       the size is a multiple of tm (no remainder tile).
-    offsets: int32[C, G + 1] ``offsets[c, g + 1] - offsets[c, g]`` is 1 when
-      group g's remainder tile has size class c, else 0: loop bounds that
-      run a size class's tile only for its groups (read from an array, so XLA
-      cannot prove the trip count <= 1 and rewrite the loop into a select
-      over the whole carry).
-    sizes: static tile sizes of the remainder classes (multiples of the
-      grain, clamped to tm and m).
+    by_class: int32[G] the groups with a remainder tile, sorted by size class
+      (groups in order inside a class); class c's are
+      ``by_class[class_start[c]:class_start[c + 1]]``. A loop per class runs
+      exactly its tiles, so a size class costs compile time, not run time.
+    class_start: int32[C + 1] offsets into ``by_class``.
+    with_full: int32[G] the groups with full tiles first (in order), then the
+      rest; ``num_with_full`` of them.
+    num_with_full: int32[] groups with at least one full tile.
+    sizes: static tile sizes of the remainder classes (ascending, the last
+      one tm), clamped to tm and m.
     tm: static full-tile rows; m: static operand rows.
   """
 
@@ -157,7 +164,10 @@ class ExpertTiles:
   full: jax.Array
   rest_lo: jax.Array
   size_class: jax.Array
-  offsets: jax.Array
+  by_class: jax.Array
+  class_start: jax.Array
+  with_full: jax.Array
+  num_with_full: jax.Array
   sizes: tuple = struct.field(pytree_node=False)
   tm: int = struct.field(pytree_node=False)
   m: int = struct.field(pytree_node=False)
@@ -170,28 +180,58 @@ class ExpertTiles:
     return r0, (rows >= self.rest_lo[g]) & (rows < self.ends[g])
 
 
-def expert_tiles(group_sizes: jax.Array, m: int, tm: int, grain: int) -> ExpertTiles:
-  """Full tm-row tiles per group, the remainder in one tile rounded up to the grain.
+def remainder_sizes(m: int, num_groups: int, tm: int, grain: int,
+                    fine: int = 0) -> tuple[int, ...]:
+  """The static remainder-tile sizes: multiples of ``grain`` up to tm, plus,
+  with ``fine`` (< grain) and an operand of >= FINE_MIN_ROWS rows, four
+  multiples of ``fine`` around the remainder a balanced group would have.
 
-  Waste < grain rows per group and at most one partial tile per group, so a
-  group of n rows costs n // tm + 1 tiles (n < tm: one tile).
+  Why the fine sizes: with many small experts every group is one remainder
+  tile and the grain's rounding is the waste (E=512 at T=8192, K=8: groups of
+  128 +- 11 rows, half of them run as 192-row tiles, 23% padding). Balanced
+  routing puts the remainders near (m / G) mod tm, so a few sizes there cut
+  the padding to < ``fine`` rows for most groups; any other remainder still
+  has its grain size. Each size compiles its own tile loop, hence the few
+  sizes and none for small operands, where compile time dominates.
+  """
+  sizes = {min(k * grain, tm) for k in range(1, cdiv(tm, grain) + 1)}
+  if 0 < fine < grain and m >= FINE_MIN_ROWS and num_groups:
+    centre = cdiv(round(m / num_groups) % tm, fine) * fine
+    sizes |= {s for s in (centre + fine * j for j in (-1, 0, 1, 2)) if 0 < s < tm}
+  return tuple(sorted(min(s, tm) for s in sizes))
+
+
+def expert_tiles(group_sizes: jax.Array, m: int, tm: int, grain: int,
+                 fine: int = 0) -> ExpertTiles:
+  """Full tm-row tiles per group, the remainder in one tile rounded up to the
+  next of :func:`remainder_sizes`.
+
+  Waste < grain rows per group (< fine near the balanced size) and at most
+  one partial tile per group, so a group of n rows costs n // tm + 1 tiles
+  (n < tm: one tile).
   """
   if not 1 <= grain <= tm <= max(m, 1):
     raise ValueError(f"tiles need 1 <= grain <= tm <= m; got grain={grain}, tm={tm}, "
                      f"m={m}. Fix: use fit_tiles")
+  num_groups = group_sizes.shape[0]
   starts, ends = group_bounds(group_sizes)
-  full = group_sizes // tm
+  full = (group_sizes // tm).astype(jnp.int32)
   rest = group_sizes - full * tm
-  sizes = tuple(sorted({min(k * grain, tm) for k in range(1, cdiv(tm, grain) + 1)}))
-  # First size >= rest; rest < tm <= sizes[-1], so the index is in range.
+  sizes = remainder_sizes(m, num_groups, tm, grain, fine)
+  # First size >= rest; rest < tm = sizes[-1], so the index is in range.
   cls = jnp.sum(jnp.asarray(sizes, jnp.int32)[None, :] < rest[:, None], axis=1)
   cls = jnp.where(rest > 0, cls, -1).astype(jnp.int32)
-  hits = (cls[None, :] == jnp.arange(len(sizes), dtype=jnp.int32)[:, None]).astype(jnp.int32)
-  offsets = jnp.concatenate([jnp.zeros((len(sizes), 1), jnp.int32),
-                             jnp.cumsum(hits, axis=1, dtype=jnp.int32)], axis=1)
-  return ExpertTiles(starts=starts, ends=ends, full=full.astype(jnp.int32),
+  # Groups without a remainder sort last (key C), past class_start[C].
+  by_class = jnp.argsort(jnp.where(cls < 0, len(sizes), cls), stable=True).astype(jnp.int32)
+  counts = jnp.sum(cls[None, :] == jnp.arange(len(sizes), dtype=jnp.int32)[:, None], axis=1)
+  class_start = jnp.concatenate([jnp.zeros((1,), jnp.int32),
+                                 jnp.cumsum(counts).astype(jnp.int32)])
+  with_full = jnp.argsort(full == 0, stable=True).astype(jnp.int32)
+  return ExpertTiles(starts=starts, ends=ends, full=full,
                      rest_lo=(starts + full * tm).astype(jnp.int32), size_class=cls,
-                     offsets=offsets, sizes=sizes, tm=tm, m=m)
+                     by_class=by_class, class_start=class_start, with_full=with_full,
+                     num_with_full=jnp.sum(full > 0).astype(jnp.int32),
+                     sizes=sizes, tm=tm, m=m)
 
 
 def fit_tiles(m: int, tile_m: int | None = None, tile_small: int | None = None,

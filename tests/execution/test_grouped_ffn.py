@@ -7,6 +7,7 @@ import pytest
 
 from moejax.execution import grouped_ffn as X
 from moejax.execution import gmm as gmm_lib
+from moejax.execution import tiling
 from moejax.routing.types import RoutingResult
 
 T, D, E, K, F, Z = 13, 8, 4, 3, 16, 2  # Z zero-computation experts (ids E..E+Z-1)
@@ -189,3 +190,35 @@ def test_fused_many_experts_matches_unfused():
           params, x, weights) for f in (True, False)]
   for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
     np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+
+
+def test_fused_fine_tile_sizes_match_unfused():
+  # 2048 token copies, so the fused loop adds the fine remainder sizes near
+  # the balanced group (tiling.remainder_sizes: 128 rows for 16 experts).
+  # Group sizes cover every loop: two full tiles and no remainder (1024),
+  # a full tile plus a fine remainder (520 = 512 + 8), fine remainders (130,
+  # 141), grain ones (40, 200), empty experts.
+  counts = [1024, 520, 0, 130, 141, 40, 0, 193] + [0] * 8
+  e, t, k = 16, 512, 4
+  assert sum(counts) == t * k
+  assert tiling.remainder_sizes(t * k, e, 512, 64, 16) != tiling.remainder_sizes(
+      t * k, e, 512, 64, 0)
+  ks = jax.random.split(jax.random.PRNGKey(6), 7)
+  ids = jax.random.permutation(ks[6], jnp.repeat(jnp.arange(e), jnp.array(counts),
+                                                 total_repeat_length=t * k)).reshape(t, k)
+  x = jax.random.normal(ks[0], (t, D))
+  weights = jax.random.uniform(ks[2], (t, k))
+  params = {"w_gate": jax.random.normal(ks[3], (e, D, F)) / np.sqrt(D),
+            "w_up": jax.random.normal(ks[4], (e, D, F)) / np.sqrt(D),
+            "w_down": jax.random.normal(ks[5], (e, F, D)) / np.sqrt(F)}
+  valid = jnp.ones((t, k), bool).at[0, 0].set(False)
+
+  def run(p, x, w, fused):
+    return X.routed_ffn(p, x, ids, valid, w, num_experts=e, activation="swiglu",
+                        backend="blocked", fused=fused)
+
+  got, want = [jax.jit(jax.value_and_grad(
+      lambda p, x, w, f=f: jnp.sum(run(p, x, w, f) * x), argnums=(0, 1, 2)))(
+          params, x, weights) for f in (True, False)]
+  for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+    np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5)

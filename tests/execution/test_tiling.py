@@ -50,7 +50,12 @@ def test_expert_tiles_hand_computed():
   np.testing.assert_array_equal(t.full, [1, 0, 2, 0])
   np.testing.assert_array_equal(t.rest_lo, [4, 5, 13, 14])
   np.testing.assert_array_equal(t.size_class, [0, -1, 0, 1])  # group 1: no tile
-  np.testing.assert_array_equal(t.offsets, [[0, 1, 1, 2, 2], [0, 0, 0, 0, 1]])
+  # Class 0 (2 rows): groups 0 and 2; class 1 (4 rows): group 3; group 1 last.
+  np.testing.assert_array_equal(t.by_class, [0, 2, 3, 1])
+  np.testing.assert_array_equal(t.class_start, [0, 2, 3])
+  # Groups with full tiles first: 0 and 2.
+  np.testing.assert_array_equal(t.with_full[:2], [0, 2])
+  assert int(t.num_with_full) == 2
   r0, keep = t.rest_tile(3, 4)  # rows 14..17, group 3 ends at 17
   assert int(r0) == 14
   np.testing.assert_array_equal(keep, [True, True, True, False])
@@ -76,7 +81,9 @@ def test_expert_tiles_many_small_experts_one_tile_each():
   assert t.sizes == (4, 8)
   np.testing.assert_array_equal(t.full, np.zeros(8))
   np.testing.assert_array_equal(t.size_class, [-1, 0, 0, 0, 0, 1, 1, 1])
-  np.testing.assert_array_equal(np.diff(t.offsets, axis=1).sum(0), [0, 1, 1, 1, 1, 1, 1, 1])
+  np.testing.assert_array_equal(t.class_start, [0, 4, 7])
+  np.testing.assert_array_equal(t.by_class[:7], [1, 2, 3, 4, 5, 6, 7])
+  assert int(t.num_with_full) == 0
 
 
 def test_expert_tiles_refuses_bad_sizes():
@@ -87,3 +94,32 @@ def test_expert_tiles_refuses_bad_sizes():
 def test_fused_tile_defaults():
   assert tiling.fit_tiles(10_000, defaults=(tiling.FUSED_TILE_M, tiling.FUSED_TILE_GRAIN)) \
       == (512, 64)
+
+
+def test_remainder_sizes_add_fine_steps_near_the_balanced_size():
+  # 65536 rows over 512 groups: balanced groups of 128 rows, all remainders
+  # (tm = 512). The grain gives 64, 128, ..., 512; the fine step adds 112,
+  # 144 and 160 (128 is already a grain size).
+  assert tiling.remainder_sizes(65536, 512, 512, 64, 16) == (
+      64, 112, 128, 144, 160, 192, 256, 320, 384, 448, 512)
+  # 1024-row groups: remainders near 0 (mod 512), so the fine sizes are 16, 32.
+  assert tiling.remainder_sizes(65536, 64, 512, 64, 16)[:4] == (16, 32, 64, 128)
+  # No fine sizes without a step, with a step >= the grain, or for a small
+  # operand (its compile time dominates).
+  grain_only = tuple(range(64, 513, 64))
+  assert tiling.remainder_sizes(65536, 512, 512, 64, 0) == grain_only
+  assert tiling.remainder_sizes(65536, 512, 512, 64, 64) == grain_only
+  assert tiling.remainder_sizes(1024, 8, 512, 64, 16) == grain_only
+
+
+def test_expert_tiles_fine_sizes_cut_the_padding():
+  # Groups of 117..139 rows (balanced E=512 routing) pick the next size:
+  # 128 -> 128, 129 -> 144, 139 -> 144, 117 -> 128; without the fine step
+  # every group above 128 ran as a 192-row tile.
+  sizes = jnp.array([128, 129, 139, 117] + [128] * 508, jnp.int32)
+  t = tiling.expert_tiles(sizes, 65536, 512, 64, 16)
+  picked = np.asarray(t.sizes)[np.asarray(t.size_class)[:4]]
+  np.testing.assert_array_equal(picked, [128, 144, 144, 128])
+  coarse = tiling.expert_tiles(sizes, 65536, 512, 64)
+  np.testing.assert_array_equal(np.asarray(coarse.sizes)[np.asarray(coarse.size_class)[:4]],
+                                [128, 192, 192, 128])
