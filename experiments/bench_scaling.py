@@ -38,6 +38,17 @@ update and a numpy copy, measured at the start and at the end of the run;
 the highest of these, so the floor stays a lower bound), that is a time,
 printed as a ratio to the dense FFN's time. Activations are not counted (the
 dense FFN streams as many).
+
+The first-touch estimate: on this CPU, XLA allocates every execution's
+outputs and temporaries afresh, and the first write to a fresh page costs a
+kernel page fault (the pages are zeroed): :func:`first_touch_bandwidth`
+measures that write rate, about a tenth of the in-place one. The dense FFN
+has K experts' worth of weights, the MoE E, so the MoE moves
+``3 (E - K) d f x bytes`` more per weight set: read twice at the copy
+bandwidth and its gradient written once into fresh memory. That time over
+the dense FFN's, ``excess x dense``, estimates how far above 1 the MoE's
+ratio must stay if that traffic does not overlap the matmuls (an estimate,
+not a bound: XLA may run independent work alongside).
 """
 
 from __future__ import annotations
@@ -208,17 +219,41 @@ def copy_bandwidth(mib: int, repeats: int) -> dict:
   return {"bytes": moved, "bytes_per_s": max(r["bytes_per_s"] for r in out.values()), **out}
 
 
-def add_floors(point: dict, bytes_per_s: float) -> None:
+def first_touch_bandwidth(mib: int, repeats: int) -> dict:
+  """Bytes per second written into freshly allocated memory: a jitted fill of an f32
+  array of ``mib`` MiB, returned as a new buffer each call (median, first run excluded).
+
+  On CPU the time is mostly the kernel's page faults (zeroing each new page), which
+  every step pays for the outputs and temporaries XLA allocates, gradients included.
+  """
+  n = mib * 2 ** 20 // 4
+  fill = jax.jit(lambda v: jnp.full((n,), v, jnp.float32))
+  t = bench_lib.time_round_robin({"fill": lambda: fill(jnp.float32(1.0))}, repeats)["fill"]
+  return {"bytes": n * 4, "median_s": t["median_s"], "all_s": t["all_s"],
+          "bytes_per_s": n * 4 / t["median_s"]}
+
+
+def add_floors(point: dict, bytes_per_s: float,
+               touch_bytes_per_s: Optional[float] = None) -> None:
   """point['floor'][mode]: the streaming bytes, their time at ``bytes_per_s`` and its
-  ratio to the JAX dense FFN's median time (None when dense was not timed)."""
-  moved = weight_stream_bytes(point["E"], point["d"], point["f"], point["itemsize"])
+  ratio to the JAX dense FFN's median time (None when dense was not timed); with
+  ``touch_bytes_per_s``, the first-touch estimate of the MoE's excess over dense
+  (module doc): ``excess_bytes``, ``excess_s``, ``excess_x_dense``."""
+  e, k, d, f, b = point["E"], point["K"], point["d"], point["f"], point["itemsize"]
+  moved = weight_stream_bytes(e, d, f, b)
+  excess = weight_stream_bytes(max(e - k, 0), d, f, b)["fwd"]  # one weight set
   dense = point["variants"].get("dense", {})
   point["floor"] = {}
   for mode in MODES:
     s = moved[mode] / bytes_per_s
     med = dense.get(mode, {}).get("median_s")
-    point["floor"][mode] = {"bytes": moved[mode], "s": s,
-                            "x_dense": None if med is None else s / med}
+    fl = point["floor"][mode] = {"bytes": moved[mode], "s": s,
+                                 "x_dense": None if med is None else s / med}
+    if touch_bytes_per_s:
+      reads = excess * (2 if mode == "fwdbwd" else 1)
+      es = reads / bytes_per_s + (excess / touch_bytes_per_s if mode == "fwdbwd" else 0.0)
+      fl.update(excess_bytes=reads + (excess if mode == "fwdbwd" else 0), excess_s=es,
+                excess_x_dense=None if med is None else es / med)
 
 
 # --- Timing one point. -------------------------------------------------------
@@ -278,7 +313,9 @@ def point_key(t: int, e: int) -> str:
 def scaling_suite(spec: ScalingSpec, conditions: dict) -> dict:
   """Bandwidth, every point of both sweeps, bandwidth again, the floors (module doc)."""
   bw_start = copy_bandwidth(spec.copy_mib, spec.copy_repeats)
-  logging.info("copy bandwidth %.2f GB/s", bw_start["bytes_per_s"] / 1e9)
+  touch = first_touch_bandwidth(spec.copy_mib, spec.copy_repeats)
+  logging.info("copy bandwidth %.2f GB/s, first touch %.2f GB/s",
+               bw_start["bytes_per_s"] / 1e9, touch["bytes_per_s"] / 1e9)
   points = {}
   for t, e in spec.points():
     points[point_key(t, e)] = p = run_point(spec, t, e)
@@ -286,11 +323,11 @@ def scaling_suite(spec: ScalingSpec, conditions: dict) -> dict:
   bw_end = copy_bandwidth(spec.copy_mib, spec.copy_repeats)
   bytes_per_s = max(bw_start["bytes_per_s"], bw_end["bytes_per_s"])
   for p in points.values():
-    add_floors(p, bytes_per_s)
+    add_floors(p, bytes_per_s, touch["bytes_per_s"])
   return {
       "conditions": conditions, "spec": dataclasses.asdict(spec), "dtype": "float32",
       "bandwidth": {"bytes_per_s": bytes_per_s, "start": bw_start, "end": bw_end,
-                    "copy_mib": spec.copy_mib},
+                    "copy_mib": spec.copy_mib, "first_touch": touch},
       "sweeps": {"experts": [point_key(spec.expert_sweep_tokens, e) for e in spec.experts],
                  "tokens": [point_key(t, spec.token_sweep_experts) for t in spec.tokens]},
       "points": points, "conditions_after": {"load_avg_1_5_15": list(os.getloadavg())}}
@@ -322,6 +359,9 @@ def print_scaling_table(res: dict) -> None:
                    for when in ("start", "end"))
   print(f"\ncopy bandwidth {bw['bytes_per_s'] / 1e9:.2f} GB/s (read + write of "
         f"{bw['copy_mib']} MiB, the best of: {each}); float32")
+  if "first_touch" in bw:
+    print(f"first-touch write bandwidth {bw['first_touch']['bytes_per_s'] / 1e9:.2f} GB/s "
+          f"(a fresh {bw['copy_mib']} MiB buffer filled)")
   print("(x dense: JAX variants vs dense, torch variants vs torch_dense; [min-max] of the "
         "per-round ratios; cpu: the ratio in process CPU time; *: one run only, the first)")
   for p in res["points"].values():
@@ -350,6 +390,11 @@ def print_scaling_table(res: dict) -> None:
     print(f"{'floor':<18}" + "".join(
         f"{fl[m]['s']:>10.3f}{_fmt(fl[m]['x_dense'], '.3f'):>9}{'':>13}{'':>7}" for m in MODES)
           + f"  ({fl['fwdbwd']['bytes'] / 2 ** 20:.0f} MiB fwd+bwd)")
+    if "excess_s" in fl["fwdbwd"]:
+      print(f"{'excess (1st touch)':<18}" + "".join(
+          f"{fl[m]['excess_s']:>10.3f}{_fmt(fl[m]['excess_x_dense'], '.3f'):>9}{'':>13}{'':>7}"
+          for m in MODES) + f"  ({fl['fwdbwd']['excess_bytes'] / 2 ** 20:.0f} MiB fwd+bwd"
+          " more than dense)")
     if p.get("torch_skipped"):
       print(f"{'torch variants':<18}skipped: {p['torch_skipped']}")
   print()
@@ -359,6 +404,7 @@ def print_scaling_table(res: dict) -> None:
 def markdown_tables(res: dict) -> str:
   """One markdown table per sweep and mode, in the layout of docs/execution.md."""
   spec, bw = res["spec"], res["bandwidth"]["bytes_per_s"] / 1e9
+  touch = res["bandwidth"].get("first_touch", {}).get("bytes_per_s", 0) / 1e9
   blocks = []
   for sweep, col in (("experts", "E"), ("tokens", "T")):
     keys = res["sweeps"][sweep]
@@ -369,10 +415,10 @@ def markdown_tables(res: dict) -> str:
     for mode in MODES:
       lab = MODE_LABEL[mode]
       lines = [f"{col} sweep, {lab} ({fixed}, K={spec['k']}, f={spec['f']}, d={spec['d']}, "
-               f"float32; copy bandwidth {bw:.2f} GB/s):", "",
+               f"float32; copy bandwidth {bw:.2f} GB/s, first touch {touch:.2f} GB/s):", "",
                f"| {col} | dense {lab} s | moejax {lab} x dense [spread] | unfused x dense "
-               f"| HF x torch dense | floor x dense | load |",
-               "|---:|---:|---|---:|---:|---:|---|"]
+               f"| HF x torch dense | floor x dense | excess x dense | load |",
+               "|---:|---:|---|---:|---:|---:|---:|---|"]
       for key in keys:
         lines.append(_markdown_row(res["points"][key], col, mode))
       if any(_once(res["points"][k], "hf_mixtral", mode) for k in keys):
@@ -396,4 +442,5 @@ def _markdown_row(p: dict, col: str, mode: str) -> str:
           f"| {_fmt(_ratio(p, 'blocked_unfused', mode))} "
           f"| {_fmt(_ratio(p, 'hf_mixtral', mode))}{_once(p, 'hf_mixtral', mode)} "
           f"| {_fmt(p['floor'][mode]['x_dense'], '.3f')} "
+          f"| {_fmt(p['floor'][mode].get('excess_x_dense'), '.3f')} "
           f"| {p['load_1min_before']:.1f} -> {p['load_1min_after']:.1f} |")

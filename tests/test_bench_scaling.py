@@ -19,14 +19,30 @@ def test_weight_stream_bytes_counts_three_matrices_read_twice_and_written_once()
 
 
 def test_floor_is_the_bytes_over_the_bandwidth_as_a_ratio_to_dense():
-  point = {"E": 2, "d": 3, "f": 5, "itemsize": 4,
+  point = {"E": 2, "K": 1, "d": 3, "f": 5, "itemsize": 4,
            "variants": {"dense": {"fwd": {"median_s": 0.5}, "fwdbwd": {"median_s": 2.0}}}}
   sc.add_floors(point, bytes_per_s=360.0)  # 360 B = the forward's weights: 1 s
   assert point["floor"] == {"fwd": {"bytes": 360, "s": 1.0, "x_dense": 2.0},
                             "fwdbwd": {"bytes": 1080, "s": 3.0, "x_dense": 1.5}}
-  no_dense = {"E": 2, "d": 3, "f": 5, "itemsize": 4, "variants": {}}
+  no_dense = {"E": 2, "K": 1, "d": 3, "f": 5, "itemsize": 4, "variants": {}}
   sc.add_floors(no_dense, bytes_per_s=360.0)
   assert no_dense["floor"]["fwdbwd"] == {"bytes": 1080, "s": 3.0, "x_dense": None}
+
+
+def test_excess_estimate_reads_the_extra_experts_twice_and_writes_their_gradient_fresh():
+  # E=2 vs the dense twin's K=1 experts' worth: one extra expert, 3 x 3 x 5
+  # elements = 180 B per weight set. fwd+bwd: 360 B read at 360 B/s (1 s) and
+  # 180 B written at the first-touch 90 B/s (2 s): 3 s over dense's 2 s.
+  point = {"E": 2, "K": 1, "d": 3, "f": 5, "itemsize": 4,
+           "variants": {"dense": {"fwd": {"median_s": 0.5}, "fwdbwd": {"median_s": 2.0}}}}
+  sc.add_floors(point, bytes_per_s=360.0, touch_bytes_per_s=90.0)
+  fb, fw = point["floor"]["fwdbwd"], point["floor"]["fwd"]
+  assert (fb["excess_bytes"], fb["excess_s"], fb["excess_x_dense"]) == (540, 3.0, 1.5)
+  assert (fw["excess_bytes"], fw["excess_s"], fw["excess_x_dense"]) == (180, 0.5, 1.0)
+  assert fb["x_dense"] == 1.5  # the floor itself is unchanged
+  same = {"E": 4, "K": 4, "d": 3, "f": 5, "itemsize": 4, "variants": {}}
+  sc.add_floors(same, bytes_per_s=360.0, touch_bytes_per_s=90.0)
+  assert same["floor"]["fwdbwd"]["excess_s"] == 0.0  # E = K: dense's own weights
 
 
 def _timed(all_s, cpu=1.0):
@@ -91,7 +107,9 @@ def test_scaling_suite_tiny_run_writes_every_point_floor_and_table():
     assert p["load_1min_before"] >= 0 and p["load_1min_after"] >= 0
   md = sc.markdown_tables(res)
   assert md.count("| E | dense fwd+bwd s | moejax fwd+bwd x dense [spread] | unfused x dense "
-                  "| HF x torch dense | floor x dense | load |") == 1
+                  "| HF x torch dense | floor x dense | excess x dense | load |") == 1
+  assert bw["first_touch"]["bytes_per_s"] > 0
+  assert p["floor"]["fwdbwd"]["excess_bytes"] == 3 * 3 * 2 * 16 * 8 * 4  # E - K = 2
   assert md.count("| T | dense fwd s |") == 1
   row = next(line for line in md.splitlines() if line.startswith("| 32 |"))
   assert row.split(" | ")[3:5] == ["-", "-"]  # unfused and HF: not timed
