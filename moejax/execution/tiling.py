@@ -154,8 +154,8 @@ class ExpertTiles:
     with_full: int32[G] the groups with full tiles first (in order), then the
       rest; ``num_with_full`` of them.
     num_with_full: int32[] groups with at least one full tile.
-    sizes: static tile sizes of the remainder classes (ascending, the last
-      one tm), clamped to tm and m.
+    sizes: static tile sizes of the remainder classes (ascending; tm and
+      below, then any fold sizes above tm), clamped to m.
     tm: static full-tile rows; m: static operand rows.
   """
 
@@ -193,12 +193,21 @@ def remainder_sizes(m: int, num_groups: int, tm: int, grain: int,
   the padding to < ``fine`` rows for most groups; any other remainder still
   has its grain size. Each size compiles its own tile loop, hence the few
   sizes and none for small operands, where compile time dominates.
+
+  When the balanced remainder is small (< tm / 4: groups of ~tm, 2 tm, ...
+  rows), the sizes sit just above tm instead (``tm + r``): a group with a
+  few rows past a multiple of tm runs its last full tile and those rows as
+  one tile rather than paying a near-empty tile's fixed cost
+  (:func:`expert_tiles` folds them; sizes > tm are the fold's).
   """
   sizes = {min(k * grain, tm) for k in range(1, cdiv(tm, grain) + 1)}
+  mean = m / max(num_groups, 1)
   if 0 < fine < grain and m >= FINE_MIN_ROWS and num_groups:
-    centre = cdiv(round(m / num_groups) % tm, fine) * fine
-    sizes |= {s for s in (centre + fine * j for j in (-1, 0, 1, 2)) if 0 < s < tm}
-  return tuple(sorted(min(s, tm) for s in sizes))
+    centre = cdiv(round(mean) % tm, fine) * fine
+    if mean >= tm and centre < tm // 4:
+      centre += tm
+    sizes |= {s for s in (centre + fine * j for j in (-1, 0, 1, 2)) if 0 < s != tm}
+  return tuple(sorted({min(s, m) for s in sizes}))
 
 
 def expert_tiles(group_sizes: jax.Array, m: int, tm: int, grain: int,
@@ -208,17 +217,21 @@ def expert_tiles(group_sizes: jax.Array, m: int, tm: int, grain: int,
 
   Waste < grain rows per group (< fine near the balanced size) and at most
   one partial tile per group, so a group of n rows costs n // tm + 1 tiles
-  (n < tm: one tile).
+  (n < tm: one tile). With sizes above tm (``tm + X`` the largest), a group
+  whose rows past a multiple of tm are at most X runs its last full tile and
+  those rows as one remainder tile: n // tm tiles.
   """
   if not 1 <= grain <= tm <= max(m, 1):
     raise ValueError(f"tiles need 1 <= grain <= tm <= m; got grain={grain}, tm={tm}, "
                      f"m={m}. Fix: use fit_tiles")
   num_groups = group_sizes.shape[0]
   starts, ends = group_bounds(group_sizes)
+  sizes = remainder_sizes(m, num_groups, tm, grain, fine)
   full = (group_sizes // tm).astype(jnp.int32)
   rest = group_sizes - full * tm
-  sizes = remainder_sizes(m, num_groups, tm, grain, fine)
-  # First size >= rest; rest < tm = sizes[-1], so the index is in range.
+  fold = (full > 0) & (rest > 0) & (rest <= max(sizes) - tm)
+  full, rest = full - fold, rest + fold * tm
+  # First size >= rest: rest < tm or rest <= max(sizes) (folded), so in range.
   cls = jnp.sum(jnp.asarray(sizes, jnp.int32)[None, :] < rest[:, None], axis=1)
   cls = jnp.where(rest > 0, cls, -1).astype(jnp.int32)
   # Groups without a remainder sort last (key C), past class_start[C].

@@ -192,14 +192,18 @@ def test_fused_many_experts_matches_unfused():
     np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
 
 
-def test_fused_fine_tile_sizes_match_unfused():
-  # 2048 token copies, so the fused loop adds the fine remainder sizes near
-  # the balanced group (tiling.remainder_sizes: 128 rows for 16 experts).
-  # Group sizes cover every loop: two full tiles and no remainder (1024),
-  # a full tile plus a fine remainder (520 = 512 + 8), fine remainders (130,
-  # 141), grain ones (40, 200), empty experts.
-  counts = [1024, 520, 0, 130, 141, 40, 0, 193] + [0] * 8
-  e, t, k = 16, 512, 4
+@pytest.mark.parametrize("counts", [
+    # 16 experts, balanced size 128: fine sizes near 128. Two full tiles and
+    # no remainder (1024), a full tile plus a fine remainder (520 = 512 + 8),
+    # fine remainders (130, 141), grain ones (40, 193), empty experts.
+    [1024, 520, 0, 130, 141, 40, 0, 193] + [0] * 8,
+    # 4 experts, balanced size 512 = tm: fold sizes above tm. 520 runs as one
+    # 528-row tile, 1030 as a full tile plus a 518-row one, 498 as a 512 one.
+    [520, 1030, 498, 0]])
+def test_fused_fine_tile_sizes_match_unfused(counts):
+  # 2048 token copies, so the fused loop adds the fine remainder sizes
+  # (tiling.remainder_sizes); outputs and all gradients equal the composed path.
+  e, t, k = len(counts), 512, 4
   assert sum(counts) == t * k
   assert tiling.remainder_sizes(t * k, e, 512, 64, 16) != tiling.remainder_sizes(
       t * k, e, 512, 64, 0)

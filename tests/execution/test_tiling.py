@@ -102,8 +102,10 @@ def test_remainder_sizes_add_fine_steps_near_the_balanced_size():
   # 144 and 160 (128 is already a grain size).
   assert tiling.remainder_sizes(65536, 512, 512, 64, 16) == (
       64, 112, 128, 144, 160, 192, 256, 320, 384, 448, 512)
-  # 1024-row groups: remainders near 0 (mod 512), so the fine sizes are 16, 32.
-  assert tiling.remainder_sizes(65536, 64, 512, 64, 16)[:4] == (16, 32, 64, 128)
+  # 1024-row groups: remainders near 0 (mod 512), so the fine sizes sit
+  # around 512 and above it (528, 544: the fold sizes).
+  assert tiling.remainder_sizes(65536, 64, 512, 64, 16) == (
+      64, 128, 192, 256, 320, 384, 448, 496, 512, 528, 544)
   # No fine sizes without a step, with a step >= the grain, or for a small
   # operand (its compile time dominates).
   grain_only = tuple(range(64, 513, 64))
@@ -123,3 +125,22 @@ def test_expert_tiles_fine_sizes_cut_the_padding():
   coarse = tiling.expert_tiles(sizes, 65536, 512, 64)
   np.testing.assert_array_equal(np.asarray(coarse.sizes)[np.asarray(coarse.size_class)[:4]],
                                 [128, 192, 192, 128])
+
+
+def test_expert_tiles_fold_a_few_rows_past_a_full_tile_into_one_tile():
+  # tm = 8, grain 4, fine 2; groups of ~8 rows (m = 2048 over 256 groups) put
+  # the fine sizes around 8: 6, 10, 12 (X = 12 - 8 = 4 rows can fold). A group
+  # of 10 rows runs one 10-row tile, not an 8-row tile plus a 2-row one.
+  assert tiling.remainder_sizes(2048, 256, 8, 4, 2) == (4, 6, 8, 10, 12)
+  groups = [10, 26, 7, 8, 13, 12]
+  t = tiling.expert_tiles(jnp.array(groups + [0] * 250, jnp.int32), 2048, 8, 4, 2)
+  # 26 = 2 full + 10 folded; 7: one 8-row tile; 8: one full tile, no
+  # remainder; 13 = 8 + 5 (5 > X: not folded, a 6-row tile); 12 = 8 + 4 folded.
+  np.testing.assert_array_equal(t.full[:6], [0, 2, 0, 1, 1, 0])
+  cls = np.asarray(t.size_class[:6])
+  assert cls[3] == -1
+  np.testing.assert_array_equal(np.asarray(t.sizes)[cls[[0, 1, 2, 4, 5]]], [10, 10, 8, 6, 12])
+  np.testing.assert_array_equal(t.rest_lo[:6], [0, 26, 36, 51, 59, 64])
+  r0, keep = t.rest_tile(1, 10)  # group 1: rows 10..35; its tile covers 26..35
+  assert int(r0) == 26 and bool(keep.all())
+  assert int(t.num_with_full) == 3
