@@ -226,3 +226,16 @@ def test_fused_fine_tile_sizes_match_unfused(counts):
           params, x, weights) for f in (True, False)]
   for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
     np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("activation", ["swiglu", "gelu"])
+def test_fused_forward_alone_matches_the_differentiated_one(activation):
+  # The undifferentiated forward skips saving the pre-activations; its
+  # output must be the vjp primal's and the naive loop's.
+  params, x, result, mask = _setup(activation, seed=4)
+  fast, slow = _loss_fns(activation, mask, result.expert_ids, result.valid,
+                         CONFIGS["blocked_fused_classes"])
+  y = jax.jit(fast)(params, x, result.weights)
+  y_vjp = jax.jit(lambda p, x, w: jax.vjp(fast, p, x, w)[0])(params, x, result.weights)
+  np.testing.assert_array_equal(y, y_vjp)
+  np.testing.assert_allclose(y, slow(params, x, result.weights), rtol=1e-5, atol=1e-5)
