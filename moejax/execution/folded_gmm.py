@@ -85,21 +85,23 @@ def _clean_rows(rows, group_sizes, num_out: int):
   return jnp.where(live, rows, num_out).astype(jnp.int32)
 
 
-def _d_rhs(be, st, a, a_rows, b, b_rows, b_scale, group_sizes, dtype):
-  """Per-group a(r)^T b(r), [G, k, n]; [G, n, k] (swapped) for a transposed rhs."""
+def _d_rhs(be, st, a, a_rows, b: tuple, b_rows, b_scale, group_sizes, dtypes) -> tuple:
+  """Per-group a(r)^T b_i(r), [G, k, n_i] each; [G, n_i, k] (swapped) for a
+  transposed rhs."""
   kw = dict(interpret=st.interpret, **dict(st.options))
-  out = be.gather_tgmm(a, b, group_sizes, lhs_rows=a_rows, grad_rows=b_rows,
-                       grad_scale=b_scale, out_dtype=dtype, **kw)
-  out = jnp.where((group_sizes > 0)[:, None, None], out, 0)
-  return jnp.swapaxes(out, 1, 2) if st.transpose_rhs else out
+  outs = be.gather_tgmm(a, b, group_sizes, lhs_rows=a_rows, grad_rows=b_rows,
+                        grad_scale=b_scale, out_dtype=jnp.float32, **kw)
+  nonempty = (group_sizes > 0)[:, None, None]
+  outs = [jnp.where(nonempty, o, 0).astype(dt) for o, dt in zip(outs, dtypes)]
+  return tuple(jnp.swapaxes(o, 1, 2) if st.transpose_rhs else o for o in outs)
 
 
 # --- The gathered gmm. -------------------------------------------------------
 
-def _gather_impl(st, x, rows, rhs, group_sizes):
+def _gather_impl(st, x, rows, rhs: tuple, group_sizes) -> tuple:
   be = gmm_lib.get_backend(st.backend)
-  out = be.gather_gmm(x, rows, rhs, group_sizes, row_scale=None, **st.kw())
-  return jnp.where((rows < x.shape[0])[:, None], out, 0)
+  outs = be.gather_gmm(x, rows, rhs, group_sizes, row_scale=None, **st.kw())
+  return tuple(jnp.where((rows < x.shape[0])[:, None], o, 0) for o in outs)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
@@ -114,12 +116,12 @@ def _gather_fwd(st, x, rows, rhs, group_sizes):
 def _gather_bwd(st, res, dout):
   x, rows, rhs, group_sizes = res
   be = gmm_lib.get_backend(st.backend)
-  dout = dout.astype(x.dtype)
-  # dx[t] = sum_{r: rows[r] = t} dout[r] @ rhs[g]^T: the scatter gmm, weight 1.
+  dout = tuple(d.astype(x.dtype) for d in dout)
+  # dx[t] = sum_{r: rows[r] = t} sum_i dout_i[r] @ rhs_i[g]^T: one scatter gmm, weight 1.
   dx = be.scatter_gmm(dout, rhs, group_sizes, rows, None, x.shape[0],
                       **st.kw(out_dtype=x.dtype, transpose_rhs=not st.transpose_rhs))
-  # d_rhs[g] = x[rows_g]^T dout_g (swapped to [n, k] for a transposed rhs).
-  d_rhs = _d_rhs(be, st, x, rows, dout, None, None, group_sizes, rhs.dtype)
+  # d_rhs_i[g] = x[rows_g]^T dout_i,g (x's tile gathered once for every i).
+  d_rhs = _d_rhs(be, st, x, rows, dout, None, None, group_sizes, [r.dtype for r in rhs])
   return dx, None, d_rhs, None
 
 
@@ -130,7 +132,7 @@ _gather_vjp.defvjp(_gather_fwd, _gather_bwd)
 
 def _scatter_impl(st, h, rhs, group_sizes, rows, w):
   be = gmm_lib.get_backend(st.backend)
-  return be.scatter_gmm(h, rhs, group_sizes, rows, w.astype(jnp.float32), st.num_out,
+  return be.scatter_gmm((h,), (rhs,), group_sizes, rows, w.astype(jnp.float32), st.num_out,
                         **st.kw())
 
 
@@ -149,13 +151,14 @@ def _scatter_bwd(st, res, dy):
   dy = dy.astype(h.dtype)
   # dh_u[r] = dy[rows[r]] @ rhs[g]^T (the gather folded into the loads), in
   # float32 so that the weight gradient <h, dh_u> is not rounded first.
-  dh_u = be.gather_gmm(dy, rows, rhs, group_sizes, row_scale=None,
-                       **st.kw(out_dtype=jnp.float32, transpose_rhs=not st.transpose_rhs))
+  dh_u, = be.gather_gmm(dy, rows, (rhs,), group_sizes, row_scale=None,
+                        **st.kw(out_dtype=jnp.float32, transpose_rhs=not st.transpose_rhs))
   dh_u = jnp.where((rows < st.num_out)[:, None], dh_u, 0)
   d_w = jnp.sum(h.astype(jnp.float32) * dh_u, axis=1)
   dh = (dh_u * w.astype(jnp.float32)[:, None]).astype(h.dtype)
   # d_rhs[g] = h_g^T (w dy[rows_g]), the gather and the weight in the tile loads.
-  d_rhs = _d_rhs(be, st, h, None, dy, rows, w.astype(jnp.float32), group_sizes, rhs.dtype)
+  d_rhs, = _d_rhs(be, st, h, None, (dy,), rows, w.astype(jnp.float32), group_sizes,
+                  [rhs.dtype])
   return dh, d_rhs, None, None, d_w.astype(w.dtype)
 
 
@@ -195,7 +198,9 @@ def gather_gmm(x: jax.Array, rows: jax.Array, rhs: jax.Array, group_sizes: jax.A
     x: [T, k] token rows.
     rows: int32[m] the token of each layout row (``Dispatch.src_token``);
       out of [0, T): a zero row.
-    rhs: [G, k, n] (or [G, n, k] with ``transpose_rhs``).
+    rhs: [G, k, n] (or [G, n, k] with ``transpose_rhs``), or a tuple of them
+      (one [m, n_i] output each; a tile's rows are gathered once for all,
+      so gate and up share one gather, forward and backward).
     group_sizes: int32[G] layout rows per group, summing to at most m.
     backend: a backend whose ``folds_permute`` is True.
     preferred_element_type, transpose_rhs, interpret, **options: as
@@ -205,11 +210,17 @@ def gather_gmm(x: jax.Array, rows: jax.Array, rhs: jax.Array, group_sizes: jax.A
   if x.ndim != 2:
     raise gmm_lib.GmmError(backend, f"x must be 2-D [T, k], got shape {x.shape}",
                            "flatten the tokens to [T, k]")
-  _check(backend, x.shape[1], x.dtype, rhs, group_sizes, rows, transpose_rhs)
+  several = isinstance(rhs, (tuple, list))
+  rhs = tuple(rhs) if several else (rhs,)
+  if not rhs:
+    raise gmm_lib.GmmError(backend, "rhs is an empty tuple", "pass at least one [G, k, n]")
+  for r in rhs:
+    _check(backend, x.shape[1], x.dtype, r, group_sizes, rows, transpose_rhs)
   group_sizes = tiling.clamp_group_sizes(group_sizes, rows.shape[0])
   st = _Static(be.name, jnp.dtype(preferred_element_type or x.dtype), transpose_rhs,
                bool(interpret), tuple(sorted(options.items())))
-  return _gather_vjp(st, x, _clean_rows(rows, group_sizes, x.shape[0]), rhs, group_sizes)
+  outs = _gather_vjp(st, x, _clean_rows(rows, group_sizes, x.shape[0]), rhs, group_sizes)
+  return outs if several else outs[0]
 
 
 def scatter_gmm(h: jax.Array, rhs: jax.Array, group_sizes: jax.Array, rows: jax.Array,

@@ -139,6 +139,25 @@ def test_transposed_rhs_and_its_gradients():
     np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5)
 
 
+def test_several_rhs_share_one_gather():
+  plan, _ = _routing(seed=10)
+  x, w1, _ = _arrays(seed=11)
+  w1b = w1[:, :, :3] * 2.0  # another width, n = 3
+  gs, tok = plan.group_sizes, plan.src_token
+
+  def together(x, a, b):
+    p, q = F.gather_gmm(x, tok, (a, b), gs, **TILES)
+    return jnp.sum(jnp.sin(p)) + jnp.sum(jnp.cos(q))
+
+  def apart(x, a, b):
+    return (jnp.sum(jnp.sin(F.gather_gmm(x, tok, a, gs, **TILES)))
+            + jnp.sum(jnp.cos(F.gather_gmm(x, tok, b, gs, **TILES))))
+
+  got, want = [jax.jit(jax.value_and_grad(f, (0, 1, 2)))(x, w1, w1b) for f in (together, apart)]
+  for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+    np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5)
+
+
 # --- The routed FFN: folded vs permute path, and who decides. ----------------
 
 F_HID = 4  # f != d, so an [M, d] array in a jaxpr is the permuted copy
