@@ -18,7 +18,9 @@ forward+backward of
   (a) ``dense``: a SwiGLU FFN of width K*f (the same active FLOPs per token),
   (b) ``routed_experts`` with every grouped-matmul backend that runs natively
       here (``blocked`` = the fused default, ``blocked_unfused`` = permute +
-      3 gmm + unpermute); Pallas backends off their platform would only run
+      3 gmm + unpermute, ``blocked_folded`` = 3 gmm with the gather and the
+      combine folded into their row loads and stores); Pallas backends off
+      their platform would only run
       interpreted and are listed as skipped,
   (c) ``gshard``: GShard one-hot einsum dispatch/combine, capacity factor
       ``--capacity_factor`` per group of ``--gshard_group`` tokens,
@@ -119,7 +121,9 @@ def layer_suite(shapes, variants_filter=None) -> dict:
     variants = {"dense": None}
     if "blocked" in run:
       variants["blocked"] = dict(backend="blocked", **opts)
-      variants["blocked_unfused"] = dict(backend="blocked", fused=False, **opts)
+      variants["blocked_unfused"] = dict(backend="blocked", fused=False, fold_permute=False,
+                                         **opts)
+      variants["blocked_folded"] = dict(backend="blocked", fused=False, **opts)
     variants.update({name: dict(backend=name) for name in run
                      if name not in ("blocked", "ragged_dot")})
     variants["gshard"] = dict(capacity_factor=_CF.value, group=_GSHARD_GROUP.value)

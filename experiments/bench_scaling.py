@@ -22,7 +22,9 @@ first run excluded; a variant whose first timed run exceeds ``slow_s`` gets
 ``slow_repeats`` runs), forward and forward+backward of the variants
 ``--scaling_variants`` (``bench_lib.jax_layer_fns`` / ``torch_layer_fns``):
 ``dense`` (JAX SwiGLU of width K*f), ``blocked`` (moejax's default, fused),
-``blocked_unfused``, ``torch_dense`` and ``hf_mixtral`` (Hugging Face's
+``blocked_unfused`` (permute -> 3 gmm -> unpermute), ``blocked_folded`` (the
+composed path with the permutation folded into the gmm row loads and
+stores, ``folded_gmm``), ``torch_dense`` and ``hf_mixtral`` (Hugging Face's
 ``MixtralSparseMoeBlock``, its default experts implementation). JAX variants
 are divided by ``dense``, torch ones by ``torch_dense``; each ratio has the
 spread of the per-round ratios (repeat r of a variant over repeat r of its
@@ -65,10 +67,12 @@ from absl import app, flags, logging
 from experiments import bench_lib
 
 JAX_VARIANTS = {"dense": None, "blocked": dict(backend="blocked"),
-                "blocked_unfused": dict(backend="blocked", fused=False)}
+                "blocked_unfused": dict(backend="blocked", fused=False, fold_permute=False),
+                "blocked_folded": dict(backend="blocked", fused=False)}
 TORCH_VARIANTS = ("torch_dense", "hf_mixtral")
 VARIANTS = tuple(JAX_VARIANTS) + TORCH_VARIANTS
 BASE = {"dense": "dense", "blocked": "dense", "blocked_unfused": "dense",
+        "blocked_folded": "dense",
         "torch_dense": "torch_dense", "hf_mixtral": "torch_dense"}
 MODES = ("fwdbwd", "fwd")
 MODE_LABEL = {"fwdbwd": "fwd+bwd", "fwd": "fwd"}

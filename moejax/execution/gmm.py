@@ -97,6 +97,37 @@ class Backend:
       ``backend='auto'`` picks it: measured fastest there and checked
       correct on that hardware (:func:`resolve_backend`); ``("*",)`` is the
       fallback for every platform.
+
+  Folding the permutation into the row loads and stores (optional; all
+  three or none, see :attr:`folds_permute` and
+  :mod:`moejax.execution.folded_gmm`). Legend: T rows of the token-side
+  operand, m = len(rows) rows of the grouped layout. ``rows`` reaches them
+  already cleaned by the entry point: every entry in [0, T], T (out of
+  range) for rows past the groups and for out-of-range requests, so a
+  kernel gathers zeros and scatters nothing there without checking.
+
+    gather_gmm: (x[T, k], rows int32[m], rhs tuple of [G, k, n_i],
+      group_sizes, *, out_dtype, transpose_rhs, row_scale: f32[m] or None,
+      interpret, **options) -> tuple of [m, n_i], out_i[r] = scale[r] *
+      x[rows[r]] @ rhs_i[g(r)]: the lhs rows are gathered in the tile loads
+      (no [m, k] copy of x), once for all rhs_i; rows past the groups may
+      hold anything (masked).
+    scatter_gmm: (h tuple of [m, k_i], rhs tuple of [G, k_i, n],
+      group_sizes, rows int32[m], row_scale f32[m] or None, num_out T, *,
+      out_dtype, transpose_rhs, interpret, **options) -> [T, n],
+      y[rows[r]] += scale[r] * sum_i h_i[r] @ rhs_i[g(r)], accumulated in
+      float32 and scatter-added in the tile stores; rows mapped to T add
+      nothing.
+    gather_tgmm: (lhs, grad tuple, group_sizes, *, lhs_rows, grad_rows,
+      grad_scale, out_dtype, interpret, **options) -> tuple of [G, k, n_i],
+      per group sum_r lhs(r)^T grad_i(r) where lhs(r) = lhs[lhs_rows[r]]
+      when lhs_rows is given (lhs [T, k]) else lhs[r] (lhs [m, k]), the same
+      for the grads, each scaled by grad_scale[r]; empty groups may hold
+      anything.
+    fused_ffn: (params, x[T, d], weights f32[T, K], plan, *, activation,
+      **options) -> [T, d]: the whole routed FFN in one loop (the
+      ``blocked`` backend's :func:`moejax.execution.fused.blocked_ffn`);
+      ``routed_ffn(fused=True)`` uses it when present.
   """
 
   name: str
@@ -108,6 +139,16 @@ class Backend:
   custom_vjp: bool = True
   availability: Optional[Callable[[], Optional[str]]] = None
   auto_on: tuple = ()
+  gather_gmm: Optional[Callable[..., jax.Array]] = None
+  scatter_gmm: Optional[Callable[..., jax.Array]] = None
+  gather_tgmm: Optional[Callable[..., jax.Array]] = None
+  fused_ffn: Optional[Callable[..., jax.Array]] = None
+
+  @property
+  def folds_permute(self) -> bool:
+    """Whether the gather / scatter of the dispatch fold into this backend's
+    row loads and stores (every one of the three folded kernels is set)."""
+    return None not in (self.gather_gmm, self.scatter_gmm, self.gather_tgmm)
 
 
 # What backend='auto' tries, first to last: the first whose ``auto_on`` names

@@ -23,8 +23,16 @@ same as masking h, at E*f*d instead of M*f work.
 
 :func:`routed_ffn` is the single entry point (the layer and the
 expert-parallel path call it): it folds the width mask, builds the dropless
-layout and chooses the fused tile loop (``blocked``) or permute -> three
-grouped matmuls -> unpermute (every other backend).
+layout and asks the backend object which path it has, in this order:
+
+1. ``Backend.fused_ffn`` (``blocked``): gather, three matmuls and combine in
+   one tile loop (:mod:`moejax.execution.fused`);
+2. ``Backend.folds_permute`` (``blocked``): the composed path with the
+   dispatch folded into the matmuls (:mod:`moejax.execution.folded_gmm`):
+   gate / up gather x's rows in their tile loads, down scatter-adds its rows
+   times the combine weight into [T, d] in its stores; no [M, d] permuted
+   copy, no unpermute pass;
+3. otherwise permute -> three grouped matmuls -> unpermute.
 """
 
 from __future__ import annotations
@@ -34,7 +42,7 @@ from typing import Any, Mapping, Optional
 import jax
 import jax.numpy as jnp
 
-from moejax.execution import fused as fused_lib
+from moejax.execution import folded_gmm
 from moejax.execution import gmm as gmm_lib
 from moejax.execution import permute as permute_lib
 from moejax.execution import scopes
@@ -98,13 +106,37 @@ def _ffn_rows(params: Mapping[str, jax.Array], xs: jax.Array, group_sizes: jax.A
   return gmm_lib.gmm(h.astype(xs.dtype), params["w_down"], group_sizes, **kw)
 
 
+@jax.named_scope(scopes.EXPERT_FFN)
+def _ffn_folded(params: Mapping[str, jax.Array], x: jax.Array, plan: permute_lib.Dispatch,
+                weights: jax.Array, *, activation: str, backend: str, interpret: bool,
+                **options) -> jax.Array:
+  """y[T, d]: the composed FFN with the permutation in the matmuls' row loads and stores.
+
+  x [T, d] is gathered by ``plan.src_token`` inside the gate / up tile loads;
+  the activation runs on the [M, f] rows; the down matmul scatter-adds
+  ``w_rows[r] * h[r] @ w_down[e]`` into [T, d] (float32, one rounding), so
+  neither an [M, d] input copy nor an [M, d] output is written.
+  """
+  kw = dict(backend=backend, interpret=interpret, **options)
+  tok, gs = plan.src_token, plan.group_sizes
+  if activation == "swiglu":  # one gather of each tile's x rows for both matmuls
+    a, b = folded_gmm.gather_gmm(x, tok, (params["w_gate"], params["w_up"]), gs, **kw)
+    h = jax.nn.silu(a) * b
+  else:
+    h = jax.nn.gelu(folded_gmm.gather_gmm(x, tok, params["w_up"], gs, **kw))
+  w_rows = jnp.take(weights.reshape(-1), plan.src_slot, mode="fill", fill_value=0)
+  return folded_gmm.scatter_gmm(h.astype(x.dtype), params["w_down"], gs, tok, w_rows,
+                                x.shape[0], **kw)
+
+
 def routed_ffn(expert_params: Mapping[str, jax.Array], x: jax.Array,
                expert_ids: jax.Array, valid: jax.Array, weights: jax.Array, *,
                num_experts: int, activation: str,
                backend: str = gmm_lib.DEFAULT_BACKEND,
                width_mask: Optional[jax.Array] = None,
                interpret: bool = False, gather_backend: str = "xla",
-               fused: bool = True, **options) -> jax.Array:
+               fused: bool = True, fold_permute: bool = True,
+               **options) -> jax.Array:
   """y[T, d] = sum_{k: valid, id < E} weights[t, k] FFN_{id[t, k]}(x[t]), dropless.
 
   The one place that folds the width mask and picks the fused or the
@@ -126,9 +158,14 @@ def routed_ffn(expert_params: Mapping[str, jax.Array], x: jax.Array,
     width_mask: optional f32[E, f] hidden-unit mask (heterogeneous widths).
     interpret: run Pallas backends in interpret mode (tests).
     gather_backend: the permutation gather (``registry.GATHER_BACKENDS``).
-    fused: with ``backend='blocked'`` and the ``xla`` gather, run the fused
-      tile loop of :mod:`moejax.execution.fused` (default); False composes
-      permute, three ``gmm`` calls and unpermute like the other backends.
+    fused: with the ``xla`` gather, run the backend's ``fused_ffn`` when it
+      has one (``blocked``: :mod:`moejax.execution.fused`; default); False
+      takes the composed path.
+    fold_permute: on the composed path with the ``xla`` gather, fold the
+      gather and the combine into the grouped matmuls when the backend
+      ``folds_permute`` (default); False keeps permute -> three ``gmm``
+      calls -> unpermute (for comparison). A Pallas ``gather_backend`` always
+      gets its explicit permute: the folded loads are XLA gathers.
     **options: backend tiling knobs (``tile_m``, ``tile_small`` for blocked,
       ``tiling`` for the Pallas kernels).
   """
@@ -136,7 +173,7 @@ def routed_ffn(expert_params: Mapping[str, jax.Array], x: jax.Array,
     raise ValueError("backend='reference' is the layer's own per-expert loop "
                      "(moejax.layer with cfg.execution.backend='reference'). Fix: pick one of "
                      f"{', '.join(gmm_lib.BACKENDS)} here")
-  gmm_lib.check_available(backend, interpret)
+  be = gmm_lib.check_available(backend, interpret)
   if x.ndim != 2:
     raise ValueError(f"x must be [T, d], got {x.shape}; flatten batch and sequence first")
   if expert_ids.shape[0] != x.shape[0]:
@@ -147,14 +184,18 @@ def routed_ffn(expert_params: Mapping[str, jax.Array], x: jax.Array,
   _check_params(expert_params, x.shape[1], num_experts, activation, width_mask)
   plan = permute_lib.sort_by_expert(expert_ids, valid, num_experts)
   weights = jnp.where(valid, weights, 0)
-  if backend == "blocked" and fused and gather_backend == "xla":
-    params = fold_width_mask(expert_params, width_mask)
+  params = fold_width_mask(expert_params, width_mask)
+  xla_gather = gather_backend == "xla"
+  if fused and xla_gather and be.fused_ffn is not None:
     with jax.named_scope(scopes.EXPERT_FFN):  # gather, matmuls and combine in one tile loop
-      return fused_lib.blocked_ffn(params, x, weights.astype(jnp.float32), plan,
-                                   activation=activation, **options).astype(x.dtype)
+      return be.fused_ffn(params, x, weights.astype(jnp.float32), plan,
+                          activation=activation, **options).astype(x.dtype)
+  if fold_permute and xla_gather and be.folds_permute:
+    return _ffn_folded(params, x, plan, weights, activation=activation, backend=backend,
+                       interpret=interpret, **options).astype(x.dtype)
   gkw = dict(backend=gather_backend, interpret=interpret)
   xs = permute_lib.permute(x, plan, **gkw)
-  ys = _ffn_rows(fold_width_mask(expert_params, width_mask), xs, plan.group_sizes,
+  ys = _ffn_rows(params, xs, plan.group_sizes,
                  activation=activation, backend=backend, interpret=interpret, **options)
   return permute_lib.unpermute(ys, plan, weights, **gkw).astype(x.dtype)
 

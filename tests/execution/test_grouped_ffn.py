@@ -55,7 +55,10 @@ CONFIGS = {
     "blocked_fused_big_tile": dict(backend="blocked"),
     # Remainder tiles of 3, 6 or 8 rows (one per expert), clamped at the end.
     "blocked_fused_classes": dict(backend="blocked", tile_m=8, tile_small=3),
+    # The composed path with the dispatch folded into the matmuls (the default
+    # when not fused), and without (permute -> 3 gmm -> unpermute).
     "blocked_unfused": dict(backend="blocked", fused=False, tile_m=4),
+    "blocked_permute": dict(backend="blocked", fused=False, fold_permute=False, tile_m=4),
     "ragged_dot": dict(backend="ragged_dot"),
     "pallas_tpu": dict(backend="pallas_tpu", interpret=True, tiling=(8, 128, 128)),
 }
