@@ -421,8 +421,8 @@ def markdown_tables(res: dict) -> str:
       lines = [f"{col} sweep, {lab} ({fixed}, K={spec['k']}, f={spec['f']}, d={spec['d']}, "
                f"float32; copy bandwidth {bw:.2f} GB/s, first touch {touch:.2f} GB/s):", "",
                f"| {col} | dense {lab} s | moejax {lab} x dense [spread] | unfused x dense "
-               f"| HF x torch dense | floor x dense | excess x dense | load |",
-               "|---:|---:|---|---:|---:|---:|---:|---|"]
+               f"| folded x dense | HF x torch dense | floor x dense | excess x dense | load |",
+               "|---:|---:|---|---:|---:|---:|---:|---:|---|"]
       for key in keys:
         lines.append(_markdown_row(res["points"][key], col, mode))
       if any(_once(res["points"][k], "hf_mixtral", mode) for k in keys):
@@ -444,6 +444,7 @@ def _markdown_row(p: dict, col: str, mode: str) -> str:
       f" [{rs['min']:.2f}-{rs['max']:.2f}]" if rs else ""))
   return (f"| {p[col]} | {_fmt(dense, '.3f')} | {moe_s} "
           f"| {_fmt(_ratio(p, 'blocked_unfused', mode))} "
+          f"| {_fmt(_ratio(p, 'blocked_folded', mode))} "
           f"| {_fmt(_ratio(p, 'hf_mixtral', mode))}{_once(p, 'hf_mixtral', mode)} "
           f"| {_fmt(p['floor'][mode]['x_dense'], '.3f')} "
           f"| {_fmt(p['floor'][mode].get('excess_x_dense'), '.3f')} "

@@ -107,12 +107,13 @@ def test_scaling_suite_tiny_run_writes_every_point_floor_and_table():
     assert p["load_1min_before"] >= 0 and p["load_1min_after"] >= 0
   md = sc.markdown_tables(res)
   assert md.count("| E | dense fwd+bwd s | moejax fwd+bwd x dense [spread] | unfused x dense "
-                  "| HF x torch dense | floor x dense | excess x dense | load |") == 1
+                  "| folded x dense | HF x torch dense | floor x dense | excess x dense "
+                  "| load |") == 1
   assert bw["first_touch"]["bytes_per_s"] > 0
   assert p["floor"]["fwdbwd"]["excess_bytes"] == 3 * 3 * 2 * 16 * 8 * 4  # E - K = 2
   assert md.count("| T | dense fwd s |") == 1
   row = next(line for line in md.splitlines() if line.startswith("| 32 |"))
-  assert row.split(" | ")[3:5] == ["-", "-"]  # unfused and HF: not timed
+  assert row.split(" | ")[3:6] == ["-", "-", "-"]  # unfused, folded and HF: not timed
 
 
 @pytest.mark.slow  # imports torch and launches the binary (~40 s); the in-process run
