@@ -29,12 +29,25 @@ from moejax.routing.types import RoutingResult
 SHAPES = {"fine": dict(num_experts=64, k=8, f=256), "coarse": dict(num_experts=8, k=2, f=1024)}
 
 
+THP_ENABLED = "/sys/kernel/mm/transparent_hugepage/enabled"
+
+
 def conditions() -> dict:
+  """Where a benchmark ran. On CPU the allocator settings matter: XLA allocates every
+  execution's buffers afresh, and first-touch page faults are a large part of a step
+  with many experts (docs/execution.md), so the glibc tunables and the kernel's
+  transparent-huge-page mode are recorded too."""
   out = {"platform": jax.default_backend(), "devices": [str(d) for d in jax.devices()],
          "device_kind": jax.devices()[0].device_kind, "cpu_count": os.cpu_count(),
          "load_avg_1_5_15": list(os.getloadavg()), "jax": jax.__version__,
          "python": platform.python_version(),
-         "processor": platform.processor() or platform.machine()}
+         "processor": platform.processor() or platform.machine(),
+         "glibc_tunables": os.environ.get("GLIBC_TUNABLES")}
+  try:
+    with open(THP_ENABLED) as fh:
+      out["transparent_hugepage"] = fh.read().strip()
+  except OSError:
+    out["transparent_hugepage"] = None
   return out
 
 

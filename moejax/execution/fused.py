@@ -6,13 +6,12 @@ hidden width, M = T * K token copies, tm row tile, n_e rows of expert e.
 Composing permute -> 3 grouped matmuls -> unpermute writes and re-reads
 several [M, d] and [M, f] arrays; on a CPU that is memory-bound outside the
 matmuls (M * d * 4 bytes = 128 MiB at T=8192, K=8, d=512) and it cost about
-as much as two of the nine matmul passes of a forward+backward. Here one
-loop visits the experts and, inside an expert, its row tiles of the dropless
-layout (``permute.sort_by_expert``, tiles from ``tiling.expert_tiles``):
-n_e // tm full tm-row tiles (no row masks), and the remainder in *one* tile
-rounded up to a multiple of the grain (waste < grain rows per expert). Per
-tile, with W1 = [W_gate | W_up] (one [d, 2f] matmul instead of two [d, f]
-ones):
+as much as two of the nine matmul passes of a forward+backward. Here the
+tiles of the dropless layout (``permute.sort_by_expert``, tiles from
+``tiling.expert_tiles``) are visited directly: each expert's n_e // tm full
+tm-row tiles (no row masks) and its remainder in *one* tile of the next
+static size (``tiling.remainder_sizes``). Per tile, with W1 = [W_gate |
+W_up] (one [d, 2f] matmul instead of two [d, f] ones):
 
     forward:  x_t = x[tokens]            (gather from [T, d], which stays in cache)
               [a|b] = x_t W1, h = silu(a) * b, y_t = h W_down
@@ -21,20 +20,28 @@ ones):
               dW_down += h^T (w dy); d[a|b] from dh; dW1 += x_t^T d[a|b]
               dx[tokens] += d[a|b] W1^T
 
-so the only [M, *] traffic is saving [a|b] ([M, 2f]) for the backward pass;
-the backward does the matmuls a dense FFN backward does, no recomputation.
+so the only [M, *] traffic is saving [a|b] ([M, 2f]) for the backward pass
+(an undifferentiated forward does not save it); the backward does the
+matmuls a dense FFN backward does, no recomputation.
 
-Per-tile cost, not per-row cost, is what the layout is chosen for (profile
-in docs/execution.md): every tile pays ~0.4 ms on the 2-core CPU beyond its
-rows, mostly the two weight-gradient accumulator adds ([d, 2f] + [f, d] per
-tile); with many experts (E=512 at T=8192: ~128 rows each) the old layout
-ran 2-3 64-row remainder tiles per expert. So: an expert's first tile (its
-remainder) *sets* the accumulators, only later full tiles add to them; the
-gate and up gradients are written per expert into their own [E, d, f]
-outputs (slicing the cache-resident accumulator), not split out of an
-[E, d, 2f] array afterwards. Rows of a remainder tile that belong to
-another expert gather token T (out of range, filled with zeros), so they add
-nothing and scatter nowhere. GELU experts use W1 = W_up and save a only.
+Per-tile and per-expert costs, not per-row cost, are what the loop structure
+is chosen for (profile in docs/execution.md, "Per-expert cost"):
+
+* Remainder tiles run first, one ``fori_loop`` per size class over exactly
+  the experts of that class (``ExpertTiles.by_class``): a size class costs
+  compile time, not run time, so a few fine sizes near the balanced group
+  size cut the padding (E=512 at T=8192: 128 +- 11 rows per expert, 23%
+  padding with 64-row steps, ~6% with the fine sizes).
+* An expert's remainder tile *sets* its gradient slices (no accumulator to
+  zero-fill and add); its full tiles then run in one loop per expert
+  (weights sliced once), accumulate in the loop carry and add one sum.
+* The gate and up gradients are written per expert into their own
+  [E, d, f] outputs (slicing the [d, 2f] accumulator), not split out of an
+  [E, d, 2f] array afterwards (at E=512: 512 MiB written twice).
+
+Rows of a remainder tile that belong to another expert gather token T (out
+of range, filled with zeros), so they add nothing and scatter nowhere. GELU
+experts use W1 = W_up and save a only.
 """
 
 from __future__ import annotations

@@ -13,9 +13,11 @@ kernel works on static shapes while skipping the work of absent rows:
   the next group and are masked there; the last tile of the operand is
   clamped back inside it): the XLA ``blocked`` backend.
 * :func:`expert_tiles` gives each group its full tm-row tiles and *one*
-  remainder tile whose size is the remainder rounded up to a multiple of a
-  grain (one of a few static sizes): the fused FFN (``fused.py``), whose
-  per-tile cost makes a tile worth ~25 rows.
+  remainder tile whose size is the remainder rounded up to the next of a
+  few static sizes (:func:`remainder_sizes`: grain multiples plus fine
+  steps near the balanced group size), with the groups listed by size class
+  so that one loop per class runs exactly its tiles: the fused FFN
+  (``fused.py``), whose per-tile cost makes a tile worth ~25 rows.
 * :func:`grid_tiles` keeps tiles on a fixed ``tm`` grid and visits a tile
   once per group that overlaps it (megablox): the Pallas kernels, whose
   BlockSpecs need tile-aligned row blocks.
@@ -27,9 +29,9 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
-# Row tiles of the XLA paths (blocked gmm and the fused FFN): full tm-row
-# tiles, then the remainder of each group in ts-row tiles. One pair of
-# defaults for both; docs/execution.md has the measurements.
+# Row tiles of the blocked gmm (:func:`group_tiles`): full tm-row tiles, then
+# the remainder of each group in ts-row tiles; docs/execution.md has the
+# measurements.
 DEFAULT_TILE_M = 256
 DEFAULT_TILE_SMALL = 64
 # The fused FFN's tiles (:func:`expert_tiles`): 512-row tiles, remainders in
