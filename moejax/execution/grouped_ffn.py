@@ -185,12 +185,12 @@ def routed_ffn(expert_params: Mapping[str, jax.Array], x: jax.Array,
   plan = permute_lib.sort_by_expert(expert_ids, valid, num_experts)
   weights = jnp.where(valid, weights, 0)
   params = fold_width_mask(expert_params, width_mask)
-  xla_gather = gather_backend == "xla"
-  if fused and xla_gather and be.fused_ffn is not None:
+  foldable = permute_lib.get_gather(gather_backend, interpret).foldable
+  if fused and foldable and be.fused_ffn is not None:
     with jax.named_scope(scopes.EXPERT_FFN):  # gather, matmuls and combine in one tile loop
       return be.fused_ffn(params, x, weights.astype(jnp.float32), plan,
                           activation=activation, **options).astype(x.dtype)
-  if fold_permute and xla_gather and be.folds_permute:
+  if fold_permute and foldable and be.folds_permute:
     return _ffn_folded(params, x, plan, weights, activation=activation, backend=backend,
                        interpret=interpret, **options).astype(x.dtype)
   gkw = dict(backend=gather_backend, interpret=interpret)

@@ -31,6 +31,9 @@ followed by a sum over K. The row gather itself has backends: ``xla``
 
 from __future__ import annotations
 
+import dataclasses
+from typing import Callable, Optional
+
 import jax
 import jax.numpy as jnp
 from flax import struct
@@ -141,30 +144,74 @@ def capacity_layout(expert_ids: jax.Array, valid: jax.Array, num_experts: int,
 
 # --- Row gathers with fill, by backend. -------------------------------------
 
+@dataclasses.dataclass(frozen=True)
+class RowGather:
+  """One implementation of :func:`gather_rows`, asked for what it needs.
+
+  Attributes:
+    name: the ``backend=`` name (one of ``registry.GATHER_BACKENDS``).
+    gather: (x[T, d], idx int32[R], interpret) -> [R, d], zero rows where
+      idx is out of range.
+    platform: the ``jax.default_backend()`` it compiles for natively; None
+      runs everywhere. Elsewhere it needs ``interpret=True``.
+    foldable: whether the expert kernels may replace this gather by their
+      own row loads (``grouped_ffn.routed_ffn``'s fused and folded paths).
+      Only ``xla``'s: it is the "no preference" default, while naming a
+      Pallas gather asks for that kernel's separate pass (to measure it).
+  """
+
+  name: str
+  gather: Callable[[jax.Array, jax.Array, bool], jax.Array]
+  platform: Optional[str] = None
+  foldable: bool = False
+
+
+def _xla_gather(x, idx, interpret):
+  del interpret
+  return jnp.take(x, idx, axis=0, mode="fill", fill_value=0)
+
+
+def _pallas_tpu_gather(x, idx, interpret):
+  from moejax.execution import pallas_gather  # Pallas only for the callers that pick it
+  return pallas_gather.gather_rows(x, idx, interpret=interpret)
+
+
+def _pallas_gpu_gather(x, idx, interpret):
+  from moejax.execution import pallas_gather
+  return pallas_gather.gather_rows_gpu(x, idx, interpret=interpret)
+
+
+ROW_GATHERS = {g.name: g for g in (
+    RowGather("xla", _xla_gather, foldable=True),
+    RowGather("pallas_tpu", _pallas_tpu_gather, platform="tpu"),
+    RowGather("pallas_gpu", _pallas_gpu_gather, platform="gpu"),
+)}
+assert tuple(ROW_GATHERS) == GATHER_BACKENDS, "registry.GATHER_BACKENDS lists these names"
+
+
+def get_gather(backend: str, interpret: bool = False) -> RowGather:
+  """The row gather ``backend``, checked to run here; ValueError naming the fix otherwise."""
+  if backend not in ROW_GATHERS:
+    raise ValueError(f"gather backend {backend!r} is unknown. Fix: use one of "
+                     f"{', '.join(GATHER_BACKENDS)}")
+  g = ROW_GATHERS[backend]
+  if g.platform and jax.default_backend() != g.platform and not interpret:
+    raise ValueError(f"gather backend {backend!r} needs a {g.platform.upper()}; this "
+                     f"platform is {jax.default_backend()!r}. Fix: use backend='xla' or "
+                     "pass interpret=True (slow, tests only)")
+  return g
+
+
 def gather_rows(x: jax.Array, idx: jax.Array, *, backend: str = "xla",
                 interpret: bool = False) -> jax.Array:
   """out[i] = x[idx[i]] for 0 <= idx[i] < len(x), else zeros. [R, d]."""
-  if backend == "xla":
-    return jnp.take(x, idx, axis=0, mode="fill", fill_value=0)
-  if backend == "pallas_tpu":
-    from moejax.execution import pallas_gather
-    return pallas_gather.gather_rows(x, idx, interpret=interpret)
-  if backend == "pallas_gpu":
-    from moejax.execution import pallas_gather
-    return pallas_gather.gather_rows_gpu(x, idx, interpret=interpret)
-  raise ValueError(f"gather backend {backend!r} is unknown. Fix: use one of "
-                   f"{', '.join(GATHER_BACKENDS)}")
+  if backend not in ROW_GATHERS:
+    get_gather(backend)  # raises, naming the valid ones
+  return ROW_GATHERS[backend].gather(x, idx, interpret)
 
 
 def _check_gather_backend(backend: str, interpret: bool) -> None:
-  if backend not in GATHER_BACKENDS:
-    raise ValueError(f"gather backend {backend!r} is unknown. Fix: use one of "
-                     f"{', '.join(GATHER_BACKENDS)}")
-  platform = {"pallas_tpu": "tpu", "pallas_gpu": "gpu"}.get(backend)
-  if platform and jax.default_backend() != platform and not interpret:
-    raise ValueError(f"gather backend {backend!r} needs a {platform.upper()}; this "
-                     f"platform is {jax.default_backend()!r}. Fix: use backend='xla' or "
-                     "pass interpret=True (slow, tests only)")
+  get_gather(backend, interpret)
 
 
 def _permute_impl(x, src_token, dst, backend, interpret):

@@ -123,3 +123,14 @@ def test_sorted_layout_properties(data):
   np.testing.assert_array_equal(dst[src_slot[:n]], np.arange(n))
   assert np.all(dst[~routed.reshape(-1)] == t * k)
   assert np.all(src_slot[n:] == t * k) and np.all(np.asarray(plan.src_token)[n:] == t)
+
+
+def test_row_gathers_are_objects_that_say_where_they_run():
+  assert tuple(P.ROW_GATHERS) == P.GATHER_BACKENDS
+  assert [g.name for g in P.ROW_GATHERS.values() if g.foldable] == ["xla"]
+  assert P.get_gather("pallas_tpu", interpret=True).platform == "tpu"
+  with pytest.raises(ValueError, match="'palas_tpu' is unknown.*xla, pallas_tpu"):
+    P.get_gather("palas_tpu")
+  x = jnp.arange(6.0).reshape(3, 2)
+  out = P.gather_rows(x, jnp.array([2, 3, 0], jnp.int32))
+  np.testing.assert_array_equal(out, [[4.0, 5.0], [0.0, 0.0], [0.0, 1.0]])
