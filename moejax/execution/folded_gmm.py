@@ -40,7 +40,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -50,14 +49,9 @@ from moejax.execution import tiling
 
 
 @dataclasses.dataclass(frozen=True)
-class _Static:
-  """Hashable non-array arguments of one folded call."""
+class _Static(gmm_lib._Static):  # pylint: disable=protected-access
+  """gmm's hashable non-array arguments, plus the scatter output's rows."""
 
-  backend: str
-  out_dtype: Any
-  transpose_rhs: bool
-  interpret: bool
-  options: tuple  # sorted (key, value) pairs
   num_out: int = 0  # T: rows of the scatter output
 
   def kw(self, **over):
