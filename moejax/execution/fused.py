@@ -295,12 +295,11 @@ def blocked_ffn(params, x, weights, plan, *, activation: str,
   ``params`` holds the expert weights for ``activation`` (width mask already
   folded into ``w_down`` by the caller). ``tile_m`` is the full row tile,
   ``tile_small`` the grain of the one remainder tile per expert (defaults
-  ``tiling.FUSED_TILE_M`` / ``FUSED_TILE_GRAIN``), ``tile_fine`` the step
+  from the balanced group size: ``tiling.fused_tiles``), ``tile_fine`` the step
   of the extra remainder sizes near the balanced group size
   (``tiling.remainder_sizes``; default ``FUSED_TILE_FINE``, 0 for none).
   """
-  tm, ts = tiling.fit_tiles(plan.num_rows, tile_m, tile_small,
-                            defaults=(tiling.FUSED_TILE_M, tiling.FUSED_TILE_GRAIN))
+  tm, ts = tiling.fused_tiles(plan.num_rows, plan.group_sizes.shape[0], tile_m, tile_small)
   keys = ("w_gate", "w_up", "w_down") if activation == "swiglu" else ("w_up", "w_down")
   params = {k: params[k] for k in keys}
   fine = tiling.FUSED_TILE_FINE if tile_fine is None else int(tile_fine)

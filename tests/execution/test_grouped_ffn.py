@@ -202,14 +202,22 @@ def test_fused_many_experts_matches_unfused():
     [1024, 520, 0, 130, 141, 40, 0, 193] + [0] * 8,
     # 4 experts, balanced size 512 = tm: fold sizes above tm. 520 runs as one
     # 528-row tile, 1030 as a full tile plus a 518-row one, 498 as a 512 one.
-    [520, 1030, 498, 0]])
+    [520, 1030, 498, 0],
+    # 2 experts, balanced size 1024: 1024-row tiles (tiling.fused_tiles);
+    # 1040 runs as one 1040-row fold tile, 1008 as a fine-size one.
+    [1040, 1008],
+    # 2 experts of ~2048 rows: 2048-row tiles, 128-row grain; 2100 is a full
+    # tile plus a 52-row remainder in a 128-row tile, 1996 a fine-size tile.
+    [2100, 1996]])
 def test_fused_fine_tile_sizes_match_unfused(counts):
-  # 2048 token copies, so the fused loop adds the fine remainder sizes
+  # >= 2048 token copies, so the fused loop adds the fine remainder sizes
   # (tiling.remainder_sizes); outputs and all gradients equal the composed path.
-  e, t, k = len(counts), 512, 4
-  assert sum(counts) == t * k
-  assert tiling.remainder_sizes(t * k, e, 512, 64, 16) != tiling.remainder_sizes(
-      t * k, e, 512, 64, 0)
+  e, k = len(counts), 4
+  t = sum(counts) // k
+  tm, grain = tiling.fused_tiles(t * k, e)
+  assert tm == {1024: 1024, 2048: 2048}.get(sum(counts) // e, 512)
+  assert tiling.remainder_sizes(t * k, e, tm, grain, 16) != tiling.remainder_sizes(
+      t * k, e, tm, grain, 0)
   ks = jax.random.split(jax.random.PRNGKey(6), 7)
   ids = jax.random.permutation(ks[6], jnp.repeat(jnp.arange(e), jnp.array(counts),
                                                  total_repeat_length=t * k)).reshape(t, k)

@@ -91,9 +91,20 @@ def test_expert_tiles_refuses_bad_sizes():
     tiling.expert_tiles(jnp.array([4], jnp.int32), 4, 4, 8)
 
 
-def test_fused_tile_defaults():
-  assert tiling.fit_tiles(10_000, defaults=(tiling.FUSED_TILE_M, tiling.FUSED_TILE_GRAIN)) \
-      == (512, 64)
+def test_fused_tiles_grow_with_the_balanced_group_size():
+  # (m, G) -> (tm, grain): 512-row tiles up to groups of 1023 rows, the
+  # largest power of two <= m / G above that, capped at 2048; grain tm / 16
+  # once that exceeds 64.
+  assert tiling.fused_tiles(65536, 512) == (512, 64)    # E=512, K=8, T=8192
+  assert tiling.fused_tiles(65536, 128) == (512, 64)    # groups of 512
+  assert tiling.fused_tiles(65536, 64) == (1024, 64)    # groups of 1024
+  assert tiling.fused_tiles(65535, 64) == (512, 64)     # groups just under 1024
+  assert tiling.fused_tiles(16384, 8) == (2048, 128)    # E=8, K=2
+  assert tiling.fused_tiles(65536, 8) == (2048, 128)    # capped
+  # Small operands keep tm <= m; given sizes win over the rule.
+  assert tiling.fused_tiles(40, 4) == (40, 40)
+  assert tiling.fused_tiles(16384, 8, tile_m=512) == (512, 64)
+  assert tiling.fused_tiles(16384, 8, tile_small=32) == (2048, 32)
 
 
 def test_remainder_sizes_add_fine_steps_near_the_balanced_size():
