@@ -19,7 +19,9 @@ forward+backward of
   (b) ``routed_experts`` with every grouped-matmul backend that runs natively
       here (``blocked`` = the fused default, ``blocked_unfused`` = permute +
       3 gmm + unpermute, ``blocked_folded`` = 3 gmm with the gather and the
-      combine folded into their row loads and stores); Pallas backends off
+      combine folded into their row loads and stores, ``blocked_t512`` = the
+      fused loop with fixed 512-row tiles instead of ``tiling.fused_tiles``'
+      rule, without ``--tile_m``/``--tile_small``); Pallas backends off
       their platform would only run
       interpreted and are listed as skipped,
   (c) ``gshard``: GShard one-hot einsum dispatch/combine, capacity factor
@@ -121,6 +123,8 @@ def layer_suite(shapes, variants_filter=None) -> dict:
     variants = {"dense": None}
     if "blocked" in run:
       variants["blocked"] = dict(backend="blocked", **opts)
+      if not opts:  # the fixed 512-row tiles the fused loop used before tiling.fused_tiles
+        variants["blocked_t512"] = dict(backend="blocked", tile_m=512, tile_small=64)
       variants["blocked_unfused"] = dict(backend="blocked", fused=False, fold_permute=False,
                                          **opts)
       variants["blocked_folded"] = dict(backend="blocked", fused=False, **opts)
