@@ -166,7 +166,7 @@ def _gather_kernel(*refs, num_rhs: int, has_scale: bool, num_rows: int, tiles: t
     def step(kk, accs):
       xa = x_ref[src, pl.ds(kk * bk, bk)]
       xa = jnp.where(live[:, None], xa, jnp.zeros_like(xa))
-      return tuple(acc + pl.dot(xa, _rhs_block(w, g, kk, c, bk, bn, transpose_rhs),
+      return tuple(acc + pltriton.dot(xa, _rhs_block(w, g, kk, c, bk, bn, transpose_rhs),
                                 trans_b=transpose_rhs, precision=precision)
                    for acc, w, c in zip(accs, rhs_refs, cols))
 
@@ -236,7 +236,7 @@ def _scatter_kernel(*refs, num_lhs: int, has_scale: bool, num_out: int, blocks: 
     for h_ref, w_ref, steps in zip(h_refs, rhs_refs, k_steps):
       def step(kk, acc, h_ref=h_ref, w_ref=w_ref):
         a = h_ref[pl.ds(r0, bm), pl.ds(kk * bk, bk)]
-        return acc + pl.dot(a, _rhs_block(w_ref, g, kk, j, bk, bn, transpose_rhs),
+        return acc + pltriton.dot(a, _rhs_block(w_ref, g, kk, j, bk, bn, transpose_rhs),
                             trans_b=transpose_rhs, precision=precision)
       acc = lax.fori_loop(0, steps, step, acc)
     if has_scale:
@@ -323,7 +323,7 @@ def _tgmm_kernel(*refs, num_grads: int, gathered: tuple, has_scale: bool, num_ro
       d = _gathered(d_ref, grad_rows_ref, r, live, num_rows[1], pl.ds(c * bn, bn))
       if has_scale:  # scaled in f32, rounded back to the operand dtype (as blocked)
         d = (d.astype(jnp.float32) * scale[:, None]).astype(d_ref.dtype)
-      new.append(acc + pl.dot(a, d, trans_a=True, precision=precision))
+      new.append(acc + pltriton.dot(a, d, trans_a=True, precision=precision))
     return tuple(new)
 
   accs = lax.fori_loop(0, lax.div(end - start + bm - 1, jnp.int32(bm)), step,
