@@ -42,6 +42,10 @@ Design:
   ``precision=HIGHEST`` (Triton's IEEE f32 path, not TF32), so the f32
   contract of exact products and f32 accumulation holds; 16-bit operands
   use the tensor cores with an f32 accumulator.
+* **int32 offsets.** Pallas' Triton lowering computes element offsets in
+  int32, so no operand may reach 2^31 elements (a full DeepSeek-V3 expert
+  stack, 256 x 7168 x 2048, does); the kernels refuse such operands off
+  interpret mode rather than wrap around.
 * **Several rhs.** All rhs_i are multiplied with the one gathered x tile
   (gate and up share the gather). The grid spans the widest rhs's n tiles;
   a narrower rhs_i recomputes its last tile there and skips the store.
@@ -92,6 +96,24 @@ def _blocks(tiling, m: int, k: int, n: int) -> tuple[int, int, int]:
         "powers of two; its dot needs >= 16)")
   return tuple(max(MIN_BLOCK, min(int(t), _pow2_at_least(d)))
                for t, d in zip(tiling, (m, k, n)))
+
+
+def _check_offsets(interpret: bool, **operands) -> None:
+  """Pallas' Triton lowering computes element offsets in int32: an operand of
+  2^31 or more elements would wrap around on hardware (the interpreter does
+  not, so interpret mode is not checked)."""
+  if interpret:
+    return
+  for label, shape in operands.items():
+    size = 1
+    for d in shape:
+      size *= int(d)
+    if size >= 2 ** 31:
+      raise gmm_lib.GmmError(
+          "pallas_gpu", f"{label} has {size} elements (shape {tuple(shape)}); the "
+          "Triton kernels index with int32 offsets (< 2^31 elements)",
+          "shard the experts (expert parallelism) or split the call, or use "
+          "backend='ragged_dot'")
 
 
 def _pad(a, axis: int, multiple: int, value=0):
@@ -197,6 +219,8 @@ def gpu_gather_gmm(x, rows, rhs: tuple, group_sizes, *, out_dtype, transpose_rhs
   rhs = [_pad_rhs(r, transpose_rhs, bk, bn) for r in rhs]
   tiles = tuple(tiling_lib.cdiv(w, bn) for w in widths)
   xp = _pad(x, 1, bk)
+  _check_offsets(interpret, x=xp.shape, **{f"rhs[{i}]": r.shape for i, r in enumerate(rhs)},
+                 out=(m_pad, max(tiles) * bn))
   args = [*_visits(group_sizes, m_pad, bm), _pad(rows, 0, bm, value=t)]
   if row_scale is not None:
     args.append(_pad(row_scale.astype(jnp.float32), 0, bm))
@@ -268,6 +292,8 @@ def gpu_scatter_gmm(h: tuple, rhs: tuple, group_sizes, rows, row_scale, num_out:
   h = [_pad(_pad(a, 0, bm), 1, bk) for a in h]
   rhs = [_pad_rhs(r, transpose_rhs, bk, bn) for r in rhs]
   n_pad = tiling_lib.cdiv(n, bn) * bn
+  _check_offsets(interpret, **{f"h[{i}]": a.shape for i, a in enumerate(h)},
+                 **{f"rhs[{i}]": r.shape for i, r in enumerate(rhs)}, y=(num_out + 1, n_pad))
   args = [*_visits(group_sizes, m_pad, bm), _pad(rows, 0, bm, value=num_out)]
   if row_scale is not None:
     args.append(_pad(row_scale.astype(jnp.float32), 0, bm))
@@ -351,7 +377,11 @@ def gpu_gather_tgmm(lhs, grad: tuple, group_sizes, *, out_dtype, lhs_rows=None,
   if grad_scale is not None:
     args.append(grad_scale.astype(jnp.float32))
   lhs_p = _pad(lhs, 1, bk)
-  args += [lhs_p, *(_pad(b, 1, bn) for b in grad)]
+  grad = [_pad(b, 1, bn) for b in grad]
+  _check_offsets(interpret, lhs=lhs_p.shape,
+                 **{f"grad[{i}]": b.shape for i, b in enumerate(grad)},
+                 out=(num_groups, lhs_p.shape[1], max(tiles) * bn))
+  args += [lhs_p, *grad]
   kernel = functools.partial(
       _tgmm_kernel, num_grads=len(grad), gathered=(lhs_rows is not None, grad_rows is not None),
       has_scale=grad_scale is not None, num_rows=(lhs.shape[0], grad[0].shape[0]),

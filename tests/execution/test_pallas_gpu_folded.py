@@ -304,3 +304,11 @@ def test_kernels_lower_for_cuda(dtype):
             a, (d,), s, out_dtype=f32, grad_scale=c,
             **{key: r for key in kw}), *specs, S((G,), i32), S((LM,), i32), S((LM,), f32))
     assert "scf.for" in tgmm and "tt.dot" in tgmm
+
+
+def test_operands_past_int32_offsets_are_refused_off_interpret_mode():
+  # Triton's pointer offsets are int32: 256 x 7168 x 2048 experts would wrap (traced only).
+  big = S((256, 7168, 2048), jnp.bfloat16)
+  with pytest.raises(gmm_lib.GmmError, match=r"rhs\[0\] has 3758096384 elements"):
+    jax.jit(lambda x, r, w, s: PF.gpu_gather_gmm(x, r, (w,), s, out_dtype=jnp.bfloat16)).trace(
+        S((LT, 7168), jnp.bfloat16), S((LM,), jnp.int32), big, S((256,), jnp.int32))
