@@ -158,6 +158,11 @@ def test_empty_operands_give_zeros():
                          jnp.zeros((M,), jnp.int32), None, 0, out_dtype=jnp.float32,
                          interpret=True)
   assert y.shape == (0, N)
+  # Every group empty: every visit is dead, nothing is added.
+  y = PF.gpu_scatter_gmm((jnp.ones((M, K)),), (jnp.ones((G, K, N)),), gs, jnp.asarray(ROWS),
+                         jnp.ones((M,)), T, out_dtype=jnp.float32, interpret=True,
+                         tiling=TILING)
+  np.testing.assert_array_equal(y, np.zeros((T, N)))
 
 
 def test_bad_tiling_names_the_field():
