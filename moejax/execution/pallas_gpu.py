@@ -28,6 +28,12 @@ interpret mode rhs^T is materialised by XLA instead; the kernel code is
 otherwise the same. **No GPU was available when this was written: only the
 interpret path has been run.** On hardware only 16-bit operands (bf16, f16)
 are accepted (wgmma has no plain f32 path).
+
+The folded kernels of this backend (``gather_gmm``, ``scatter_gmm``,
+``gather_tgmm``: the dispatch gather / combine scatter inside the row loads
+and stores) are Pallas **Triton** kernels in :mod:`moejax.execution.
+pallas_gpu_folded` (pointer-array row gathers, atomic scatter-adds; f32
+operands accepted); ``routed_ffn`` takes that folded path for this backend.
 """
 
 from __future__ import annotations
@@ -40,6 +46,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from moejax.execution import gmm as gmm_lib
+from moejax.execution import pallas_gpu_folded as folded
 
 try:  # jax >= 0.10 ships Mosaic GPU; import lazily-safe for odd builds.
   from jax.experimental.pallas import mosaic_gpu as plgpu
@@ -295,4 +302,9 @@ BACKEND = gmm_lib.Backend(
     # Not auto's choice anywhere yet: it has only run interpreted. Add "gpu"
     # once `python -m experiments.device_check` on a Hopper GPU reports
     # gmm_correctness ok and gmm_timing's target met (docs/execution.md).
-    auto_on=())
+    auto_on=(),
+    # The dispatch folded into the row loads / stores: Pallas Triton kernels
+    # (pointer-array row gathers, atomic scatter-add), not Mosaic GPU; they
+    # also take f32 operands on hardware (pallas_gpu_folded.py says why).
+    gather_gmm=folded.gpu_gather_gmm, scatter_gmm=folded.gpu_scatter_gmm,
+    gather_tgmm=folded.gpu_gather_tgmm)
