@@ -50,7 +50,11 @@ can measure it.
 
 Status: run in interpret mode (``interpret=True``, CPU) against the
 ``blocked`` backend and lowered for TPU (``lowering_platforms=("tpu",)``)
-only; nothing here has run on TPU hardware.
+only; nothing here has run on TPU hardware. That lowering emits the Mosaic
+kernel but does not run Mosaic's own compiler, whose layout rules (single
+row DMAs into packed bf16 VMEM tiles, dynamic row offsets) are checked only
+on a TPU; the interpreter runs the DMAs synchronously, so it checks the
+round logic of the scatter but cannot show a race.
 """
 
 from __future__ import annotations
@@ -63,6 +67,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
+from moejax.execution import gmm as gmm_lib
 from moejax.execution import tiling as tiling_lib
 
 # pallas_tpu's default tile; repeated here (not imported) because pallas_tpu
@@ -90,7 +95,14 @@ def _tiles(interpret, tiling, m, k, n):
   interpreter takes any size, so tiny test shapes are not padded there."""
   tm, tk, tn = tiling or DEFAULT_TILING
   lane = 1 if interpret else 128
-  return _fit(m, tm, 8), _fit(k, tk, lane), _fit(n, tn, lane)
+  fits = _fit(m, tm, 8), _fit(k, tk, lane), _fit(n, tn, lane)
+  (tm, _), (tk, _), (tn, _) = fits
+  if tm % 8 or tk % lane or tn % lane:
+    raise gmm_lib.GmmError("pallas_tpu", f"tiling={tuple(tiling)} gives tiles (tm, tk, tn)="
+                           f"{(tm, tk, tn)}, not multiples of (8, {lane}, {lane})",
+                           "pass tiling=(tm, tk, tn) with tm a multiple of 8 and tk, tn "
+                           "multiples of 128 (default (128, 128, 128))")
+  return fits
 
 
 def _row_mask(offsets_ref, g, tile, tm):
@@ -109,17 +121,21 @@ def _scale_col(scale, mp):
   return jnp.pad(scale.astype(jnp.float32), (0, mp - scale.shape[0]))[:, None]
 
 
-def _row_copies(src_hbm, rows_ref, base, col0, width, dst_ref, sems, num_rows, tm,
+def _row_copies(hbm_ref, rows_ref, base, col0, width, vmem_ref, sems, num_rows, tm,
                 when=None, to_hbm=False):
-  """Row DMAs between src_hbm[rows[base + r], col0:col0 + width] and row r of
-  dst_ref for r < tm (started together, then waited for); ``when(r)``
-  (scalar bool) skips rows."""
+  """One DMA per tile row r < tm between hbm_ref[rows[base + r], col0:col0 +
+  width] and vmem_ref[r] (into VMEM, or back with ``to_hbm``), all started
+  before any is waited for; ``when(r)`` (a scalar bool) skips rows.
+
+  An absent row (entry T) copies row T - 1 instead (reads only; the scatter
+  never moves one): the caller masks it, which is cheaper than a copy of
+  the operand padded with a zero row.
+  """
   def copy(r):
-    src = jnp.minimum(rows_ref[base + r], num_rows - 1)  # absent rows: masked later
-    hbm = src_hbm.at[pl.ds(src, 1), pl.ds(col0, width)]
-    vmem = dst_ref.at[pl.ds(r, 1)]
-    return pltpu.make_async_copy(vmem, hbm, sems.at[r]) if to_hbm else (
-        pltpu.make_async_copy(hbm, vmem, sems.at[r]))
+    hbm = hbm_ref.at[pl.ds(jnp.minimum(rows_ref[base + r], num_rows - 1), 1),
+                     pl.ds(col0, width)]
+    vmem = vmem_ref.at[pl.ds(r, 1)]
+    return pltpu.make_async_copy(*((vmem, hbm) if to_hbm else (hbm, vmem)), sems.at[r])
 
   def each(action):
     def body(r, carry):
@@ -128,6 +144,7 @@ def _row_copies(src_hbm, rows_ref, base, col0, width, dst_ref, sems, num_rows, t
       else:
         pl.when(when(r))(lambda: action(copy(r)))  # runs it under the condition
       return carry
+    # A loop, not tm unrolled copies: the kernel body stays small at tm = 128.
     lax.fori_loop(0, tm, body, 0)
 
   each(lambda c: c.start())

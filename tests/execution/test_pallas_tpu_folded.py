@@ -231,3 +231,10 @@ LOWER = [
 def test_kernels_lower_for_tpu(name, fn, specs):
   text = jax.jit(fn).trace(*specs).lower(lowering_platforms=("tpu",)).as_text()
   assert "custom_call" in text, name  # the Mosaic kernel, not an XLA fallback
+
+
+def test_unaligned_tiling_is_a_clear_error():
+  rows, gs = _layout()
+  with pytest.raises(gmm_lib.GmmError, match=r"tiling=\(8, 64, 8\).*multiples of 128"):
+    PF.gather_gmm(jnp.ones((T, 256)), rows, (jnp.ones((4, 256, 256)),), gs,
+                  out_dtype=jnp.float32, tiling=(8, 64, 8))
