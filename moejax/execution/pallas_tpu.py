@@ -16,6 +16,8 @@ accumulate in an f32 VMEM scratch over the k tiles.
 * ``gmm``: grid (n tiles, visits, k tiles); out[m, n].
 * ``tgmm``: grid (k tiles, n tiles, visits); out[G, k, n] = lhs_g^T grad_g,
   the accumulator is reset on a group's first visit and stored on its last.
+* ``gather_gmm`` / ``scatter_gmm`` / ``gather_tgmm`` (the permutation folded
+  into the row loads and stores): :mod:`moejax.execution.pallas_tpu_folded`.
 
 Grid steps past the real visit count repeat the last visit's blocks (no new
 DMA) and do nothing. Operands are zero-padded to tile multiples (padding
@@ -35,6 +37,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from moejax.execution import gmm as gmm_lib
+from moejax.execution import pallas_tpu_folded as folded
 from moejax.execution import tiling as tiling_lib
 
 DEFAULT_TILING = (128, 128, 128)
@@ -179,6 +182,10 @@ BACKEND = gmm_lib.Backend(
     name="pallas_tpu",
     gmm=pallas_gmm,
     tgmm=pallas_tgmm, platforms=("tpu",), interpretable=True,
+    # The permutation folded into the row loads / stores (row DMAs), so the
+    # routed FFN takes folded_gmm's path: pallas_tpu_folded.py.
+    gather_gmm=folded.gather_gmm, scatter_gmm=folded.scatter_gmm,
+    gather_tgmm=folded.gather_tgmm,
     needs="a TPU (Pallas Mosaic TPU kernels)",
     # Not auto's choice anywhere yet: it has only run interpreted. Add "tpu"
     # once `python -m experiments.device_check` on a TPU reports
