@@ -14,7 +14,8 @@ traceback summary and the run goes on; a step that would start after
 ``--budget_s`` is recorded as skipped, so a run always finishes in time.
 
   environment      devices, versions, the bf16 peak FLOP/s of the device kind.
-  lowering         the Pallas kernels (gmm, gmm with rhs^T, tgmm, row gathers)
+  lowering         the Pallas kernels (gmm, gmm with rhs^T, tgmm, row gathers,
+                   the folded gather_gmm / scatter_gmm / gather_tgmm)
                    lowered for both accelerator platforms (``cuda``, ``tpu``):
                    catches what the interpreters accept but the compilers reject.
   gmm_correctness  this platform's kernels (GPU: ``pallas_gpu``; TPU:
@@ -33,7 +34,8 @@ traceback summary and the run goes on; a step that would start after
                    Pallas kernels; exactness and GB/s.
   layer            the routed-expert layer fwd+bwd vs a dense SwiGLU FFN of the
                    same active FLOPs in bf16, with the platform's kernel
-                   (composed permute -> 3 gmm -> unpermute), ragged_dot and the
+                   (its folded gather/scatter gmm, and ``+permute``: the
+                   composed permute -> 3 gmm -> unpermute), ragged_dot and the
                    portable fused ``blocked`` path, at the fine and coarse shapes.
   train            configs/default.py and a ~10x larger model (bf16 activations,
                    the platform's kernel) for a fixed number of steps on
@@ -417,6 +419,8 @@ def layer(plan: Plan) -> dict:
         continue  # interpreted it costs a minute here; tests/execution covers it
       if not plan.dry_run:
         variants[b] = dict(backend=b, **plan.options[b])
+        # The composed path without the folded kernels, to see what folding saves.
+        variants[f"{b}+permute"] = dict(backend=b, fold_permute=False, **plan.options[b])
       variants[f"{b}+gather"] = dict(backend=b, gather_backend=b, **plan.options[b])
     if not plan.dry_run:
       variants["ragged_dot"] = dict(backend="ragged_dot")
@@ -523,6 +527,25 @@ def environment(plan: Plan) -> dict:
   return out
 
 
+def _folded_kernels(be) -> dict:
+  """{name: (fn, specs)} for the backend's three folded kernels (rows [256]
+  into x [100, 128]; absent rows are 100)."""
+  s = jax.ShapeDtypeStruct
+  x, rows, gs = s((100, 128), BF16), s((256,), jnp.int32), s((4,), jnp.int32)
+  rhs, h, scale = s((4, 128, 192), BF16), s((256, 128), BF16), s((256,), jnp.float32)
+  grad = s((256, 192), BF16)
+  return {
+      "gather_gmm": (lambda a, r, b, g, w: be.gather_gmm(
+          a, r, (b,), g, out_dtype=BF16, transpose_rhs=False, row_scale=w,
+          interpret=False), (x, rows, rhs, gs, scale)),
+      "scatter_gmm": (lambda a, b, g, r, w: be.scatter_gmm(
+          (a,), (b,), g, r, w, 100, out_dtype=BF16, transpose_rhs=False,
+          interpret=False), (h, s((4, 128, 192), BF16), gs, rows, scale)),
+      "gather_tgmm": (lambda a, c, g, r, w: be.gather_tgmm(
+          a, (c,), g, out_dtype=jnp.float32, lhs_rows=r, grad_rows=None, grad_scale=w,
+          interpret=False), (x, grad, gs, rows, scale))}
+
+
 def lowering(plan: Plan) -> dict:
   del plan
   s = jax.ShapeDtypeStruct
@@ -542,6 +565,7 @@ def lowering(plan: Plan) -> dict:
                  else pallas_gather.gather_rows)
     kernels["gather"] = (lambda x, i: gather_fn(x, i), (s((100, 256), BF16),
                                                          s((512,), jnp.int32)))
+    kernels.update(_folded_kernels(be))
     for name, (fn, specs) in kernels.items():
       out[f"{backend}/{name}@{platform}"] = guarded(lambda fn=fn, specs=specs: {
           "lowered": "custom_call" in jax.jit(fn).trace(*specs).lower(

@@ -32,8 +32,9 @@ same on GPU). Contract, on top of :mod:`moejax.execution.gmm`'s:
     in the tile loads.
 
 Only backends whose :attr:`~moejax.execution.gmm.Backend.folds_permute` is
-True have these kernels (``blocked``); for the others the routed FFN keeps
-permute -> gmm -> unpermute.
+True have these kernels (``blocked``; ``pallas_tpu`` and ``pallas_gpu``, run in
+interpret mode and lowered only); for the others (``ragged_dot``) the routed
+FFN keeps permute -> gmm -> unpermute.
 """
 
 from __future__ import annotations

@@ -27,9 +27,9 @@ layout and asks the backend object which path it has, in this order:
 
 1. ``Backend.fused_ffn`` (``blocked``): gather, three matmuls and combine in
    one tile loop (:mod:`moejax.execution.fused`);
-2. ``Backend.folds_permute`` (``blocked``): the composed path with the
-   dispatch folded into the matmuls (:mod:`moejax.execution.folded_gmm`):
-   gate / up gather x's rows in their tile loads, down scatter-adds its rows
+2. ``Backend.folds_permute`` (``blocked``, ``pallas_tpu``, ``pallas_gpu``):
+   the composed path with the dispatch folded into the matmuls
+   (:mod:`moejax.execution.folded_gmm`): gate / up gather x's rows in their tile loads, down scatter-adds its rows
    times the combine weight into [T, d] in its stores; no [M, d] permuted
    copy, no unpermute pass;
 3. otherwise permute -> three grouped matmuls -> unpermute.

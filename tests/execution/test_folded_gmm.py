@@ -243,7 +243,7 @@ def test_the_backend_capabilities_decide_the_path(monkeypatch):
 
 def test_which_backends_fold():
   folding = {n for n in gmm_lib.BACKENDS if gmm_lib.get_backend(n).folds_permute}
-  assert folding == {"blocked"}
+  assert folding == {"blocked", "pallas_gpu", "pallas_tpu"}
   assert {n for n in gmm_lib.BACKENDS if gmm_lib.get_backend(n).fused_ffn} == {"blocked"}
 
 
