@@ -39,29 +39,9 @@ from jax.experimental.pallas import tpu as pltpu
 from moejax.execution import gmm as gmm_lib
 from moejax.execution import pallas_tpu_folded as folded
 from moejax.execution import tiling as tiling_lib
+from moejax.execution import tpu_blocks
 
-DEFAULT_TILING = (128, 128, 128)
-
-
-def _fit(dim: int, tile: int, align: int) -> tuple[int, int]:
-  """(tile, padded dim): the whole dim when it fits in one tile."""
-  if dim <= tile:
-    t = -(-dim // align) * align
-    return t, t
-  return tile, -(-dim // tile) * tile
-
-
-def _pad2(a, rows, cols):
-  r, c = a.shape[-2:]
-  if (r, c) == (rows, cols):
-    return a
-  pad = [(0, 0)] * (a.ndim - 2) + [(0, rows - r), (0, cols - c)]
-  return jnp.pad(a, pad)
-
-
-def _row_mask(offsets_ref, g, tile, tm):
-  rows = tile * tm + lax.broadcasted_iota(jnp.int32, (tm, 1), 0)
-  return (rows >= offsets_ref[g]) & (rows < offsets_ref[g + 1])
+DEFAULT_TILING = tpu_blocks.DEFAULT_TILING
 
 
 def _gmm_kernel(offsets_ref, gids_ref, tids_ref, nt_ref, lhs_ref, rhs_ref, out_ref,
@@ -81,7 +61,7 @@ def _gmm_kernel(offsets_ref, gids_ref, tids_ref, nt_ref, lhs_ref, rhs_ref, out_r
 
   @pl.when(live & (kk == k_tiles - 1))
   def _():
-    keep = _row_mask(offsets_ref, gids_ref[i], tids_ref[i], tm)
+    keep = tpu_blocks.row_mask(offsets_ref, gids_ref[i], tids_ref[i], tm)
     out_ref[...] = jnp.where(keep, acc_ref[...].astype(out_ref.dtype), out_ref[...])
 
 
@@ -91,11 +71,11 @@ def pallas_gmm(lhs, rhs, group_sizes, *, out_dtype, transpose_rhs=False,
   m, k = lhs.shape
   n = rhs.shape[1] if transpose_rhs else rhs.shape[2]
   num_groups = rhs.shape[0]
-  tm, mp = _fit(m, tm, 8)
-  tk, kp = _fit(k, tk, 128 if not interpret else 1)
-  tn, np_ = _fit(n, tn, 128 if not interpret else 1)
-  lhs = _pad2(lhs, mp, kp)
-  rhs = _pad2(rhs, np_, kp) if transpose_rhs else _pad2(rhs, kp, np_)
+  tm, mp = tpu_blocks.fit(m, tm, 8)
+  tk, kp = tpu_blocks.fit(k, tk, 128 if not interpret else 1)
+  tn, np_ = tpu_blocks.fit(n, tn, 128 if not interpret else 1)
+  lhs = tpu_blocks.pad2(lhs, mp, kp)
+  rhs = tpu_blocks.pad2(rhs, np_, kp) if transpose_rhs else tpu_blocks.pad2(rhs, kp, np_)
   visits = tiling_lib.grid_tiles(group_sizes, mp, tm)
   nt = mp // tm + num_groups - 1
   k_tiles = kp // tk
@@ -136,7 +116,7 @@ def _tgmm_kernel(offsets_ref, gids_ref, tids_ref, nt_ref, lhs_ref, grad_ref, out
 
   @pl.when(live)
   def _():
-    keep = _row_mask(offsets_ref, g, tids_ref[i], tm)
+    keep = tpu_blocks.row_mask(offsets_ref, g, tids_ref[i], tm)
     x = jnp.where(keep, lhs_ref[...], 0)
     acc_ref[...] += lax.dot_general(x, grad_ref[...], (((0,), (0,)), ((), ())),
                                     preferred_element_type=jnp.float32)
@@ -152,11 +132,11 @@ def pallas_tgmm(lhs, grad, group_sizes, *, out_dtype, interpret=False,
   m, k = lhs.shape
   n = grad.shape[1]
   num_groups = group_sizes.shape[0]
-  tm, mp = _fit(m, tm, 8)
-  tk, kp = _fit(k, tk, 128 if not interpret else 1)
-  tn, np_ = _fit(n, tn, 128 if not interpret else 1)
-  lhs = _pad2(lhs, mp, kp)
-  grad = _pad2(grad, mp, np_)
+  tm, mp = tpu_blocks.fit(m, tm, 8)
+  tk, kp = tpu_blocks.fit(k, tk, 128 if not interpret else 1)
+  tn, np_ = tpu_blocks.fit(n, tn, 128 if not interpret else 1)
+  lhs = tpu_blocks.pad2(lhs, mp, kp)
+  grad = tpu_blocks.pad2(grad, mp, np_)
   visits = tiling_lib.grid_tiles(group_sizes, mp, tm)
   nt = mp // tm + num_groups - 1
   call = pl.pallas_call(

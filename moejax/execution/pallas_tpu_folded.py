@@ -69,25 +69,9 @@ from jax.experimental.pallas import tpu as pltpu
 
 from moejax.execution import gmm as gmm_lib
 from moejax.execution import tiling as tiling_lib
+from moejax.execution import tpu_blocks
 
-# pallas_tpu's default tile; repeated here (not imported) because pallas_tpu
-# imports this module to build its BACKEND.
-DEFAULT_TILING = (128, 128, 128)
-
-
-def _fit(dim: int, tile: int, align: int) -> tuple[int, int]:
-  """(tile, padded dim): the whole dim when it fits in one tile."""
-  if dim <= tile:
-    t = max(-(-dim // align) * align, align)
-    return t, t
-  return tile, -(-dim // tile) * tile
-
-
-def _pad2(a, rows, cols):
-  r, c = a.shape[-2:]
-  if (r, c) == (rows, cols):
-    return a
-  return jnp.pad(a, [(0, 0)] * (a.ndim - 2) + [(0, rows - r), (0, cols - c)])
+DEFAULT_TILING = tpu_blocks.DEFAULT_TILING
 
 
 def _tiles(interpret, tiling, m, k, n):
@@ -95,7 +79,7 @@ def _tiles(interpret, tiling, m, k, n):
   interpreter takes any size, so tiny test shapes are not padded there."""
   tm, tk, tn = tiling or DEFAULT_TILING
   lane = 1 if interpret else 128
-  fits = _fit(m, tm, 8), _fit(k, tk, lane), _fit(n, tn, lane)
+  fits = tpu_blocks.fit(m, tm, 8), tpu_blocks.fit(k, tk, lane), tpu_blocks.fit(n, tn, lane)
   (tm, _), (tk, _), (tn, _) = fits
   if tm % 8 or tk % lane or tn % lane:
     raise gmm_lib.GmmError("pallas_tpu", f"tiling={tuple(tiling)} gives tiles (tm, tk, tn)="
@@ -105,9 +89,6 @@ def _tiles(interpret, tiling, m, k, n):
   return fits
 
 
-def _row_mask(offsets_ref, g, tile, tm):
-  rows = tile * tm + lax.broadcasted_iota(jnp.int32, (tm, 1), 0)
-  return (rows >= offsets_ref[g]) & (rows < offsets_ref[g + 1])
 
 
 def _layout_rows(rows, mp, num_rows):
@@ -180,7 +161,7 @@ def _gather_gmm_kernel(offsets_ref, gids_ref, tids_ref, nt_ref, rows_ref, x_hbm,
 
   @pl.when(live & (kk == k_tiles - 1))
   def _():
-    keep = _row_mask(offsets_ref, gids_ref[i], tids_ref[i], tm)
+    keep = tpu_blocks.row_mask(offsets_ref, gids_ref[i], tids_ref[i], tm)
     for a, o_ref in enumerate(out_refs):
       y = acc_ref[a] if scale_ref is None else acc_ref[a] * scale_ref[...]
       o_ref[...] = jnp.where(keep, y.astype(o_ref.dtype), o_ref[...])
@@ -199,8 +180,9 @@ def gather_gmm(x, rows, rhs: tuple, group_sizes, *, out_dtype, transpose_rhs=Fal
   if m == 0 or num_rows == 0:
     return tuple(jnp.zeros((m, w), out_dtype) for w in widths)
   (tm, mp), (tk, kp), (tn, np_) = _tiles(interpret, tiling, m, k, max(widths))
-  x = _pad2(x, num_rows, kp)
-  rhs = [_pad2(r, np_, kp) if transpose_rhs else _pad2(r, kp, np_) for r in rhs]
+  x = tpu_blocks.pad2(x, num_rows, kp)
+  rhs = [tpu_blocks.pad2(r, np_, kp) if transpose_rhs else tpu_blocks.pad2(r, kp, np_)
+         for r in rhs]
   rows, col = _layout_rows(rows, mp, num_rows)
   visits = tiling_lib.grid_tiles(group_sizes, mp, tm)
   k_tiles = kp // tk
@@ -303,8 +285,8 @@ def scatter_gmm(h: tuple, rhs: tuple, group_sizes, rows, row_scale, num_out: int
   k_spans, hs, ws, lo = [], [], [], 0
   for a, w in zip(h, rhs):
     _, (tk, kp), _ = _tiles(interpret, tiling, m, a.shape[1], n)
-    hs.append(_pad2(a, mp, kp))
-    ws.append(_pad2(w, np_, kp) if transpose_rhs else _pad2(w, kp, np_))
+    hs.append(tpu_blocks.pad2(a, mp, kp))
+    ws.append(tpu_blocks.pad2(w, np_, kp) if transpose_rhs else tpu_blocks.pad2(w, kp, np_))
     k_spans.append((lo, kp // tk, tk))
     lo += kp // tk
   rows, _ = _layout_rows(rows, mp, num_out)
@@ -377,7 +359,7 @@ def _gather_tgmm_kernel(offsets_ref, gids_ref, tids_ref, nt_ref, lrows_ref, grow
   @pl.when(live)
   def _():
     base = tids_ref[i] * tm
-    keep = _row_mask(offsets_ref, g, tids_ref[i], tm)
+    keep = tpu_blocks.row_mask(offsets_ref, g, tids_ref[i], tm)
     if lhs_rows:
       _row_copies(lhs_ref, lrows_ref, base, a * tk, tk, xg_ref, sems, lhs_rows, tm)
       keep &= lcol_ref[...] < lhs_rows
@@ -423,8 +405,8 @@ def gather_tgmm(lhs, grad: tuple, group_sizes, *, out_dtype, lhs_rows=None, grad
   t_grad = 0 if grad_rows is None else grad[0].shape[0]
   if (t_lhs == 0 and lhs_rows is not None) or (t_grad == 0 and grad_rows is not None):
     return tuple(jnp.zeros((num_groups, k, w), out_dtype) for w in widths)  # no token rows
-  lhs = _pad2(lhs, t_lhs or mp, kp)
-  grad = [_pad2(d, t_grad or mp, np_) for d in grad]
+  lhs = tpu_blocks.pad2(lhs, t_lhs or mp, kp)
+  grad = [tpu_blocks.pad2(d, t_grad or mp, np_) for d in grad]
   visits = tiling_lib.grid_tiles(group_sizes, mp, tm)
   nt = mp // tm + num_groups - 1
   prefetch = [visits.group_offsets, visits.group_ids, visits.m_tile_ids,
