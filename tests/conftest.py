@@ -43,11 +43,6 @@ SLOW = {
         "the other blocked-vs-reference layer cases; execution/test_gmm_backends.py",
     "execution/test_layer_backends.py::test_blocked_layer_equals_reference_layer[expert_choice]":
         "routing/test_expert_choice.py and the other blocked-vs-reference cases",
-    "execution/test_layer_backends.py::"
-    "test_pallas_layer_in_interpret_mode_equals_reference_layer[pallas_gpu]":
-        "[pallas_tpu] of the same test; execution/test_grouped_ffn.py's pallas_gpu cases",
-    "execution/test_grouped_ffn.py::test_pallas_gpu_interpret_forward":
-        "test_layer_backends [pallas_tpu]; execution/test_lowering.py lowers pallas_gpu",
     "execution/test_permute.py::test_gradients_match_one_hot_reference[pallas_tpu]":
         "test_gradients_match_one_hot_reference[xla]; the pallas_tpu forward cases",
     "train/test_loop_kill_resume.py::"
