@@ -540,7 +540,7 @@ def _folded_kernels(be) -> dict:
           interpret=False), (x, rows, rhs, gs, scale)),
       "scatter_gmm": (lambda a, b, g, r, w: be.scatter_gmm(
           (a,), (b,), g, r, w, 100, out_dtype=BF16, transpose_rhs=False,
-          interpret=False), (h, s((4, 128, 192), BF16), gs, rows, scale)),
+          interpret=False), (h, rhs, gs, rows, scale)),
       "gather_tgmm": (lambda a, c, g, r, w: be.gather_tgmm(
           a, (c,), g, out_dtype=jnp.float32, lhs_rows=r, grad_rows=None, grad_scale=w,
           interpret=False), (x, grad, gs, rows, scale))}

@@ -31,6 +31,8 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
+from moejax.execution import tiling as tiling_lib
+
 try:  # Pallas' Triton backend (GPU); absent from unusual jax builds.
   from jax.experimental.pallas import triton as pltriton
 except ImportError:  # pragma: no cover
@@ -91,10 +93,6 @@ def gather_rows(x: jax.Array, idx: jax.Array, *, interpret: bool = False,
   return out if r_pad == r else out[:r]
 
 
-def _pow2_at_least(n: int) -> int:
-  return 1 << max(0, (int(n) - 1).bit_length())
-
-
 def _gpu_kernel(idx_ref, x_ref, out_ref, *, num_rows: int, bd: int):
   idx = idx_ref[...]
   inside = (idx >= 0) & (idx < num_rows)
@@ -113,8 +111,8 @@ def gather_rows_gpu(x: jax.Array, idx: jax.Array, *, interpret: bool = False,
   r = idx.shape[0]
   if r == 0 or t == 0 or d == 0:
     return jnp.zeros((r, d), x.dtype)
-  br = min(_pow2_at_least(block_rows), _pow2_at_least(r))
-  bd = min(_pow2_at_least(block_cols), _pow2_at_least(d))
+  br = min(tiling_lib.pow2_at_least(block_rows), tiling_lib.pow2_at_least(r))
+  bd = min(tiling_lib.pow2_at_least(block_cols), tiling_lib.pow2_at_least(d))
   r_pad, d_pad = -(-r // br) * br, -(-d // bd) * bd
   idx = jnp.pad(idx.astype(jnp.int32), (0, r_pad - r), constant_values=t)
   xp = x if d_pad == d else jnp.pad(x, ((0, 0), (0, d_pad - d)))

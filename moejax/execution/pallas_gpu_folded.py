@@ -81,10 +81,6 @@ MIN_BLOCK = 16  # Triton's dot wants every block dimension >= 16
 NUM_WARPS, NUM_STAGES = 4, 2
 
 
-def _pow2_at_least(n: int) -> int:
-  return 1 << max(0, (int(n) - 1).bit_length())
-
-
 def _blocks(tiling, m: int, k: int, n: int) -> tuple[int, int, int]:
   """(bm, bk, bn): ``tiling`` shrunk to the operand (tiny test shapes stay
   one block), never below MIN_BLOCK."""
@@ -94,7 +90,7 @@ def _blocks(tiling, m: int, k: int, n: int) -> tuple[int, int, int]:
         "pallas_gpu", f"tiling={tiling} is not three powers of two >= {MIN_BLOCK}",
         f"pass tiling=(bm, bk, bn) such as {DEFAULT_TILING} (Triton blocks are "
         "powers of two; its dot needs >= 16)")
-  return tuple(max(MIN_BLOCK, min(int(t), _pow2_at_least(d)))
+  return tuple(max(MIN_BLOCK, min(int(t), tiling_lib.pow2_at_least(d)))
                for t, d in zip(tiling, (m, k, n)))
 
 
@@ -157,6 +153,14 @@ def _visits(group_sizes, m_pad: int, bm: int):
   return tuple(a.astype(jnp.int32) for a in (g, r0, lo, hi))
 
 
+def _owned_rows(gid_ref, r0_ref, v, lo, hi, bm: int):
+  """(g, r0, own) of visit v: its group, its tile's first row and bool[bm],
+  which of the tile's rows the visit owns ([lo, hi))."""
+  g, r0 = gid_ref[v], r0_ref[v]
+  r = r0 + lax.broadcasted_iota(jnp.int32, (bm,), 0)
+  return g, r0, (r >= lo) & (r < hi)
+
+
 def _rhs_block(rhs_ref, g, kk, nj, bk: int, bn: int, transpose_rhs: bool):
   """rhs[g]'s (bk, bn) block (k block kk, n block nj), [bn, bk] when transposed."""
   if transpose_rhs:
@@ -177,9 +181,7 @@ def _gather_kernel(*refs, num_rhs: int, has_scale: bool, num_rows: int, tiles: t
 
   @pl.when(hi > lo)
   def _():
-    g, r0 = gid_ref[v], r0_ref[v]
-    r = r0 + lax.broadcasted_iota(jnp.int32, (bm,), 0)
-    own = (r >= lo) & (r < hi)
+    g, r0, own = _owned_rows(gid_ref, r0_ref, v, lo, hi, bm)
     src = rows_ref[pl.ds(r0, bm)]
     live = own & (src < num_rows)
     src = jnp.where(live, src, 0)  # row T ("no row") is never loaded
@@ -252,10 +254,9 @@ def _scatter_kernel(*refs, num_lhs: int, has_scale: bool, num_out: int, blocks: 
 
   @pl.when(hi > lo)
   def _():
-    g, r0 = gid_ref[v], r0_ref[v]
-    r = r0 + lax.broadcasted_iota(jnp.int32, (bm,), 0)
+    g, r0, own = _owned_rows(gid_ref, r0_ref, v, lo, hi, bm)
     dst = rows_ref[pl.ds(r0, bm)]
-    live = (r >= lo) & (r < hi) & (dst < num_out)
+    live = own & (dst < num_out)
     acc = jnp.zeros((bm, bn), jnp.float32)
     for h_ref, w_ref, steps in zip(h_refs, rhs_refs, k_steps):
       def step(kk, acc, h_ref=h_ref, w_ref=w_ref):

@@ -53,6 +53,11 @@ def cdiv(a: int, b: int) -> int:
   return -(-a // b)
 
 
+def pow2_at_least(n: int) -> int:
+  """The smallest power of two >= n, for n >= 1: Triton block sizes."""
+  return 1 << max(0, (int(n) - 1).bit_length())
+
+
 def clamp_group_sizes(group_sizes: jax.Array, m: int) -> jax.Array:
   """int32[G] sizes whose running sum never exceeds m.
 

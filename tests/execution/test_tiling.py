@@ -155,3 +155,8 @@ def test_expert_tiles_fold_a_few_rows_past_a_full_tile_into_one_tile():
   r0, keep = t.rest_tile(1, 10)  # group 1: rows 10..35; its tile covers 26..35
   assert int(r0) == 26 and bool(keep.all())
   assert int(t.num_with_full) == 3
+
+
+def test_pow2_at_least():
+  assert [tiling.pow2_at_least(n) for n in (1, 2, 3, 16, 17, 1000)] == [
+      1, 2, 4, 16, 32, 1024]
