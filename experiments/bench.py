@@ -11,6 +11,7 @@ Usage:
   python -m experiments.bench --suite=step --step_scale=m   # experiments/bench_step.py
   python -m experiments.bench --suite=step --step_twin      # experiments/bench_twin.py
   python -m experiments.bench --suite=scaling --json_out=/tmp/scaling.json
+  python -m experiments.bench --suite=profile --json_out=/tmp/profile.json  # bench_profile.py
       # experiments/bench_scaling.py: the MoE / dense ratio as E and T grow
 
 ``--suite=layer`` times, side by side in one process, forward and
@@ -62,6 +63,7 @@ from absl import app, flags
 
 from experiments import bench_ep  # the expert-parallel suite and its ep_* flags
 from experiments import bench_lib
+from experiments import bench_profile  # where the layer's time goes, by kind; profile_* flags
 from experiments import bench_scaling  # the E / T scaling suite and its scaling_* flags
 from experiments import bench_serving  # the serving suite and its serving_* flags
 from experiments import bench_step  # the training-step profile and its step_* flags
@@ -72,7 +74,7 @@ from experiments.bench_lib import (SHAPES, conditions, dense_ffn, gshard_ffn,  #
 from moejax.execution import gmm as gmm_lib
 
 _SUITE = flags.DEFINE_enum("suite", "layer",
-                           ["layer", "gmm", "ep", "serving", "step", "scaling"],
+                           ["layer", "gmm", "ep", "serving", "step", "scaling", "profile"],
                            "which benchmark")
 _JSON = flags.DEFINE_string("json_out", None, "write the results here as JSON")
 _REPEATS = flags.DEFINE_integer("repeats", 5, "timed runs per variant (median)")
@@ -260,6 +262,9 @@ def main(argv):
                                          _TORCH_THREADS.value, _SEED.value)
     res = bench_scaling.scaling_suite(spec, conditions())
     bench_scaling.print_scaling_table(res)
+  elif _SUITE.value == "profile":
+    res = bench_profile.run_from_flags(_REPEATS.value, _SEED.value, conditions())
+    bench_profile.print_profile_table(res)
   elif _SUITE.value == "serving":
     res = bench_serving.serving_suite(conditions())
     bench_serving.print_serving_table(res)

@@ -1,0 +1,123 @@
+"""experiments.bench_profile: the instruction classifier, the accounting, the spec's errors, a tiny run."""
+
+import json
+
+import pytest
+
+from experiments import bench_profile as bp
+
+E = bp.Event
+
+
+@pytest.mark.parametrize("name, ops, kind", [
+    ("ynn_fusion.12", ["ynn"], "matmul"),
+    ("dot_general.533", ["dot", "general"], "matmul"),
+    ("dot.3", ["dot"], "matmul"),
+    ("wrapped_broadcast.6", ["broadcast"], "fill"),
+    ("wrapped_iota", ["iota"], "fill"),
+    ("broadcast_select_fusion", ["broadcast", "select"], "elementwise"),
+    ("dynamic-slice_bitcast_fusion.3", ["dynamic-slice", "bitcast"], "slice/concat copy"),
+    ("concatenate.220", ["concatenate"], "slice/concat copy"),
+    ("copy.168", ["copy"], "slice/concat copy"),
+    ("bitcast_dynamic-update-slice_fusion", ["bitcast", "dynamic-update-slice"],
+     "in-place write"),
+    ("select_dynamic-update-slice_fusion.1", ["select", "dynamic-update-slice"],
+     "in-place write"),
+    ("bitcast_gather_fusion.2", ["bitcast", "gather"], "gather"),
+    ("wrapped_scatter.4", ["scatter"], "scatter"),
+    ("sort.2", ["sort"], "sort"),
+    ("add_divide_fusion", ["add", "divide"], "elementwise"),
+    ("slice_multiply_fusion.7", ["slice", "multiply"], "elementwise"),
+    ("fusion.3", [], "elementwise"),
+])
+def test_instruction_names_map_to_their_operations_and_kind(name, ops, kind):
+  assert bp.op_names(name) == ops
+  assert bp.op_kind(name) == kind
+
+
+@pytest.mark.parametrize("name, is_op", [
+    ("ynn_fusion.3", True), ("copy.5", True), ("while.87", False), ("while", False),
+    ("conditional.2", False), ("ThunkExecutor::Execute", False),
+    ("ThreadpoolListener::StartRegion", False), ("end: ynn_fusion", False),
+    ("SlinkyThreadPool::Await", False), ("fusion", False),
+])
+def test_only_instruction_events_are_counted(name, is_op):
+  assert bp.is_instruction(name) is is_op
+
+
+def test_summarize_sums_kinds_and_unions_each_threads_busy_time():
+  ms = 1e6  # ns
+  events = [
+      E("a", "ThunkExecutor::Execute", 0, 10 * ms),       # a container: not counted
+      E("a", "ynn_fusion.1", 0, 4 * ms),
+      E("a", "wrapped_broadcast", 4 * ms, 2 * ms),
+      E("a", "end: ynn_fusion.1", 4 * ms, 0),
+      E("b", "ThreadpoolListener::StartRegion", 1 * ms, 0),  # b helps a's matmul: 1..3 ms
+      E("b", "ThreadpoolListener::StopRegion", 3 * ms, 0),
+      E("b", "ynn_fusion.2", 2 * ms, 3 * ms),               # overlaps the region: 1..5 ms
+      E("b", "while.4", 0, 9 * ms),
+  ]
+  s = bp.summarize(events, wall_s=0.010, cores=2)
+  assert s["kinds_ms"]["matmul"] == 7.0 and s["kinds_ms"]["fill"] == 2.0
+  assert s["counts"]["matmul"] == 2 and s["counts"]["fill"] == 1
+  assert sum(s["counts"].values()) == 3
+  assert s["ops_ms"] == 9.0
+  assert s["threads"] == 2
+  assert s["busy_ms"] == 6.0 + 4.0  # a: 0..6; b: the union of 1..3 and 2..5
+  assert s["utilization"] == 0.5    # 10 busy ms over 2 cores x 10 ms
+  assert [o["name"] for o in s["top"]] == ["ynn_fusion.1", "ynn_fusion.2", "wrapped_broadcast"]
+  # Wall time: 0-2 a's matmul alone, 2-4 both matmuls (1 ms each), 4-5 the
+  # fill beside b's matmul (0.5 each), 5-6 the fill alone, 6-10 nothing runs.
+  assert s["wall_ms"]["matmul"] == 4.5 and s["wall_ms"]["fill"] == 1.5
+  assert s["wall_ms"][bp.IDLE] == 4.0
+  assert sum(s["wall_ms"].values()) == pytest.approx(10.0)
+
+
+def test_wall_shares_split_each_instant_among_the_running_instructions():
+  shares, covered = bp.wall_shares([(0, 6, "matmul"), (3, 6, "fill"), (3, 6, "fill"),
+                                    (8, 9, "sort"), (9, 9, "copy")])
+  assert covered == 7  # 0-6 and 8-9; the empty interval adds nothing
+  assert shares == {"matmul": 3 + 1, "fill": 2, "sort": 1}
+
+
+def test_points_parse_and_a_bad_one_is_named():
+  assert bp.parse_points(["8192x64", " 2048 x 8 "]) == ((8192, 64), (2048, 8))
+  for bad in ("8192", "8192x", "x64", "0x8", "8192x64x2", "a x b"):
+    with pytest.raises(ValueError, match=r"--profile_points: .* e\.g\. 8192x64"):
+      bp.parse_points([bad])
+  with pytest.raises(ValueError, match="empty"):
+    bp.parse_points([])
+
+
+def test_spec_rejects_unknown_variants_and_too_few_experts_before_any_compute():
+  with pytest.raises(ValueError, match=r"--profile_variants: unknown \['fast'\]"):
+    bp.ProfileSpec(points=((64, 4),), variants=("dense", "fast"))
+  with pytest.raises(ValueError, match=r"64x4 has E=4 < K=8"):
+    bp.ProfileSpec(points=((64, 4),))
+  with pytest.raises(ValueError, match="repeats=0"):
+    bp.ProfileSpec(points=((64, 4),), k=2, repeats=0)
+
+
+def test_profile_suite_tiny_run_traces_every_variant_and_attributes_its_time():
+  spec = bp.ProfileSpec(points=((64, 4),), k=2, f=8, d=16, repeats=1)
+  res = json.loads(json.dumps(bp.profile_suite(spec, {"platform": "cpu"})))
+  (pt,) = res["points"]
+  assert (pt["T"], pt["E"]) == (64, 4) and set(pt["variants"]) == {"dense", "blocked"}
+  dense, moe = pt["variants"]["dense"], pt["variants"]["blocked"]
+  for r in (dense, moe):
+    assert set(r["kinds_ms"]) == set(bp.KINDS)
+    assert r["counts"]["matmul"] >= 3 and r["kinds_ms"]["matmul"] > 0
+    assert r["ops_ms"] == pytest.approx(sum(r["kinds_ms"].values()), abs=1e-2)
+    assert 0 < r["utilization"] and r["traced_s"] > 0 and r["median_s"] > 0
+  # The routed layer sorts its token copies, the dense FFN does not. (Which
+  # fusion a scatter or a slice lands in depends on the XLA flags: the test
+  # run's loop emitters name them differently, so they are not asserted.)
+  assert dense["counts"]["sort"] == 0 and dense["counts"]["scatter"] == 0
+  assert moe["counts"]["sort"] >= 1
+  assert dense["x_dense"] == 1.0 and moe["x_dense"] > 0
+  assert set(moe["excess_x_dense"]) == set(bp.KINDS) | {bp.IDLE}
+  for r in (dense, moe):  # the wall split adds up to the traced call
+    assert sum(r["wall_ms"].values()) == pytest.approx(r["traced_s"] * 1e3, rel=0.02, abs=0.01)
+  assert sum(moe["excess_x_dense"].values()) == pytest.approx(
+      moe["traced_s"] / dense["traced_s"] - 1, rel=0.02, abs=0.02)
+  assert all(v == 0.0 for v in dense["excess_x_dense"].values())
