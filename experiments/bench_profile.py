@@ -37,9 +37,12 @@ concurrently on different threads (the dense FFN's dx and dW matmuls do), so
 per-kind sums of durations (``thread ms``, in the JSON) overlap and cannot
 be compared between variants. The table therefore splits the traced call's
 *wall* time: at every instant the instructions running (on any thread) share
-it equally, and time when none runs is ``no instruction`` (the executor
-between thunks, loop control, waiting). The rows add up to the traced wall
-time, and ``+v`` = (variant's wall ms of a kind - dense's) / dense's traced
+it equally. XLA:CPU runs a large matmul's thunk asynchronously: its event
+can end while the thread pool still works on it, so time when no
+instruction runs but some thread is inside a thread-pool work region is
+``pool work only`` (mostly the tail of a parallel matmul), and time when
+neither runs is ``no instruction`` (the executor between thunks, loop
+control, waiting). The rows add up to the traced wall time, and ``+v`` = (variant's wall ms of a kind - dense's) / dense's traced
 wall: the rows of ``+v`` add up to the traced wall ratio minus 1, so each
 says how much of the MoE's distance from the dense FFN that kind of work
 takes. ``busy`` (per thread, the union of its instructions and its
@@ -87,7 +90,9 @@ KIND_RULES = (("matmul", {"ynn", "dot", "convolution"}),
               ("in-place write", {"dynamic-update-slice"}))
 FILL_OPS = {"broadcast", "iota", "constant", "bitcast"}
 KINDS = tuple(k for k, _ in KIND_RULES) + ("fill", "elementwise")
+POOL = "pool work only"
 IDLE = "no instruction"
+ROWS = KINDS + (POOL, IDLE)  # the wall split's rows, in table order
 # Events that contain instructions (or mark thread-pool work), not instructions.
 _CONTAINERS = {"while", "conditional", "call"}
 _HLO_NAME = re.compile(r"^[A-Za-z_][\w.\-]*$")
@@ -189,8 +194,11 @@ def summarize(events: list[Event], wall_s: float, cores: int, top: int = 8) -> d
       ops.append((ev.start_ns, ev.start_ns + ev.dur_ns, kind))
   busy = {t: _union_ns(s) / 1e6 for t, s in spans.items()}
   shares, covered = wall_shares(ops)
+  either = _union_ns([(s, e) for s, e, _ in ops] +
+                     [iv for t in spans for iv in spans[t]])
   wall = {k: round(shares.get(k, 0.0) / 1e6, 3) for k in KINDS}
-  wall[IDLE] = round(max(wall_s * 1e3 - covered / 1e6, 0.0), 3)
+  wall[POOL] = round((either - covered) / 1e6, 3)
+  wall[IDLE] = round(max(wall_s * 1e3 - either / 1e6, 0.0), 3)
   return {"wall_ms": wall,
           "kinds_ms": {k: round(v, 3) for k, v in kinds.items()},
           "counts": {k: counts[k] for k in KINDS},
@@ -294,7 +302,7 @@ def profile_point(spec: ProfileSpec, t: int, e: int, root: str) -> dict:
     r["x_dense"] = round(r["median_s"] / base["median_s"], 3)
     r["cpu_x_dense"] = round(r["cpu_s"] / base["cpu_s"], 3)
     r["excess_x_dense"] = {k: round((r["wall_ms"][k] - base["wall_ms"][k])
-                                    / (base["traced_s"] * 1e3), 3) for k in KINDS + (IDLE,)}
+                                    / (base["traced_s"] * 1e3), 3) for k in ROWS}
   return out
 
 
@@ -324,7 +332,7 @@ def print_profile_table(res: dict) -> None:
     head = "".join(f"{v:>14}" for v in names)
     exc = "".join(f"{'+' + v:>14}" for v in names if v != "dense")
     print(f"  {'kind':<20}{head}{exc}   (+v: excess x dense wall)")
-    for k in KINDS + (IDLE,):
+    for k in ROWS:
       row = "".join(f"{vs[v]['wall_ms'][k]:14.1f}" for v in names)
       row += "".join(f"{vs[v].get('excess_x_dense', {}).get(k, float('nan')):14.3f}"
                      for v in names if v != "dense")
@@ -340,6 +348,38 @@ def print_profile_table(res: dict) -> None:
       if v != "dense":
         tops = ", ".join(f"{o['name']} ({o['kind']}) {o['ms']:.1f}" for o in vs[v]["top"][:5])
         print(f"  top {v}: {tops}")
+  print("\n" + markdown_tables(res))
+
+
+def markdown_tables(res: dict) -> str:
+  """One markdown table per non-dense variant: rows the kinds of work, columns
+  the points, each cell 'variant ms / dense ms (+excess x dense)' of the
+  traced call's wall split (the layout of docs/execution.md)."""
+  pts = [p for p in res["points"] if "error" not in p["variants"].get("dense", {"error": 1})]
+  names = sorted({v for p in pts for v in p["variants"] if v != "dense"})
+  out = []
+  for v in names:
+    cols = [p for p in pts if "error" not in p["variants"].get(v, {"error": 1})]
+    if not cols:
+      continue
+    head = "| kind (wall ms: " + v + " / dense (+excess x dense)) | " + " | ".join(
+        f"T={p['T']} E={p['E']}" for p in cols) + " |"
+    lines = [head, "|---|" + "---:|" * len(cols)]
+    for k in ROWS:
+      cells = [f"{p['variants'][v]['wall_ms'][k]:.0f} / {p['variants']['dense']['wall_ms'][k]:.0f}"
+               f" ({p['variants'][v]['excess_x_dense'][k]:+.3f})" for p in cols]
+      lines.append(f"| {k} | " + " | ".join(cells) + " |")
+    def row(label, fn):
+      lines.append(f"| {label} | " + " | ".join(fn(p["variants"][v], p["variants"]["dense"])
+                                               for p in cols) + " |")
+    row("traced call", lambda r, d: f"{r['traced_s'] * 1e3:.0f} / {d['traced_s'] * 1e3:.0f} "
+        f"({r['traced_s'] / d['traced_s'] - 1:+.3f})")
+    row("untraced wall x dense", lambda r, d: f"{r['x_dense']:.2f}")
+    row("CPU time x dense", lambda r, d: f"{r['cpu_x_dense']:.2f}")
+    row("utilization (busy / cores x wall)", lambda r, d: f"{r['utilization']:.2f} / "
+        f"{d['utilization']:.2f}")
+    out.append("\n".join(lines))
+  return "\n\n".join(out)
 
 
 def run_from_flags(repeats: int, seed: int, conditions: dict) -> dict:

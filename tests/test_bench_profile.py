@@ -56,6 +56,8 @@ def test_summarize_sums_kinds_and_unions_each_threads_busy_time():
       E("b", "ThreadpoolListener::StopRegion", 3 * ms, 0),
       E("b", "ynn_fusion.2", 2 * ms, 3 * ms),               # overlaps the region: 1..5 ms
       E("b", "while.4", 0, 9 * ms),
+      E("b", "ThreadpoolListener::StartRegion", 6 * ms, 0),  # pool work after every
+      E("b", "ThreadpoolListener::StopRegion", 8 * ms, 0),   # instruction ended: 6..8
   ]
   s = bp.summarize(events, wall_s=0.010, cores=2)
   assert s["kinds_ms"]["matmul"] == 7.0 and s["kinds_ms"]["fill"] == 2.0
@@ -63,13 +65,14 @@ def test_summarize_sums_kinds_and_unions_each_threads_busy_time():
   assert sum(s["counts"].values()) == 3
   assert s["ops_ms"] == 9.0
   assert s["threads"] == 2
-  assert s["busy_ms"] == 6.0 + 4.0  # a: 0..6; b: the union of 1..3 and 2..5
-  assert s["utilization"] == 0.5    # 10 busy ms over 2 cores x 10 ms
+  assert s["busy_ms"] == 6.0 + 6.0  # a: 0..6; b: the union of 1..3, 2..5 and 6..8
+  assert s["utilization"] == 0.6    # 12 busy ms over 2 cores x 10 ms
   assert [o["name"] for o in s["top"]] == ["ynn_fusion.1", "ynn_fusion.2", "wrapped_broadcast"]
   # Wall time: 0-2 a's matmul alone, 2-4 both matmuls (1 ms each), 4-5 the
-  # fill beside b's matmul (0.5 each), 5-6 the fill alone, 6-10 nothing runs.
+  # fill beside b's matmul (0.5 each), 5-6 the fill alone, 6-8 only b's
+  # pool region, 8-10 nothing runs.
   assert s["wall_ms"]["matmul"] == 4.5 and s["wall_ms"]["fill"] == 1.5
-  assert s["wall_ms"][bp.IDLE] == 4.0
+  assert s["wall_ms"][bp.POOL] == 2.0 and s["wall_ms"][bp.IDLE] == 2.0
   assert sum(s["wall_ms"].values()) == pytest.approx(10.0)
 
 
@@ -115,9 +118,33 @@ def test_profile_suite_tiny_run_traces_every_variant_and_attributes_its_time():
   assert dense["counts"]["sort"] == 0 and dense["counts"]["scatter"] == 0
   assert moe["counts"]["sort"] >= 1
   assert dense["x_dense"] == 1.0 and moe["x_dense"] > 0
-  assert set(moe["excess_x_dense"]) == set(bp.KINDS) | {bp.IDLE}
+  assert set(moe["excess_x_dense"]) == set(bp.ROWS)
   for r in (dense, moe):  # the wall split adds up to the traced call
     assert sum(r["wall_ms"].values()) == pytest.approx(r["traced_s"] * 1e3, rel=0.02, abs=0.01)
   assert sum(moe["excess_x_dense"].values()) == pytest.approx(
       moe["traced_s"] / dense["traced_s"] - 1, rel=0.02, abs=0.02)
   assert all(v == 0.0 for v in dense["excess_x_dense"].values())
+
+
+def test_markdown_table_cells_come_from_the_wall_split():
+  def variant(wall, traced, x, util):
+    return {"wall_ms": dict.fromkeys(bp.ROWS, 0.0) | wall, "traced_s": traced,
+            "x_dense": x, "cpu_x_dense": x, "utilization": util,
+            "excess_x_dense": {k: (wall.get(k, 0.0) - dense_wall.get(k, 0.0)) / 1000.0
+                               for k in bp.ROWS}}
+  dense_wall = {"matmul": 800.0, bp.POOL: 150.0, bp.IDLE: 50.0}
+  res = {"points": [{"T": 64, "E": 8, "variants": {
+      "dense": variant(dense_wall, 1.0, 1.0, 1.1),
+      "blocked": variant({"matmul": 900.0, "fill": 100.0, bp.POOL: 100.0, bp.IDLE: 100.0},
+                         1.2, 1.19, 0.9)}},
+      {"T": 64, "E": 512, "variants": {"dense": variant(dense_wall, 1.0, 1.0, 1.1),
+                                       "blocked": {"error": "OOM"}}}]}
+  md = bp.markdown_tables(res).splitlines()
+  assert md[0] == "| kind (wall ms: blocked / dense (+excess x dense)) | T=64 E=8 |"
+  assert "| matmul | 900 / 800 (+0.100) |" in md
+  assert "| fill | 100 / 0 (+0.100) |" in md
+  assert f"| {bp.POOL} | 100 / 150 (-0.050) |" in md
+  assert "| traced call | 1200 / 1000 (+0.200) |" in md
+  assert "| untraced wall x dense | 1.19 |" in md
+  assert "| utilization (busy / cores x wall) | 0.90 / 1.10 |" in md
+  assert len(md) == 2 + len(bp.ROWS) + 4  # the failed point has no column
