@@ -18,12 +18,20 @@ FLOP rate (3 x the forward FLOPs per token of
 ``moejax.topology.accounting.budget``, times the step's tokens, over the
 step) next to the matmul's rate (2 n^3 / its median): the gap between a
 step and the matmul roof is what neither arm spends in matmuls.
+
+With ``--step_twin_profile=N`` both arms then run N more steps each under
+``jax.profiler.trace``, and the traced wall time is split by kind of XLA:CPU
+instruction exactly as the profile suite does (``bench_profile.summarize``:
+matmul, copies, fills, ..., ``pool work only``, ``no instruction``), per
+step, with each kind's excess over the dense twin's step: where the MoE
+step's distance from its twin goes.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import os
+import tempfile
 from typing import Callable
 
 import jax
@@ -38,6 +46,9 @@ _TWIN_CONFIG = flags.DEFINE_string("step_twin_config", "configs/default.py",
                                    "config file of the MoE arm of --step_twin")
 _TWIN_REPEATS = flags.DEFINE_integer("step_twin_repeats", 20, "timed steps per arm (median)")
 _MATMUL_N = flags.DEFINE_integer("step_matmul_n", 1024, "n of the [n, n] x [n, n] f32 matmul")
+_PROFILE = flags.DEFINE_integer("step_twin_profile", 0, "after timing, trace this many steps of "
+                                "each arm and split their wall time by kind of XLA:CPU "
+                                "instruction (0: no trace)", lower_bound=0)
 
 ARMS = ("moe", "dense")
 
@@ -83,8 +94,38 @@ def matmul_fn(n: int) -> Callable[[], object]:
   return lambda: mm(a, b)
 
 
+def profile_arms(fns: dict, steps: int) -> dict:
+  """{arm: the wall split of ``steps`` traced steps, per step} with each kind's
+  excess over the dense arm's step (``bench_profile.summarize``'s fields)."""
+  from experiments import bench_profile  # pylint: disable=g-import-not-at-top
+  cores = len(os.sched_getaffinity(0))
+
+  def many(fn):
+    def run():
+      out = None
+      for _ in range(steps):  # each step reads the last one's state: blocking the last waits for all
+        out = fn()
+      return out
+    return run
+
+  out = {}
+  with tempfile.TemporaryDirectory(prefix="moejax_twin_profile_") as root:
+    for name in ARMS:
+      wall, events = bench_profile.trace_once(many(fns[name]), os.path.join(root, name))
+      r = bench_profile.summarize(events, wall, cores)
+      out[name] = {"steps": steps, "traced_s": wall / steps, "utilization": r["utilization"],
+                   "wall_ms": {k: v / steps for k, v in r["wall_ms"].items()},
+                   "counts": {k: v / steps for k, v in r["counts"].items()},
+                   "top": r["top"]}
+  base = out["dense"]
+  for r in out.values():
+    r["excess_x_dense"] = {k: (r["wall_ms"][k] - base["wall_ms"][k]) / (base["traced_s"] * 1e3)
+                           for k in bench_profile.ROWS}
+  return out
+
+
 def twin_suite(exp, repeats: int, matmul_n: int, conditions: dict,
-               label: str = "config") -> dict:
+               label: str = "config", profile_steps: int = 0) -> dict:
   """Both arms' trainer steps and the matmul, interleaved (see the module doc)."""
   # pylint: disable=g-import-not-at-top
   from moejax import data as data_lib
@@ -122,9 +163,10 @@ def twin_suite(exp, repeats: int, matmul_n: int, conditions: dict,
   ratio = {"tokens_per_s": out["moe"]["tokens_per_s"] / out["dense"]["tokens_per_s"],
            "cpu_tokens_per_s": out["moe"]["cpu_tokens_per_s"] / out["dense"]["cpu_tokens_per_s"],
            "spread": bench_lib.spread([d / m for m, d in rounds])}
+  profile = profile_arms(fns, profile_steps) if profile_steps else None
   return {"conditions": conditions, "config": label,
           "batch": b, "seq_len": s, "tokens_per_step": tokens, "repeats": repeats,
-          "arms": out, "moe_over_dense": ratio,
+          "arms": out, "moe_over_dense": ratio, "profile": profile,
           "load_1min_before": load_before, "load_1min_after": os.getloadavg()[0],
           "matmul": {"n": matmul_n, "median_s": mm["median_s"], "flops_per_s": mm_rate}}
 
@@ -134,7 +176,7 @@ def run_from_flags(conditions: dict) -> dict:
   from moejax.train.config import experiment_from_dict  # pylint: disable=g-import-not-at-top
   exp = experiment_from_dict(files.load_config_file(_TWIN_CONFIG.value))
   return twin_suite(exp, _TWIN_REPEATS.value, _MATMUL_N.value, conditions,
-                    label=_TWIN_CONFIG.value)
+                    label=_TWIN_CONFIG.value, profile_steps=_PROFILE.value)
 
 
 def print_twin_table(res: dict) -> None:
@@ -155,3 +197,22 @@ def print_twin_table(res: dict) -> None:
   q = res["moe_over_dense"]
   print(f"MoE / dense tokens/s: {q['tokens_per_s']:.3f} (per-round [{q['spread']['min']:.3f}-"
         f"{q['spread']['max']:.3f}]; CPU time {q['cpu_tokens_per_s']:.3f}); target >= 0.98")
+  if res.get("profile"):
+    print(profile_markdown(res["profile"]))
+
+
+def profile_markdown(profile: dict) -> str:
+  """The traced steps' wall split, 'moe ms / dense ms (+excess x dense)' per kind."""
+  from experiments import bench_profile  # pylint: disable=g-import-not-at-top
+  m, d = profile["moe"], profile["dense"]
+  lines = [f"\nwall ms per step over {m['steps']} traced steps, split by kind of XLA:CPU "
+           "instruction (bench_profile)",
+           "| kind | moe ms / dense ms (+excess x dense) |", "|---|---:|"]
+  for k in bench_profile.ROWS:
+    lines.append(f"| {k} | {m['wall_ms'][k]:.1f} / {d['wall_ms'][k]:.1f} "
+                 f"({m['excess_x_dense'][k]:+.3f}) |")
+  lines.append(f"| traced step | {m['traced_s'] * 1e3:.1f} / {d['traced_s'] * 1e3:.1f} "
+               f"({m['traced_s'] / d['traced_s'] - 1:+.3f}) |")
+  lines.append(f"| utilization (busy / cores x wall) | {m['utilization']:.2f} / "
+               f"{d['utilization']:.2f} |")
+  return "\n".join(lines)

@@ -6,6 +6,8 @@ import pathlib
 import subprocess
 import sys
 
+import jax
+import jax.numpy as jnp
 import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
@@ -119,3 +121,24 @@ def test_step_twin_times_both_steps_at_a_tiny_size():
   assert q["tokens_per_s"] == pytest.approx(res["arms"]["dense"]["median_s"]
                                             / res["arms"]["moe"]["median_s"])
   assert q["spread"]["min"] <= q["spread"]["max"]
+
+
+def test_step_twin_profile_splits_each_arms_traced_steps_per_step():
+  from experiments import bench_profile, bench_twin  # pylint: disable=g-import-not-at-top
+  a = jnp.ones((64, 64), jnp.float32)
+  mm = jax.jit(lambda a: a @ a)
+  sort = jax.jit(lambda a: jnp.sort(a @ a, axis=0))
+  jax.block_until_ready((mm(a), sort(a)))  # compiled first, as twin_suite's timing leaves them
+  prof = bench_twin.profile_arms({"moe": lambda: sort(a), "dense": lambda: mm(a)}, steps=3)
+  assert set(prof) == {"moe", "dense"}
+  for r in prof.values():
+    assert r["steps"] == 3 and r["traced_s"] > 0
+    assert sum(r["wall_ms"].values()) == pytest.approx(r["traced_s"] * 1e3, rel=0.02, abs=0.01)
+    assert r["counts"]["matmul"] == 1.0  # three traced steps, one dot each: per step
+  assert prof["moe"]["counts"]["sort"] == 1.0 and prof["dense"]["counts"]["sort"] == 0.0
+  assert all(v == 0.0 for v in prof["dense"]["excess_x_dense"].values())
+  assert set(prof["moe"]["excess_x_dense"]) == set(bench_profile.ROWS)
+  md = bench_twin.profile_markdown(prof).splitlines()
+  assert md[2] == "| kind | moe ms / dense ms (+excess x dense) |"
+  assert any(line.startswith("| sort | ") for line in md)
+  assert md[-2].startswith("| traced step | ")
