@@ -73,8 +73,13 @@ def test_four_micro_batches_equal_one_batch(one_batch, tmp_path):
 def test_remat_does_not_change_the_update(one_batch, tmp_path):
   _, want, _ = one_batch
   _, got, _ = _run(tmp_path, remat=True)
-  _close_trees(got.params, want.params, 1e-6)
-  _close_trees(got.opt_state, want.opt_state, 1e-6)
+  # Rematerialised, the backward recomputes the forward inside a different
+  # XLA program, whose fusions may sum in another order: f32 rounding, which
+  # Adam's normalised update can lift to a few 1e-6 after the steps (one
+  # embedding entry of 8192 was 2.5e-6 off on a slower 2-core VM). A wrong
+  # remat (a stale or missing activation) is off by orders more.
+  _close_trees(got.params, want.params, 1e-5)
+  _close_trees(got.opt_state, want.opt_state, 1e-5)
   _close_trees(got.router_state, want.router_state, 0.0)
 
 
