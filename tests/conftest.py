@@ -60,6 +60,31 @@ SLOW = {
         "the other expert-choice routing tests in the same file",
     "train/test_lock.py::test_two_train_processes_on_one_workdir":
         "the in-process lock tests in the same file",
+    # Added 2026-12-03 when a slower 2-core VM took the default run to 11 min:
+    "train/test_train_multihost.py::test_two_processes_of_the_binary_equal_one_process_step_by_step":
+        "parallel/test_multiprocess.py (two processes equal one device) and this file's "
+        "kill-one-process test",
+    "ablation/test_report.py::test_report_command_regenerates_tables_and_values":
+        "test_committed_results_md_is_what_results_json_generate and the other report tests",
+    "ablation/test_notebooks.py::"
+    "test_committed_notebook_outputs_are_those_of_a_fresh_execution[routing_analysis]":
+        "the same check for ablation_results; routing_analysis executes in "
+        "test_notebook_executes_on_a_suite_directory",
+    "test_binaries.py::test_print_config_shows_every_field_and_dry_run_writes_nothing":
+        "test_ablate_print_config_and_dry_run and finetune/test_binaries.py's dry run",
+    "test_binaries.py::test_uncreatable_workdir_and_data_dir_are_one_line":
+        "train/test_config.py::test_binary_refuses_a_bad_config_before_creating_the_workdir",
+    "test_binaries.py::test_pallas_backend_on_cpu_is_refused_before_the_workdir_then_blocked_runs":
+        "the platform refusals of execution/test_gmm_backends.py and test_permute.py",
+    "finetune/test_hf.py::test_init_from_a_tiny_hf_mixtral_reproduces_its_logits[lora1]":
+        "the [lora0] case and test_lora_export_merged_and_separate_load_into_transformers",
+    "serve/test_quantize.py::test_quantized_model_forward_close_to_float_and_decodes[4-8-0.15]":
+        "the [4-None-0.15] and [8-None-0.02] cases",
+    "plugins/test_plugin_router.py::"
+    "test_train_binary_trains_it_and_a_fresh_process_reads_the_run_back":
+        "test_ablate_runs_it_as_an_arm_with_budget_and_load_metrics and train/test_load.py",
+    "test_quiet_logs.py::test_generate_prints_no_log_lines_and_verbosity_brings_them_back":
+        "test_load_keeps_orbax_quiet_unless_the_caller_logs_at_debug; serve/test_binaries.py",
 }
 
 
