@@ -42,10 +42,10 @@ can end while the thread pool still works on it, so time when no
 instruction runs but some thread is inside a thread-pool work region is
 ``pool work only`` (mostly the tail of a parallel matmul), and time when
 neither runs is ``no instruction`` (the executor between thunks, loop
-control, waiting). The rows add up to the traced wall time, and ``+v`` = (variant's wall ms of a kind - dense's) / dense's traced
-wall: the rows of ``+v`` add up to the traced wall ratio minus 1, so each
-says how much of the MoE's distance from the dense FFN that kind of work
-takes. ``busy`` (per thread, the union of its instructions and its
+control, waiting). The rows add up to the traced wall time, and ``+v`` =
+(variant's wall ms of a kind - dense's) / dense's traced wall: the rows of
+``+v`` add up to the traced wall ratio minus 1, so each says how much of
+the MoE's distance from the dense FFN that kind of work takes. ``busy`` (per thread, the union of its instructions and its
 thread-pool work regions) over ``cores x wall`` is how much of the machine a
 variant kept working (above 1: more threads than cores).
 """
@@ -194,8 +194,7 @@ def summarize(events: list[Event], wall_s: float, cores: int, top: int = 8) -> d
       ops.append((ev.start_ns, ev.start_ns + ev.dur_ns, kind))
   busy = {t: _union_ns(s) / 1e6 for t, s in spans.items()}
   shares, covered = wall_shares(ops)
-  either = _union_ns([(s, e) for s, e, _ in ops] +
-                     [iv for t in spans for iv in spans[t]])
+  either = _union_ns([iv for t in spans for iv in spans[t]])  # instructions and pool regions
   wall = {k: round(shares.get(k, 0.0) / 1e6, 3) for k in KINDS}
   wall[POOL] = round((either - covered) / 1e6, 3)
   wall[IDLE] = round(max(wall_s * 1e3 - either / 1e6, 0.0), 3)
@@ -301,9 +300,20 @@ def profile_point(spec: ProfileSpec, t: int, e: int, root: str) -> dict:
       continue
     r["x_dense"] = round(r["median_s"] / base["median_s"], 3)
     r["cpu_x_dense"] = round(r["cpu_s"] / base["cpu_s"], 3)
-    r["excess_x_dense"] = {k: round((r["wall_ms"][k] - base["wall_ms"][k])
-                                    / (base["traced_s"] * 1e3), 3) for k in ROWS}
+    r["excess_x_dense"] = {k: round(v, 3) for k, v in excess_x_dense(r, base).items()}
   return out
+
+
+def excess_x_dense(r: dict, base: dict) -> dict:
+  """{row: (r's wall ms of that row - base's) / base's traced ms}: the rows add
+  up to r's traced time over base's, minus 1."""
+  return {k: (r["wall_ms"][k] - base["wall_ms"][k]) / (base["traced_s"] * 1e3) for k in ROWS}
+
+
+def wall_cell(r: dict, base: dict, k: str, fmt: str = ".0f") -> str:
+  """'r ms / base ms (+excess)' of row k, the cell of the markdown tables."""
+  return (f"{r['wall_ms'][k]:{fmt}} / {base['wall_ms'][k]:{fmt}} "
+          f"({r['excess_x_dense'][k]:+.3f})")
 
 
 def profile_suite(spec: ProfileSpec, conditions: dict) -> dict:
@@ -366,8 +376,7 @@ def markdown_tables(res: dict) -> str:
         f"T={p['T']} E={p['E']}" for p in cols) + " |"
     lines = [head, "|---|" + "---:|" * len(cols)]
     for k in ROWS:
-      cells = [f"{p['variants'][v]['wall_ms'][k]:.0f} / {p['variants']['dense']['wall_ms'][k]:.0f}"
-               f" ({p['variants'][v]['excess_x_dense'][k]:+.3f})" for p in cols]
+      cells = [wall_cell(p["variants"][v], p["variants"]["dense"], k) for p in cols]
       lines.append(f"| {k} | " + " | ".join(cells) + " |")
     def row(label, fn):
       lines.append(f"| {label} | " + " | ".join(fn(p["variants"][v], p["variants"]["dense"])

@@ -117,10 +117,8 @@ def profile_arms(fns: dict, steps: int) -> dict:
                    "wall_ms": {k: v / steps for k, v in r["wall_ms"].items()},
                    "counts": {k: v / steps for k, v in r["counts"].items()},
                    "top": r["top"]}
-  base = out["dense"]
   for r in out.values():
-    r["excess_x_dense"] = {k: (r["wall_ms"][k] - base["wall_ms"][k]) / (base["traced_s"] * 1e3)
-                           for k in bench_profile.ROWS}
+    r["excess_x_dense"] = bench_profile.excess_x_dense(r, out["dense"])
   return out
 
 
@@ -209,8 +207,7 @@ def profile_markdown(profile: dict) -> str:
            "instruction (bench_profile)",
            "| kind | moe ms / dense ms (+excess x dense) |", "|---|---:|"]
   for k in bench_profile.ROWS:
-    lines.append(f"| {k} | {m['wall_ms'][k]:.1f} / {d['wall_ms'][k]:.1f} "
-                 f"({m['excess_x_dense'][k]:+.3f}) |")
+    lines.append(f"| {k} | {bench_profile.wall_cell(m, d, k, '.1f')} |")
   lines.append(f"| traced step | {m['traced_s'] * 1e3:.1f} / {d['traced_s'] * 1e3:.1f} "
                f"({m['traced_s'] / d['traced_s'] - 1:+.3f}) |")
   lines.append(f"| utilization (busy / cores x wall) | {m['utilization']:.2f} / "
