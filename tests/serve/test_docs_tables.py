@@ -1,8 +1,10 @@
-"""docs/serving.md's (and RESULTS.md's) tables are what the committed result JSONs render to.
+"""The serving tables of the record (docs/benchmarks.md) and of RESULTS.md are
+what the committed result JSONs render to.
 
 The serving bench and the quantisation table are written to
-results/serving/*.json by their commands; the docs quote the Markdown those
+results/serving/*.json by their commands; the record quotes the Markdown those
 JSONs render to, so a table can only change by re-running the command.
+(docs/serving.md, the guide, keeps the rounded findings only.)
 """
 
 import json
@@ -11,7 +13,7 @@ import pathlib
 from experiments import bench_serving, serving_tables
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
-DOC = (ROOT / "docs" / "serving.md").read_text(encoding="utf-8")
+DOC = (ROOT / "docs" / "benchmarks.md").read_text(encoding="utf-8")
 RESULTS = (ROOT / "RESULTS.md").read_text(encoding="utf-8")
 
 
