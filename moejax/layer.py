@@ -63,7 +63,7 @@ from moejax.execution import placement as placement_lib
 from moejax.execution import scopes
 from moejax.routing import router as router_lib
 from moejax.routing import soft as soft_lib
-from moejax.routing.types import RouterState, RoutingResult
+from moejax.routing.types import RouterState, RoutingContext, RoutingResult
 from moejax.topology import accounting as accounting_lib
 from moejax.topology import experts as experts_lib
 from moejax.topology import peer as peer_lib
@@ -98,14 +98,15 @@ def init_router_state(cfg: MoEConfig) -> RouterState:
 
 
 def route_and_drop(params: Params, x: jax.Array, state: RouterState, cfg: MoEConfig, *,
-                   token_ids, rng, train: bool):
+                   token_ids, rng, train: bool, context: Optional[RoutingContext] = None):
   """(decision, kept, dropped bool[T, K], capacity or None): the router, then capacity.
 
   ``decision`` is the router's result; ``kept`` the same with the dropped
   copies made invalid (``decision`` itself when the layer is dropless).
+  ``context``: the batch x belongs to (default: x alone, on one device).
   """
-  decision = router_lib.route(params["router"], x, state, cfg,
-                              token_ids=token_ids, rng=rng, train=train)
+  decision = router_lib.route(params["router"], x, state, cfg, token_ids=token_ids, rng=rng,
+                              train=train, context=context)
   cf = cfg.balance.capacity_factor
   if cf is None:
     return decision, decision, jnp.zeros_like(decision.valid), None
@@ -132,9 +133,11 @@ def token_local_experts(params: Params, x: jax.Array, shared_x: jax.Array,
 
 def _sparse_layer(params, x, shared_x, state, cfg, *, token_ids, rng, train, axis_names,
                   batch_shape, executor, width_mask):
+  # The batch the router decides on: this call's tokens, split over axis_names.
+  context = RoutingContext.build(x.shape[0], axis_names, batch_shape=batch_shape, train=train)
   with jax.named_scope(scopes.ROUTE):
     decision, kept, dropped, cap = route_and_drop(params, x, state, cfg, token_ids=token_ids,
-                                                  rng=rng, train=train)
+                                                  rng=rng, train=train, context=context)
   if width_mask is None and cfg.topology.expert_widths is not None:
     width_mask = experts_lib.width_mask(cfg)
   # The executor's phases (dispatch, expert FFN, all-to-all, combine) carry their own scopes.
@@ -209,7 +212,8 @@ def moe_layer(params: Params, x: jax.Array, state: Optional[RouterState],
     rng: PRNG key for router jitter / noise (training only).
     train: enables noise and jitter.
     axis_names: mesh axes over which global statistics (loads, global-batch
-      balance loss, MaxVio, drops) are reduced when called inside ``shard_map``.
+      balance loss, MaxVio, drops) are reduced when called inside ``shard_map``,
+      and over which a batch-wide router decides (its ``RoutingContext``).
     executor: computes the routed experts (default: the single-device
       executor ``cfg.execution`` names).
     shared_x: what the shared experts read (default x; ScMoE passes the

@@ -125,10 +125,10 @@ def check_experts(pcfg: ParallelConfig, cfg: MoEConfig) -> None:
     raise ConfigError("moe.kind", cfg.kind,
                       "expert parallelism moves routed tokens; this layer kind has no "
                       "per-token expert assignment", "use moe.kind='sparse'")
-  if not cfg.router.expert_parallel:
-    raise ConfigError("moe.routing.kind", cfg.routing.kind,
-                      "this router's spec has expert_parallel=False (it cannot run under "
-                      "ep_moe_layer)", "use parallel.expert=1 or another router")
+  why = cfg.router.why_not_expert_parallel
+  if why:
+    raise ConfigError("moe.routing.kind", cfg.routing.kind, why,
+                      "use parallel.expert=1 or another router")
   if cfg.num_experts % pcfg.expert:
     raise ConfigError("parallel.expert", pcfg.expert,
                       f"does not divide moe.topology.num_experts={cfg.num_experts}",

@@ -21,7 +21,7 @@ from moejax.config import MoEConfig
 from moejax.config.registry import LAYERS, ROUTERS
 from moejax.routing.logits import check_rng, jitter_input, needs_rng
 from moejax.routing.spec import RouterSpec
-from moejax.routing.types import RouterState, RoutingResult
+from moejax.routing.types import RouterState, RoutingContext, RoutingResult
 
 
 def spec_of(cfg: MoEConfig) -> RouterSpec:
@@ -42,7 +42,7 @@ def init_router_params(key: jax.Array, d_model: int, cfg: MoEConfig) -> dict:
 
 def route(params: dict, x: jax.Array, state: Optional[RouterState], cfg: MoEConfig, *,
           token_ids: Optional[jax.Array] = None, rng: Optional[jax.Array] = None,
-          train: bool = False) -> RoutingResult:
+          train: bool = False, context: Optional[RoutingContext] = None) -> RoutingResult:
   """Routes tokens x f32/bf16[T, d] to experts.
 
   Args:
@@ -55,6 +55,10 @@ def route(params: dict, x: jax.Array, state: Optional[RouterState], cfg: MoEConf
     rng: PRNG key for input jitter / logit noise; required when train and
       either is > 0, ignored otherwise.
     train: enables jitter and noise.
+    context: the batch these tokens belong to (the layer passes it; default:
+      these T tokens on one device). Handed to routers whose ``route`` takes
+      ``context``; a batch-wide router that cannot use it is refused here
+      when the batch is split over mesh axes.
 
   Returns:
     RoutingResult (probs and logits f32[T, E_r]; router math in
@@ -63,6 +67,7 @@ def route(params: dict, x: jax.Array, state: Optional[RouterState], cfg: MoEConf
   _check_layer_kind(cfg)
   rc, spec = cfg.routing, spec_of(cfg)
   _check_inputs(params, x, state, cfg, spec)
+  context = _check_context(context, x, train, spec)
   if spec.reads_activations:  # a router that reads no activations has no noise
     check_rng(rc, rng, train)
   if rc.freeze:
@@ -73,7 +78,8 @@ def route(params: dict, x: jax.Array, state: Optional[RouterState], cfg: MoEConf
   if spec.reads_activations:
     x = jitter_input(x, rc, k_jitter, train)
   bias = state.bias if rc.use_bias else None
-  return spec.route(params, x, bias, cfg, token_ids=token_ids, rng=k_noise, train=train)
+  kw = {"context": context} if spec.reads_context else {}
+  return spec.route(params, x, bias, cfg, token_ids=token_ids, rng=k_noise, train=train, **kw)
 
 
 def _check_layer_kind(cfg: MoEConfig) -> None:
@@ -102,3 +108,22 @@ def _check_inputs(params: dict, x: jax.Array, state: Optional[RouterState],
       got = None if state is None else state.bias.shape
       raise ValueError(f"moe.routing.use_bias=True needs RouterState.bias of shape ({e},), "
                        f"got {got}. Fix: pass RouterState.zeros(cfg.num_routed).")
+
+
+def _check_context(context: Optional[RoutingContext], x: jax.Array, train: bool,
+                   spec: RouterSpec) -> RoutingContext:
+  """The context of x (one device when None); refuses one that does not describe x."""
+  if context is None:
+    return RoutingContext.build(x.shape[0], train=train)
+  if not isinstance(context, RoutingContext):
+    raise TypeError(f"route: context must be a RoutingContext, got {type(context).__name__}. "
+                    "Fix: build it with RoutingContext.build(T, axis_names, train=train)")
+  if context.local_tokens != x.shape[0] or context.train != bool(train):
+    raise ValueError(f"route: the context describes {context.local_tokens} tokens with "
+                     f"train={context.train}, but x has {x.shape[0]} and train={bool(train)}. "
+                     "Fix: build the context from the x and train passed to route()")
+  if context.axis_names and spec.batch_wide and spec.why_not_expert_parallel:
+    raise ValueError(f"moe.routing.kind={spec.name!r}: {spec.why_not_expert_parallel} "
+                     f"(the batch is split over {context.axis_names}). Fix: run it on one "
+                     "device or without mesh axes, or pick another router")
+  return context

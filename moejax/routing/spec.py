@@ -20,25 +20,65 @@ asks the spec, never the kind's name:
 - capabilities, class attributes read by config rules, accounting, serving,
   fine-tuning, interop and expert parallelism (below).
 
-A minimal router (a linear router with a temperature)::
+The rule's contract: ``route(params, x, bias, cfg, *, token_ids, rng, train)``
+returns the decision for x[T, d] (already in the router dtype and jittered).
+A router whose ``route`` also has a ``context`` parameter is handed a
+:class:`~moejax.routing.types.RoutingContext`: the mesh axes the batch is
+split over, the batch's token count, train or eval, and sums, means, maxima
+and gathers over every token of the batch. Routers without it are called
+as before.
+
+A router is *token-local* (each token's decision reads that token only; the
+default) or *batch-wide* (``batch_wide = True``: it reads other tokens).
+Under expert parallelism each device routes its share of the batch, so a
+batch-wide router takes every statistic over tokens through the context;
+it then decides on the whole batch, as on one device. One that takes no
+``context``, or declares ``expert_parallel = False``, is refused before any
+compute (:attr:`RouterSpec.why_not_expert_parallel`).
+
+A token-local router (a linear router with a temperature)::
+
+    import dataclasses
+    from moejax import routing
+    from moejax.config import check_positive
+    from moejax.routing.logits import router_logits
+    from moejax.routing.topk import select_topk
 
     @dataclasses.dataclass(frozen=True)
-    class Options:
+    class TemperedOptions:                 # moe.routing.options.temperature
       temperature: float = 1.0
+      def __post_init__(self):
+        check_positive("moe.routing.options.temperature", self.temperature)
 
-    class Tempered(RouterSpec):
+    class Tempered(routing.RouterSpec):
       name = "tempered"
-      Options = Options
+      Options = TemperedOptions
+      supports_bias = True                 # select_topk selects on score + bias
       def route(self, params, x, bias, cfg, *, token_ids, rng, train):
         logits = router_logits(params["w"], x, cfg.routing, rng, train)
-        return topk_decision(logits / cfg.routing.opts.temperature, bias, cfg)
+        return select_topk(logits / cfg.routing.opts.temperature, bias, cfg)
 
-    register(Tempered())
+    routing.register(Tempered())
+
+A batch-wide router (each expert's logit centred on its mean over the batch)::
+
+    class Centred(routing.RouterSpec):
+      name = "centred"
+      batch_wide = True
+      def route(self, params, x, bias, cfg, *, token_ids, rng, train, context):
+        logits = router_logits(params["w"], x, cfg.routing, rng, train)
+        return select_topk(logits - context.mean(logits), None, cfg)
+
+    routing.register(Centred())
+
+(``tests/routing/test_context.py`` runs both as written.)
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
+import inspect
 import math
 from typing import Any, ClassVar, Optional
 
@@ -79,8 +119,12 @@ class RouterSpec:
   - ``trainable``: has weights a balance loss can train (hash has none).
   - ``causal``: a token's experts depend on it and earlier tokens only, so
     the model can decode token by token.
-  - ``expert_parallel``: runs under ``ep_moe_layer`` (the token-major result
-    is all it needs).
+  - ``batch_wide``: a token's decision reads other tokens of the batch
+    (Sinkhorn balancing, expert choice); its ``route`` takes ``context`` and
+    reduces over tokens through it.
+  - ``expert_parallel``: runs under ``ep_moe_layer`` with the single-device
+    layer's decision (a token-local router always; a batch-wide one through
+    its context). False refuses expert parallelism before any compute.
   - ``isolates_shared``: DeepSeekMoE shared-expert isolation (routing
     ``m K - K_s`` of a fixed K) is defined for it.
   """
@@ -96,8 +140,27 @@ class RouterSpec:
   trainable: ClassVar[bool] = True
   causal: ClassVar[bool] = True
   why_not_causal: ClassVar[str] = ""
+  batch_wide: ClassVar[bool] = False
   expert_parallel: ClassVar[bool] = True
   isolates_shared: ClassVar[bool] = False
+
+  @property
+  def reads_context(self) -> bool:
+    """Whether ``route`` takes the RoutingContext (it has a ``context`` parameter)."""
+    return _takes_context(type(self).route)
+
+  @property
+  def why_not_expert_parallel(self) -> str:
+    """Why this router cannot run on a batch split over devices ('' when it can)."""
+    if not self.expert_parallel:
+      what = "batch-wide router" if self.batch_wide else "router"
+      return (f"{what} {self.name!r} declares expert_parallel=False: it cannot decide on "
+              "a batch split over devices")
+    if self.batch_wide and not self.reads_context:
+      return (f"router {self.name!r} is batch_wide=True but its route() takes no context, "
+              "so on a batch split over devices it would decide on each device's share, "
+              "not the batch")
+    return ""
 
   # --- Config. -------------------------------------------------------------
 
@@ -130,7 +193,11 @@ class RouterSpec:
   def route(self, params: dict, x: jax.Array, bias: Optional[jax.Array], cfg, *,
             token_ids: Optional[jax.Array], rng: Optional[jax.Array],
             train: bool):
-    """RoutingResult for x[T, d] (already in the router dtype and jittered)."""
+    """RoutingResult for x[T, d] (already in the router dtype and jittered).
+
+    Add a ``context`` keyword parameter to receive the
+    :class:`~moejax.routing.types.RoutingContext` (batch-wide routers).
+    """
     raise NotImplementedError(f"router {self.name!r} does not implement route()")
 
   # --- Accounting. ---------------------------------------------------------
@@ -153,6 +220,11 @@ class RouterSpec:
 
   def __repr__(self) -> str:
     return f"<router {self.name!r} ({type(self).__module__}.{type(self).__name__})>"
+
+
+@functools.lru_cache(maxsize=None)
+def _takes_context(route_fn) -> bool:
+  return "context" in inspect.signature(route_fn).parameters
 
 
 def register(spec: RouterSpec) -> RouterSpec:

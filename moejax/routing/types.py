@@ -1,11 +1,16 @@
-"""The one routing result type every router produces, and the router state.
+"""The one routing result type every router produces, the router state, and the
+routing context a router reads the batch through.
 
-Legend: T tokens, K expert slots per token, E FFN experts, Z
-zero-computation experts, E_r = E + Z router outputs (ids >= E name
-zero-computation experts).
+Legend: T tokens (on this device), N shards the batch is split over (1 on
+one device), K expert slots per token, E FFN experts, Z zero-computation
+experts, E_r = E + Z router outputs (ids >= E name zero-computation experts).
 """
 
 from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Optional
 
 import jax
 import jax.numpy as jnp
@@ -90,3 +95,82 @@ def make_result(expert_ids: jax.Array, weights: jax.Array, valid: jax.Array,
       probs=probs.astype(jnp.float32),
       logits=logits.astype(jnp.float32),
   )
+
+
+@dataclasses.dataclass(frozen=True)
+class RoutingContext:
+  """The batch a router decides on: where it lives and how to reduce over it.
+
+  A token-local router never needs this. A *batch-wide* one (its decision
+  for a token depends on the other tokens: Sinkhorn balancing, expert
+  choice over the batch) takes every statistic over tokens through the
+  helpers below. They reduce over ``axis_names``, the mesh axes the batch is
+  split over inside ``jax.shard_map`` (``ep_moe_layer``, the model under
+  data parallelism), and are plain reductions on one device, so a router
+  written with them decides on the whole batch either way.
+
+  Attributes:
+    axis_names: mesh axes the batch is split over; () on one device.
+    num_tokens: N T, the tokens of the whole batch (a static int).
+    local_tokens: T, the tokens this call routes.
+    batch_shape: (B, S) the local tokens were flattened from (sequence-major).
+    train: the layer is in training (eval and decoding: False).
+  """
+
+  axis_names: tuple[str, ...]
+  num_tokens: int
+  local_tokens: int
+  batch_shape: tuple[int, int]
+  train: bool = False
+
+  @classmethod
+  def build(cls, local_tokens: int, axis_names=(), *,
+            batch_shape: Optional[tuple[int, int]] = None,
+            train: bool = False) -> "RoutingContext":
+    """The context of ``local_tokens`` tokens split over ``axis_names``.
+
+    With axis names it must be built inside the mapped function
+    (``shard_map``), where the axes' sizes are known.
+    """
+    names = (axis_names,) if isinstance(axis_names, str) else tuple(axis_names)
+    shards = math.prod(jax.lax.axis_size(a) for a in names) if names else 1
+    shape = (1, local_tokens) if batch_shape is None else tuple(batch_shape)
+    if shape[0] * shape[1] != local_tokens:
+      raise ValueError(f"RoutingContext: batch_shape={shape} holds {shape[0] * shape[1]} "
+                       f"tokens, not {local_tokens}. Fix: pass the (B, S) the tokens came from")
+    return cls(names, int(shards) * local_tokens, local_tokens, shape, bool(train))
+
+  @property
+  def num_shards(self) -> int:
+    """N, the shards the batch is split over (1 on one device)."""
+    return self.num_tokens // self.local_tokens
+
+  def psum(self, value):
+    """A per-shard value summed over the shards (identity on one device)."""
+    return jax.lax.psum(value, self.axis_names) if self.axis_names else value
+
+  def sum(self, x: jax.Array) -> jax.Array:
+    """x[T, ...] summed over every token of the batch -> [...]."""
+    return self.psum(jnp.sum(x, axis=0))
+
+  def mean(self, x: jax.Array) -> jax.Array:
+    """x[T, ...] averaged over every token of the batch -> [...]."""
+    return self.sum(x) / self.num_tokens
+
+  def max(self, x: jax.Array) -> jax.Array:
+    """x[T, ...]'s maximum over every token of the batch -> [...]."""
+    m = jnp.max(x, axis=0)
+    return jax.lax.pmax(m, self.axis_names) if self.axis_names else m
+
+  def gather(self, x: jax.Array) -> jax.Array:
+    """x[T, ...] of every shard -> [N T, ...] in global token order (the mesh's order)."""
+    if not self.axis_names:
+      return x
+    return jax.lax.all_gather(x, self.axis_names, axis=0, tiled=True)
+
+  def token_offset(self) -> jax.Array:
+    """int32[]: the global index of this shard's first token (0 on one device)."""
+    idx = jnp.zeros((), jnp.int32)
+    for a in self.axis_names:  # row-major over the axes, as the batch is split
+      idx = idx * jax.lax.axis_size(a) + jax.lax.axis_index(a)
+    return idx * self.local_tokens
