@@ -119,6 +119,8 @@ def main(argv):
     if _PRINT_CONFIG.value:
       print(json.dumps(resolved_suite(tree, suite), indent=2, default=list))
       return
+    if not _BUDGET_ONLY.value:
+      cli.check_writable("--workdir", _WORKDIR.value)  # before the budget table
     if _BUDGET_ONLY.value:
       runner.check_suite(suite)
       return

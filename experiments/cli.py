@@ -65,6 +65,20 @@ def _exit_soon(status: int) -> NoReturn:
   sys.exit(status)
 
 
+def check_writable(flag: str, path: Optional[str]) -> None:
+  """The pre-flight of every binary that writes a directory: one ``error:`` line, before any
+  output or compute, unless ``path`` can be created and written (tried, not read from the
+  permission bits: moejax.train.writable). None: nothing to check."""
+  if not path:
+    return
+  # pylint: disable=g-import-not-at-top
+  from moejax.train.checkpoint import WorkdirError, check_writable as check
+  try:
+    check(path, flag)
+  except WorkdirError as e:
+    fail(f"{type(e).__name__}: {e}")
+
+
 def preempted(e) -> NoReturn:
   """A run stopped by a signal after its checkpoint (moejax.train.preempt.Preempted)."""
   print(str(e), file=sys.stderr, flush=True)

@@ -40,6 +40,7 @@ def main(argv):
   from moejax.finetune import export as export_lib
   from moejax.interop.errors import InteropError
   from moejax.train.checkpoint import WorkdirError
+  cli.check_writable("--out", _OUT.value)  # before the run is read
   try:
     written = export_lib.export_run(_WORKDIR.value, _OUT.value, model_type=_MODEL_TYPE.value,
                                     lora=_LORA.value, layout=_LAYOUT.value, step=_STEP.value)

@@ -163,6 +163,8 @@ def main(argv):
   from moejax.train.checkpoint import WorkdirError
   from moejax.train.config import experiment_to_json
   source = _SOURCE.value
+  if not _PRINT_CONFIG.value:
+    cli.check_writable("--workdir", _WORKDIR.value)  # before the source is read
   try:
     cfg = build(tree, source, source_format(source, _FORMAT.value, tree)).for_platform()
     if _PRINT_CONFIG.value:

@@ -100,11 +100,9 @@ def _moejax_pass(model, batches):
 
 def moejax_rows(workdir: str, schemes) -> dict:
   from moejax.ablation.analysis import load_model, val_batches
-  from moejax.train.checkpoint import CONFIG_FILE
-  from moejax.train.config import experiment_from_dict
+  from moejax.train.load import run_config
 
-  with open(f"{workdir}/{CONFIG_FILE}", encoding="utf-8") as f:
-    cfg = experiment_from_dict(json.load(f))
+  cfg = run_config(workdir)
   batches, _ = val_batches(cfg, _BATCHES.value)
   model, step = load_model(cfg, workdir)
   float_bytes = quant_lib.weight_bytes(nnx.state(model, nnx.Param))
@@ -292,7 +290,13 @@ def main(argv):
     parse_scheme(s)
   out = {}
   if _WORKDIR.value:
-    out["moejax"] = moejax_rows(_WORKDIR.value, schemes)
+    # pylint: disable=g-import-not-at-top
+    from moejax.config import ConfigError
+    from moejax.train.checkpoint import WorkdirError
+    try:
+      out["moejax"] = moejax_rows(_WORKDIR.value, schemes)
+    except (ConfigError, WorkdirError) as e:  # not a run, or one this moejax cannot build
+      cli.fail(f"{type(e).__name__}: {e}")
     r = out["moejax"]
     print_table(f"moejax run {r['workdir']} (step {r['step']}); whole model "
                 f"{r['float_param_bytes'] / 1e6:.2f} MB float32 -> "

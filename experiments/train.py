@@ -123,6 +123,7 @@ def main(argv):
     if _PRINT_CONFIG.value:
       print(experiment_to_json(cfg))
       return
+    cli.check_writable("--workdir", _WORKDIR.value)  # before the dry run's table, the data
     if _DRY_RUN.value:
       dry_run(cfg, _WORKDIR.value, _EXTEND.value, take_over_lock=_TAKE_OVER.value)
       return

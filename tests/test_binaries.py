@@ -20,7 +20,7 @@ import pytest
 
 from moejax import data as data_lib
 from moejax.ablation import suite as suite_lib
-from moejax.train import loop
+from moejax.train import loop, writable
 from tests.ablation import helpers as ablation_helpers
 from tests.train import helpers
 
@@ -90,7 +90,7 @@ def test_uncreatable_workdir_and_data_dir_are_one_line(tmp_path, prepared):
                               f"--workdir={blocker}/run", f"--config.data.data_dir={prepared}"))
   assert line == (f"error: WorkdirError: --workdir={blocker}/run cannot be created or written: "
                   f"{blocker} is a file, not a directory. Fix: pass a path in a writable "
-                  "directory")
+                  f"directory, e.g. --workdir={writable.writable_example(f'{blocker}/run')}")
   line = _one_error_line(_run("ablate", "--config=configs/ablations/quick.py",
                               f"--workdir={blocker}/suite"))
   assert f"--workdir={blocker}/suite cannot be created or written" in line

@@ -49,7 +49,7 @@ import orbax.checkpoint as ocp
 
 from moejax.config import plugins as plugins_lib
 from moejax.config import to_dict
-from moejax.train import integrity
+from moejax.train import integrity, writable
 from moejax.train.config import ExperimentConfig, diff, experiment_to_json
 
 CONFIG_FILE = "config.json"
@@ -169,21 +169,14 @@ def _stored_steps(saved: dict) -> Optional[int]:
 
 
 def check_writable(path: str, what: str) -> None:
-  """WorkdirError unless ``path`` is, or can be created as, a writable directory."""
-  probe = os.path.abspath(path)
-  while not os.path.exists(probe):
-    parent = os.path.dirname(probe)
-    if parent == probe:
-      break
-    probe = parent
-  problem = None
-  if not os.path.isdir(probe):
-    problem = f"{probe} is a file, not a directory"
-  elif not os.access(probe, os.W_OK | os.X_OK):
-    problem = f"{probe} is not writable"
+  """WorkdirError unless ``path`` is, or can be created as, a writable directory (tried:
+  :mod:`moejax.train.writable`); the fix names a path that can be written."""
+  problem = writable.problem(path)
   if problem:
+    example = writable.writable_example(path)
     raise WorkdirError(f"{what}={path} cannot be created or written: {problem}. Fix: pass a "
-                       "path in a writable directory")
+                       "path in a writable directory"
+                       + (f", e.g. {what}={example}" if example else ""))
 
 
 def check_workdir(workdir: str, cfg: ExperimentConfig, extend: bool = False) -> ResumePlan:
