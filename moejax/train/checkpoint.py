@@ -49,7 +49,7 @@ import orbax.checkpoint as ocp
 
 from moejax.config import plugins as plugins_lib
 from moejax.config import to_dict
-from moejax.train import integrity, writable
+from moejax.train import damage, integrity, writable
 from moejax.train.config import ExperimentConfig, diff, experiment_to_json
 
 CONFIG_FILE = "config.json"
@@ -440,11 +440,6 @@ class Restored:
   integrity: str = ""
 
 
-def _short(e: BaseException) -> str:
-  first = (str(e).strip().splitlines() or [""])[0]
-  return f"{type(e).__name__}: {first[:160]}"
-
-
 def restore_latest(workdir: str, steps, abstract_state: Any) -> Restored:
   """The newest of ``steps`` that restores, is finite and matches its checksums; reads only.
 
@@ -466,12 +461,16 @@ def restore_latest(workdir: str, steps, abstract_state: Any) -> Restored:
       except WorkdirError:
         raise
       except Exception as e:  # orbax / JSON / tensorstore: all mean "damaged"
-        skipped.append((step, f"damaged, its metadata cannot be read ({_short(e)})"))
+        skipped.append((step, f"damaged, {damage.metadata_error(e)}"))
+        continue
+      data_problem = damage.data_state_problem(ckpt.step_dir(step))
+      if data_problem:  # named as what it is, before orbax reads it as one of the items
+        skipped.append((step, f"damaged, {data_problem}"))
         continue
       try:
         tree, data_state = ckpt.restore(step, abstract_state)
       except Exception as e:
-        skipped.append((step, f"damaged, its arrays cannot be restored ({_short(e)})"))
+        skipped.append((step, f"damaged, {damage.restore_error(e)}"))
         continue
       bad = guard.nonfinite_leaves(tree)
       if bad:
