@@ -4,9 +4,10 @@ Both places that can meet an unknown name (:class:`~moejax.data.config.DataConfi
 when it is built, :func:`~moejax.data.datasets.get_dataset` when a name got
 past it) describe it with :func:`unknown_dataset`, so the message is one:
 the built-in corpora (generated here, no network) and the datasets already
-prepared in the data dir are listed as available; the rest of the TFDS
-registry is named as needing a download first. Each name is listed once
-(the built-ins are TFDS builders too, so the registry holds them).
+prepared in the data dir are listed as usable offline, and the suggestions
+are drawn from them; a TFDS registry name is suggested only for a near-exact
+typo, since it needs preparing first. Each name is listed once (the
+built-ins are TFDS builders too, so the registry holds them).
 
 TFDS-free: the registry is passed in by the caller.
 """
@@ -19,8 +20,6 @@ from typing import Iterable, Sequence
 
 # Directories under a TFDS data dir that are not datasets.
 _NOT_DATASETS = ("downloads",)
-# Examples of TFDS text datasets that need a download (named in the fix).
-DOWNLOAD_EXAMPLES = ("tiny_shakespeare", "lm1b")
 
 
 def _has_dataset_info(path: str, depth: int) -> bool:
@@ -47,13 +46,17 @@ def prepared_datasets(data_dir: str, exclude: Iterable[str] = ()) -> list[str]:
           and _has_dataset_info(os.path.join(data_dir, e), depth=2)]
 
 
+# A registry name is suggested only for a near-exact typo (difflib ratio): TFDS's 250 names
+# would otherwise match on a shared suffix ("my_dataset" -> math_dataset, bee_dataset, ...),
+# names that cannot be used here without a download anyway.
+_REGISTRY_CUTOFF = 0.9
+
+
 def _suggestions(base: str, offline: Sequence[str], download: Sequence[str]) -> str:
-  close = difflib.get_close_matches(base, offline, n=3)
-  close += [c for c in difflib.get_close_matches(base, download, n=3) if c not in close]
-  if not close:
-    return ""
-  named = [repr(c) if c in offline else f"{c!r} (needs a download)" for c in close[:3]]
-  return f"did you mean {', '.join(named)}? "
+  close = [repr(c) for c in difflib.get_close_matches(base, offline, n=2)]
+  near = difflib.get_close_matches(base, download, n=1, cutoff=_REGISTRY_CUTOFF)
+  close += [f"{c!r} (TFDS: prepare it first)" for c in near]
+  return f"did you mean {' or '.join(close)}? " if close else ""
 
 
 def unknown_dataset(base: str, data_dir: str, builtin: Sequence[str], registry: Sequence[str],
@@ -69,12 +72,10 @@ def unknown_dataset(base: str, data_dir: str, builtin: Sequence[str], registry: 
   download = [n for n in dict.fromkeys(registry) if n not in offline]
   what = f"unknown dataset {shown!r}" if shown else "unknown dataset"
   problem = f"{what} (not built in, not prepared in {data_dir}, not in the TFDS registry)"
-  available = f"{', '.join(builtin)} (built in)"
+  usable = f"{', '.join(builtin)} (built in)"
   if prepared:
-    available += f", {', '.join(prepared)} (prepared in {data_dir})"
-  examples = ", ".join(e for e in DOWNLOAD_EXAMPLES if e in download) or "tiny_shakespeare"
-  fix = (f"{_suggestions(base, offline, download)}available offline: {available}; any other "
-         f"TFDS text dataset (e.g. {examples}; {len(download)} in the registry) needs a "
-         "download first (tfds build NAME on a machine with a network, then copy it into "
-         f"{data_dir})")
+    usable += f", {', '.join(prepared)} (prepared in {data_dir})"
+  fix = (f"{_suggestions(base, offline, download)}usable offline: {usable}; a TFDS text "
+         f"dataset needs preparing into {data_dir} first (tfds build NAME where there is a "
+         "network)")
   return problem, fix

@@ -5,15 +5,9 @@ from __future__ import annotations
 import os
 
 import pytest
-import tensorflow_datasets as tfds
 
 from moejax import data
 from moejax.config import ConfigError
-
-
-def _registry_size() -> int:
-  registry = set(tfds.list_builders(with_community_datasets=False))
-  return len(registry - {"python_stdlib", "synthetic_domains"})
 
 
 def _prepare_fake(data_dir, name: str) -> None:
@@ -27,10 +21,9 @@ def test_a_near_miss_of_a_built_in_is_suggested_once_and_offline_ones_come_first
     data.DataConfig(name="python_stdlb", data_dir=str(tmp_path))
   assert str(err.value) == (
       f"data.name='python_stdlb': unknown dataset (not built in, not prepared in {tmp_path}, "
-      "not in the TFDS registry). Fix: did you mean 'python_stdlib'? available offline: "
-      "python_stdlib, synthetic_domains (built in); any other TFDS text dataset (e.g. "
-      f"tiny_shakespeare, lm1b; {_registry_size()} in the registry) needs a download first "
-      f"(tfds build NAME on a machine with a network, then copy it into {tmp_path})")
+      "not in the TFDS registry). Fix: did you mean 'python_stdlib'? usable offline: "
+      "python_stdlib, synthetic_domains (built in); a TFDS text dataset needs preparing into "
+      f"{tmp_path} first (tfds build NAME where there is a network)")
 
 
 def test_prepared_datasets_are_listed_as_offline_and_downloads_are_marked(tmp_path):
@@ -39,14 +32,25 @@ def test_prepared_datasets_are_listed_as_offline_and_downloads_are_marked(tmp_pa
   (tmp_path / "half_done").mkdir()                     # no dataset_info.json: not prepared
   with pytest.raises(ConfigError) as err:
     data.DataConfig(name="tiny_shakespear", data_dir=str(tmp_path))
-  msg = str(err.value)
-  assert ("Fix: did you mean 'tiny_shakespeare'? available offline: python_stdlib, "
-          f"synthetic_domains (built in), tiny_shakespeare (prepared in {tmp_path}); any other "
-          f"TFDS text dataset (e.g. lm1b; {_registry_size() - 1} in the registry) needs a "
-          "download first") in msg
+  assert str(err.value).split(". Fix: ")[1] == (
+      "did you mean 'tiny_shakespeare'? usable offline: python_stdlib, synthetic_domains "
+      f"(built in), tiny_shakespeare (prepared in {tmp_path}); a TFDS text dataset needs "
+      f"preparing into {tmp_path} first (tfds build NAME where there is a network)")
   with pytest.raises(ConfigError) as err:
-    data.DataConfig(name="lm1c", data_dir=str(tmp_path))
-  assert "did you mean 'lm1b' (needs a download)?" in str(err.value)
+    data.DataConfig(name="imdb_review", data_dir=str(tmp_path))
+  assert "did you mean 'imdb_reviews' (TFDS: prepare it first)? usable offline" in str(err.value)
+
+
+def test_a_shared_suffix_suggests_no_registry_names_and_the_line_stays_short(tmp_path):
+  # TFDS's registry matched "my_dataset" to math_dataset, bee_dataset, waymo_open_dataset.
+  with pytest.raises(ConfigError) as err:
+    data.DataConfig(name="my_dataset", data_dir=str(tmp_path))
+  assert str(err.value) == (
+      f"data.name='my_dataset': unknown dataset (not built in, not prepared in {tmp_path}, "
+      "not in the TFDS registry). Fix: usable offline: python_stdlib, synthetic_domains "
+      f"(built in); a TFDS text dataset needs preparing into {tmp_path} first (tfds build "
+      "NAME where there is a network)")
+  assert len(str(err.value)) - 2 * len(str(tmp_path)) < 260
 
 
 def test_get_dataset_says_the_same(tmp_path):
@@ -54,8 +58,8 @@ def test_get_dataset_says_the_same(tmp_path):
     data.get_dataset("no_such_set", "train", str(tmp_path))
   msg = str(err.value)
   assert msg.startswith(f"unknown dataset 'no_such_set' (not built in, not prepared in "
-                        f"{tmp_path}, not in the TFDS registry). Fix: available offline: "
-                        "python_stdlib, synthetic_domains (built in); any other TFDS")
+                        f"{tmp_path}, not in the TFDS registry). Fix: usable offline: "
+                        "python_stdlib, synthetic_domains (built in); a TFDS text dataset")
   assert msg.count("python_stdlib") == 1 and os.linesep not in msg
 
 
