@@ -16,6 +16,9 @@ from moejax.config import ConfigError, check_choice
 from moejax.data import names
 
 BUILTIN_NAMES = ("python_stdlib", "synthetic_domains")
+# The splits the built-in builders generate (stdlib / synthetic _split_generators; not
+# imported: config stays TFDS-free; a test checks they agree).
+BUILTIN_SPLITS = ("train", "validation")
 TOKENIZERS = ("bytes", "bpe")
 BYTE_VOCAB_SIZE = 256        # == documents.VOCAB_SIZE (not imported: config stays TFDS-free)
 BPE_MIN_VOCAB_SIZE = 257     # the separator and the 256 bytes, before any merge
@@ -116,6 +119,7 @@ class DataConfig:
       raise ConfigError(f"{path}.data_dir", self.data_dir, "is not a directory name",
                         "give a directory, or leave it unset for the TFDS default "
                         "($TFDS_DATA_DIR or ~/tensorflow_datasets)")
+    self._check_builtin_splits(path)
     if self.train_split == self.eval_split:
       raise ConfigError(f"{path}.eval_split", self.eval_split, "equals train_split",
                         "evaluate on a held-out split, e.g. 'validation' or 'test'")
@@ -144,6 +148,18 @@ class DataConfig:
                           f"use names among {', '.join(names)}")
     if len(set(self.loss_domains)) != len(self.loss_domains):
       raise ConfigError(field, self.loss_domains, "names a domain twice", "list each once")
+
+  def _check_builtin_splits(self, path: str) -> None:
+    """A built-in dataset's splits are known without reading it: a wrong one fails here, as
+    the field, not when the run loads it."""
+    if self.name not in BUILTIN_NAMES:
+      return  # a TFDS dataset's splits are read from its prepared files (moejax.data.datasets)
+    for field, usual in (("train_split", "train"), ("eval_split", "validation")):
+      split = getattr(self, field)
+      if split not in BUILTIN_SPLITS:
+        raise ConfigError(f"{path}.{field}", split,
+                          f"{self.name} has no split {split!r} (its splits: "
+                          f"{', '.join(BUILTIN_SPLITS)})", f"set {path}.{field}={usual!r}")
 
   def _check_name(self, path: str) -> None:
     if self.name in BUILTIN_NAMES:

@@ -169,7 +169,9 @@ def builtin_builder(name: str, data_dir: Optional[str] = None, config=None, prep
 def _documents_from_builtin(builder, name: str, split: str) -> Documents:
   splits = builder.info.splits
   if split not in splits:
-    raise DatasetUnavailableError(f"{name} has no split {split!r}; available: {', '.join(splits)}")
+    raise DatasetUnavailableError(f"{name} has no split {split!r}; available: "
+                                  f"{', '.join(splits)}. Fix: set data.train_split / "
+                                  "data.eval_split to one of those")
   metadata = dict(builder.info.metadata or {})
   metadata["config"] = builder.builder_config.name
   docs = documents.from_data_source(builder.as_data_source(split), name, split,
@@ -241,7 +243,8 @@ def _documents_from_tfds(name: str, split: str, data_dir: str, download: bool,
   info = builder.info
   if split not in info.splits:
     raise DatasetUnavailableError(f"{name} has no split {split!r}; available: "
-                                  f"{', '.join(info.splits)}. Fix: ask for one of those")
+                                  f"{', '.join(info.splits)}. Fix: set data.train_split / "
+                                  "data.eval_split to one of those")
   key = _text_key(info.features, name, text_key)
   fmt = info.file_format or tfds.core.FileFormat.TFRECORD
   if fmt == tfds.core.FileFormat.ARRAY_RECORD:
