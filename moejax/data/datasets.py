@@ -34,7 +34,9 @@ import fcntl
 import importlib.util
 import io
 import os
+import shutil
 import sys
+import tempfile
 from typing import Optional
 
 import numpy as np
@@ -82,6 +84,42 @@ def _prepare_lock(builder):
       yield
     finally:
       fcntl.flock(f, fcntl.LOCK_UN)
+
+
+class _PrivateTempfile:
+  """``tempfile`` with ``mkdtemp`` in one directory (see :func:`no_tfds_temporaries`)."""
+
+  def __init__(self, root: str):
+    self._root = root
+
+  def mkdtemp(self, suffix=None, prefix=None, dir=None):  # pylint: disable=redefined-builtin
+    return tempfile.mkdtemp(suffix, prefix, dir or self._root)
+
+  def __getattr__(self, name):
+    return getattr(tempfile, name)
+
+
+@contextlib.contextmanager
+def no_tfds_temporaries():
+  """Inside, TFDS's DatasetInfo makes its temporary directories in one deleted after.
+
+  A builder constructed for a dataset not prepared yet calls
+  ``DatasetInfo.initialize_from_bucket``, which makes ``tmp*tfds`` in the
+  system's temporary directory and, with no online copy of the dataset's
+  info (always, offline), returns without deleting it: one empty directory
+  per construction.
+  """
+  from tensorflow_datasets.core import dataset_info  # pylint: disable=g-import-not-at-top
+  if getattr(dataset_info, "tempfile", None) is not tempfile:
+    yield  # another TFDS layout: nothing to redirect (tests/data/test_tfds_temporaries.py)
+    return
+  root = tempfile.mkdtemp(prefix="moejax-tfds-")
+  dataset_info.tempfile = _PrivateTempfile(root)
+  try:
+    yield
+  finally:
+    dataset_info.tempfile = tempfile
+    shutil.rmtree(root, ignore_errors=True)
 
 
 def _interactive() -> bool:
@@ -149,8 +187,9 @@ def builtin_builder(name: str, data_dir: Optional[str] = None, config=None, prep
                                     f"parameters; give the custom config another name")
     config = config.name
   try:
-    builder = cls(data_dir=resolve_data_dir(data_dir), config=config,
-                  file_format="array_record")
+    with no_tfds_temporaries():
+      builder = cls(data_dir=resolve_data_dir(data_dir), config=config,
+                    file_format="array_record")
     if prepare and not builder.is_prepared():
       with _prepare_lock(builder):
         if not builder.is_prepared():
@@ -192,7 +231,8 @@ def _prepare_instructions(name: str, data_dir: str) -> str:
 
 def _tfds_builder(name: str, data_dir: str):
   try:
-    return tfds.builder(name, data_dir=data_dir)
+    with no_tfds_temporaries():
+      return tfds.builder(name, data_dir=data_dir)
   except tfds.core.registered.DatasetNotFoundError as e:
     problem, fix = names.unknown_dataset(_base_name(name), data_dir, list(BUILTIN_DATASETS),
                                          tfds.list_builders(with_community_datasets=False),

@@ -13,7 +13,7 @@ from tensorflow_datasets.datasets.tiny_shakespeare import tiny_shakespeare_datas
 
 from moejax import data
 from moejax.config import ConfigError, from_dict
-from moejax.data import tfrecord
+from moejax.data import datasets, tfrecord
 
 SPLITS = {"train": "First Citizen:\nSpeak.\n", "validation": "All:\nSpeak, é.\n", "test": "x\n"}
 
@@ -34,7 +34,8 @@ class LocalShakespeare(ts.Builder, skip_registration=True):
 
 def prepare_shakespeare(data_dir, file_format):
   """tiny_shakespeare as TFDS prepares it: array_record, or tfrecord as TF would."""
-  builder = LocalShakespeare(data_dir=data_dir, file_format="array_record")
+  with datasets.no_tfds_temporaries():  # as moejax's own builders: no tmp*tfds left
+    builder = LocalShakespeare(data_dir=data_dir, file_format="array_record")
   builder.download_and_prepare()
   if file_format == "tfrecord":
     path = os.fspath(builder.data_path)
