@@ -149,7 +149,7 @@ def _sparse_layer(params, x, shared_x, state, cfg, *, token_ids, rng, train, axi
     aux = MoEAux.for_kind(
         "sparse",
         losses=losses.balance_losses(decision, cfg, batch_shape=batch_shape,
-                                     axis_names=axis_names),
+                                     axis_names=axis_names, context=context),
         metrics=metrics.routing_metrics(decision, cfg, dropped=dropped, axis_names=axis_names),
         load=router_load[: cfg.num_experts],
         router_load=router_load,

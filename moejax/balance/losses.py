@@ -39,6 +39,10 @@ Conventions (all tested with hand-computed numbers):
 
 from __future__ import annotations
 
+import functools
+import inspect
+from typing import Optional
+
 import jax
 import jax.numpy as jnp
 
@@ -46,7 +50,7 @@ from moejax.balance import stats
 from moejax.balance.stats import AxisNames
 from moejax.config import AUX_CONVENTIONS, MoEConfig
 from moejax.config.registry import BALANCE_LOSSES
-from moejax.routing.types import RoutingResult
+from moejax.routing.types import RoutingContext, RoutingResult
 
 LOSS_KEYS = ("aux_loss", "z_loss", "device_loss", "comm_loss", "entropy_loss")
 
@@ -225,7 +229,8 @@ def comm_max_devices(cfg: MoEConfig, num_slots: int) -> int:
 
 def balance_losses(result: RoutingResult, cfg: MoEConfig, *,
                    batch_shape: tuple[int, int],
-                   axis_names: AxisNames = ()) -> dict[str, jax.Array]:
+                   axis_names: AxisNames = (),
+                   context: Optional[RoutingContext] = None) -> dict[str, jax.Array]:
   """Every configured balance loss, each times its coefficient, plus ``total``.
 
   Keys (always all present, f32[] each, 0 where the coefficient is 0 and the
@@ -246,6 +251,12 @@ def balance_losses(result: RoutingResult, cfg: MoEConfig, *,
     result: routing of T = B S tokens, probs [T, E_r] with E_r = cfg.num_routed.
     batch_shape: (B, S) the tokens were flattened from.
     axis_names: mesh axes of the global batch (only used by scope ``global``).
+    context: the batch the router decided on (the layer passes its routing
+      context). A registered loss whose function has a ``context`` parameter
+      receives it (built from ``axis_names`` and ``batch_shape`` with
+      train=False when None): the batch's token count, train or eval, and
+      sums and means over the whole batch that are exact under expert
+      parallelism. Others are called as before.
   """
   if not isinstance(cfg, MoEConfig):
     raise TypeError(f"balance_losses: cfg must be a MoEConfig, got {type(cfg).__name__}")
@@ -266,7 +277,16 @@ def balance_losses(result: RoutingResult, cfg: MoEConfig, *,
     loss = BALANCE_LOSSES.get(name)
     coef = loss.coefficient(b)
     if coef:
-      value = loss.fn(result, cfg, batch_shape=batch_shape, axis_names=axis_names)
+      kw = {}
+      if _takes_context(loss.fn):
+        kw["context"] = context or RoutingContext.build(
+            result.num_tokens, stats.axes(axis_names), batch_shape=batch_shape)
+      value = loss.fn(result, cfg, batch_shape=batch_shape, axis_names=axis_names, **kw)
       out[name] = coef * jnp.asarray(value, jnp.float32)
   out["total"] = sum(out.values())
   return out
+
+
+@functools.lru_cache(maxsize=None)
+def _takes_context(fn) -> bool:
+  return "context" in inspect.signature(fn).parameters
