@@ -19,7 +19,9 @@ train) is pointed to its full override.
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import json
+import os
 import re
 import typing
 from typing import Any, Callable, Optional, Sequence
@@ -122,10 +124,35 @@ def describe_config_error(e: BaseException, argv: Sequence[str],
   if isinstance(e, SyntaxError):
     return f"{flag}: cannot load it: SyntaxError: {e.msg} (line {e.lineno})"
   if "Errno 2" in text or "No such file" in text:
-    return f"{flag}: no such file"
+    return f"{flag}: no such file. Fix: {_config_files_fix(file_arg[1] if file_arg else '')}"
   if "config file" in text:
     return f"{flag}: cannot load it: {_last_line(text)}"
   return _last_line(text)
+
+
+_LISTED = 12  # config file names shown at most
+
+
+def _config_files_fix(given: str) -> str:
+  """The config files that exist where ``given`` points: its directory, else ./configs."""
+  path = given.split(":", 1)[0]  # a config file may take an argument: FILE.py:ARG
+  folder = os.path.dirname(path)
+  if (not folder or not os.path.isdir(folder)) and os.path.isdir("configs"):
+    folder = "configs"
+  if not folder or not os.path.isdir(folder):
+    return "pass the path of an existing config file"
+  entries = sorted(os.listdir(folder))
+  names = [n for n in entries if n.endswith(".py") and not n.startswith("_")]
+  subdirs = [f"{os.path.join(folder, n)}/" for n in entries
+             if not n.startswith((".", "_")) and os.path.isdir(os.path.join(folder, n))
+             and any(f.endswith(".py") for f in os.listdir(os.path.join(folder, n)))]
+  if not names:
+    return f"pass the path of an existing config file ({folder}/ holds none)"
+  close = difflib.get_close_matches(os.path.basename(path), names, n=1, cutoff=0.75)
+  hint = f"did you mean {os.path.join(folder, close[0])}? " if close else ""
+  shown = ", ".join(names[:_LISTED]) + (", ..." if len(names) > _LISTED else "")
+  more = f" (more in {', '.join(subdirs[:4])})" if subdirs else ""
+  return f"{hint}the config files in {folder}/ are {shown}{more}"
 
 
 # --- A value of the wrong type. ----------------------------------------------

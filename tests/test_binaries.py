@@ -71,7 +71,10 @@ def test_misspelt_override_key_is_one_line_with_the_hint(tmp_path, binary, confi
 def test_missing_or_broken_config_file_is_one_line(tmp_path, binary):
   workdir = str(tmp_path / "run")
   missing = _one_error_line(_run(binary, "--config=configs/nope.py", f"--workdir={workdir}"))
-  assert missing == "error: --config=configs/nope.py: no such file"
+  assert missing == ("error: --config=configs/nope.py: no such file. Fix: the config files in "
+                     "configs/ are " + ", ".join(sorted(
+                         n for n in os.listdir(os.path.join(ROOT, "configs"))
+                         if n.endswith(".py"))) + " (more in configs/ablations/, configs/presets/)")
   broken = tmp_path / "broken.py"
   broken.write_text("def get_config(:\n")
   line = _one_error_line(_run(binary, f"--config={broken}", f"--workdir={workdir}"))

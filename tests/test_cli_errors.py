@@ -15,7 +15,7 @@ import pytest
 from absl import flags
 from ml_collections import config_flags
 
-from experiments import cli
+from experiments import cli, flag_errors
 from tests.ablation import helpers as ablation_helpers
 
 ROOT = ablation_helpers.ROOT
@@ -92,6 +92,38 @@ def test_a_section_given_at_the_top_of_an_experiment_points_to_its_place(capsys)
   assert _parse_error(capsys, TINY, "--config.train.stepz=3", experiment_at="") == (
       "error: --config.train.stepz: 'stepz' is not a config field; did you mean \"steps\"? "
       "(--print_config lists every field with its default)")
+
+
+@pytest.mark.parametrize("config, line", [
+    ("configs/tinny.py", "error: --config=configs/tinny.py: no such file. Fix: did you mean "
+     "configs/tiny.py? the config files in configs/ are default.py, default_bpe.py, "
+     "default_mixtral.py, dense.py, finetune.py, tiny.py, upcycle.py (more in configs/ablations/, "
+     "configs/presets/)"),
+    ("configs/ablations/quik.py", "error: --config=configs/ablations/quik.py: no such file. Fix: "
+     "did you mean configs/ablations/quick.py? the config files in configs/ablations/ are "
+     "balance_scope.py, capacity.py, deepseekmoe.py, dynamic.py, expert_choice_leak.py, "
+     "finetune.py, granularity.py, lossfree.py, moe_vs_dense.py, quick.py, topology.py, "
+     "upcycling.py"),
+    ("confgs/nope.py", "error: --config=confgs/nope.py: no such file. Fix: the config files in "
+     "configs/ are default.py, default_bpe.py, default_mixtral.py, dense.py, finetune.py, "
+     "tiny.py, upcycle.py (more in configs/ablations/, configs/presets/)"),
+])
+def test_a_missing_config_file_lists_the_ones_that_exist(monkeypatch, config, line):
+  monkeypatch.chdir(ROOT)
+  assert "error: " + _missing_file_error(config) == line
+
+
+def test_a_missing_config_file_outside_a_checkout_says_what_to_pass(monkeypatch, tmp_path):
+  monkeypatch.chdir(tmp_path)
+  assert _missing_file_error("nope.py") == ("--config=nope.py: no such file. Fix: pass the path "
+                                            "of an existing config file")
+
+
+def _missing_file_error(config: str) -> str:
+  # What config_flags raises on first access to a --config file that is not there.
+  e = FileNotFoundError(2, "No such file or directory")
+  return flag_errors.describe_config_error(e, ["binary", f"--config={config}"],
+                                           flag_values=flags.FlagValues())
 
 
 def _run(binary: str, *args: str) -> subprocess.CompletedProcess:
