@@ -7,6 +7,7 @@ setup(
     description="Mixture-of-Experts research in JAX/Flax: routing, balance, topology, execution.",
     long_description=open("README.md", encoding="utf-8").read(),
     long_description_content_type="text/markdown",
+    license="Apache-2.0",
     python_requires=">=3.11",
     packages=find_packages(include=["moejax", "moejax.*", "experiments", "experiments.*"]),
     install_requires=[
@@ -51,5 +52,9 @@ setup(
         # dot; on CPU it falls back to XLA). 0.0.12 is the last release for
         # Python 3.11.
         "kernels": ["tokamax>=0.0.12"],
+        # Jupyter's command line for notebooks/: `jupyter nbconvert --execute` (nbconvert,
+        # jupyter_core's `jupyter`, a Python kernel) and `jupyter notebook` to open them.
+        "notebooks": ["nbconvert>=7.16", "jupyter_core>=5.7", "ipykernel>=6.29",
+                      "notebook>=7.2"],
     },
 )
