@@ -103,7 +103,7 @@ def main(argv):
     raise app.UsageError(f"unexpected arguments: {argv[1:]}")
   tree = cli.config_tree(_CONFIG)
   # pylint: disable=g-import-not-at-top
-  from moejax.ablation import merge, runner, suite as suite_lib
+  from moejax.ablation import merge, provenance, runner, suite as suite_lib
   from moejax.ablation.budget import BudgetError
   from moejax.config import ConfigError
   from moejax.data import DatasetUnavailableError
@@ -129,10 +129,12 @@ def main(argv):
       if _WORKDIR.value:
         imports = dict(merge.plan_imports(suite, _WORKDIR.value, _IMPORT_RUNS.value)
                        if _IMPORT_RUNS.value else ())
-        for rel, what in runner.plan_suite(suite, _WORKDIR.value, _EXTEND.value,
-                                           _TAKE_OVER.value):
+        plan = runner.plan_suite(suite, _WORKDIR.value, _EXTEND.value, _TAKE_OVER.value)
+        for rel, what in plan:
           print(f"  {rel}: " + (f"finished in {imports[rel]} (would be imported)"
                                 if rel in imports else what))
+        for line in provenance.plugin_changes(_WORKDIR.value, dict(plan)):
+          print(f"  {line}")
       print("dry run: the suite is valid; nothing was written")
       return
     if not _WORKDIR.value:

@@ -14,9 +14,10 @@ import platform
 import shlex
 import subprocess
 import sys
-from typing import Optional, Sequence
+from typing import Mapping, Optional, Sequence
 
 from moejax.ablation import freshness
+from moejax.config import plugins as plugins_lib
 
 _ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -56,9 +57,9 @@ def command_line(argv: Optional[Sequence[str]] = None) -> str:
 
 
 def run_provenance(command: Optional[str] = None, plugins: Sequence[dict] = ()) -> dict:
-  """What produced a result; ``plugins``: the plugin modules its arms use
-  (:func:`moejax.config.plugins.used`: module, file, sha256), recorded next to
-  the commit only when there are any."""
+  """What produced a result; ``plugins``: the plugin modules it uses
+  (:func:`moejax.config.plugins.used`: module, file, sha256 and the ideas of
+  it the config names), recorded next to the commit only when there are any."""
   import jax  # pylint: disable=g-import-not-at-top
   out = {"command": command or command_line(), "commit": git_commit(),
          "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
@@ -69,4 +70,28 @@ def run_provenance(command: Optional[str] = None, plugins: Sequence[dict] = ()) 
          "code": freshness.current()}
   if plugins:
     out["plugins"] = list(plugins)
+  return out
+
+
+def plugin_changes(workdir: str, plan: Mapping[str, str]) -> list[str]:
+  """One line per run of ``plan`` (``{run: what happens}``, :func:`runner.plan_suite`) made
+  with a plugin module whose file has changed since.
+
+  Such a run is reused as it is (finished), or resumed on the current version:
+  like a run made at an older commit (RESULTS.md's freshness flags), its
+  numbers stand for the version that made them, and the suite says so rather
+  than delete a finished run. The line names the fix that retrains it.
+  """
+  out = []
+  for rel, what in plan.items():
+    if what.startswith("new"):
+      continue
+    path = os.path.join(workdir, rel)
+    lines = plugins_lib.changes(plugins_lib.read_record(path))
+    if not lines:
+      continue
+    how = ("reused as it is: its numbers come from the old version" if what.startswith("finished")
+           else f"{what} on the current version: its earlier steps used the old one")
+    out.append(f"! {rel}: {'; '.join(lines)}; {how}. Fix: move {path} aside to retrain it with "
+               "the current version")
   return out

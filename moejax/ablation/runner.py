@@ -326,6 +326,8 @@ def run_suite(suite: Suite, workdir: str, *, out: TextIO = sys.stdout,
   decided = processes.decided_by_lead(decide)
   plan, corpus = {rel: what for rel, what in decided["plan"]}, decided["corpus"]
   say(f"corpus: {corpus['id']} (Python {corpus['python_version']})")
+  for line in provenance.plugin_changes(workdir, plan):  # before any run is trained
+    say(f"  {line}")
   prov = provenance.run_provenance(plugins=_suite_plugins(suite))
   lead = processes.is_lead()
   # One process of a multi-process run holds the suite's lock for all of them.
@@ -399,7 +401,7 @@ def _train_runs(suite, workdir, b, plan, train_fn, analyse_runs, say, out, corpu
     if exp.finetune.enabled and seed in source_results and arm.experiment.finetune.source \
         == sources_lib.SUITE_SOURCE:
       res.update(sources_lib.finetune_metrics(exp, ev, source_results[seed]))
-    res["corpus"], res["provenance"] = corpus, prov
+    res["corpus"], res["provenance"] = corpus, _run_provenance(prov, exp)
     t_evaluated, c_evaluated = time.perf_counter(), time.process_time()
     if analyse_runs:
       extra, routing = analyse(exp, path, dict(suite.analysis), say, final_routing=ev)
@@ -502,11 +504,19 @@ def _default(o):
 
 
 def _suite_plugins(suite) -> list:
-  """The plugin modules of every arm, once each (see moejax.config.plugins)."""
+  """The plugin modules of every arm, once each with the ideas of all arms (see
+  moejax.config.plugins)."""
   from moejax.config import plugins as plugins_lib  # pylint: disable=g-import-not-at-top
   from moejax.config import to_dict  # pylint: disable=g-import-not-at-top
-  seen = {}
-  for arm in suite.arms:
-    for rec in plugins_lib.used(to_dict(arm.experiment)):
-      seen.setdefault((rec["registry"], rec["name"]), rec)
-  return list(seen.values())
+  return plugins_lib.merge(plugins_lib.used(to_dict(arm.experiment)) for arm in suite.arms)
+
+
+def _run_provenance(prov: dict, exp: ExperimentConfig) -> dict:
+  """The suite's provenance with the plugins of this run only (none: no ``plugins`` key)."""
+  from moejax.config import plugins as plugins_lib  # pylint: disable=g-import-not-at-top
+  from moejax.config import to_dict  # pylint: disable=g-import-not-at-top
+  out = {k: v for k, v in prov.items() if k != "plugins"}
+  own = plugins_lib.used(to_dict(exp))
+  if own:
+    out["plugins"] = own
+  return out

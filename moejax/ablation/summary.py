@@ -184,7 +184,36 @@ def _collect_provenance(results: Sequence[dict]) -> dict:
           # resumed across commits; none when a run recorded none): RESULTS.md compares
           # them with the checkout's (moejax.ablation.freshness).
           "code": (list({p["code"]["fingerprint"]: p["code"] for p in provs}.values())
-                   if all(p.get("code") for p in provs) else [])}
+                   if all(p.get("code") for p in provs) else []),
+          **_collect_plugins(results)}
+
+
+def _collect_plugins(results: Sequence[dict]) -> dict:
+  """``plugins``: one record per (module, sha256) the runs recorded, with the runs made with
+  it; ``plugin_flags``: a module recorded in several versions, or whose file has changed
+  since (a summary written again after the plugin was edited). Empty when no run used one."""
+  from moejax.config import plugins as plugins_lib  # pylint: disable=g-import-not-at-top
+  records: dict = {}
+  for r in results:
+    for rec in plugins_lib.normalise((r.get("provenance") or {}).get("plugins") or ()):
+      entry = records.setdefault((rec["module"], rec["sha256"]), dict(rec, runs=[]))
+      entry["ideas"] += [i for i in rec["ideas"] if i not in entry["ideas"]]
+      entry["runs"].append(r.get("run") or f"{r.get('arm')}/seed_{r.get('seed', 0)}")
+  if not records:
+    return {}
+  flags = []
+  versions: dict = {}
+  for (module, sha), rec in records.items():
+    versions.setdefault(module, []).append(rec)
+  for module, recs in versions.items():
+    if len(recs) > 1:
+      flags.append(f"plugin module {module!r} was recorded in {len(recs)} versions: " + "; ".join(
+          f"sha256 {(r['sha256'] or '?')[:12]} ({', '.join(r['runs'])})" for r in recs))
+    for rec in recs:
+      flags += [f"{line}: runs {', '.join(rec['runs'])}"
+                for line in plugins_lib.changes([rec])]
+  return {"plugins": [dict(rec, runs=sorted(rec["runs"])) for rec in records.values()],
+          "plugin_flags": flags}
 
 
 def suite_summary(workdir: str) -> dict:

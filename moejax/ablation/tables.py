@@ -158,6 +158,11 @@ def provenance_lines(summary: Mapping) -> list[str]:
                  "moejax.ablation.scale)")
   if p.get("runs_without_provenance"):
     lines.append(f"- {p['runs_without_provenance']} of {p['runs']} runs recorded no provenance")
+  for rec in p.get("plugins") or ():  # ideas registered from outside moejax
+    ideas = ", ".join(f"{i['registry']} `{i['name']}`" for i in rec.get("ideas", ()))
+    lines.append(f"- plugin `{rec['module']}` ({ideas}): sha256 "
+                 f"`{(rec.get('sha256') or 'unknown')[:12]}`, {rec.get('file') or 'no file'}")
+  lines += [f"- ! {line}" for line in p.get("plugin_flags") or ()]
   return lines
 
 

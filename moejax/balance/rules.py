@@ -62,7 +62,8 @@ class BiasRule:
 def register_loss(name: str, coef_field: str = ""):
   """Decorator: registers ``fn`` as the balance loss ``name`` (a taken name is an error)."""
   def deco(fn):
-    BALANCE_LOSSES.register(BalanceLoss(name, fn, coef_field))
+    # Recorded as coming from fn's module (a plugin's), not from this one.
+    BALANCE_LOSSES.register(BalanceLoss(name, fn, coef_field), module=fn.__module__)
     return fn
   return deco
 
@@ -70,7 +71,7 @@ def register_loss(name: str, coef_field: str = ""):
 def register_bias_rule(name: str):
   """Decorator: registers ``fn`` as the bias-controller rule ``name``."""
   def deco(fn):
-    BIAS_RULES.register(BiasRule(name, fn))
+    BIAS_RULES.register(BiasRule(name, fn), module=fn.__module__)
     return fn
   return deco
 

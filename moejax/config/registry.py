@@ -58,10 +58,14 @@ class Registry:
       raise
     self._state = "loaded"
 
-  def register(self, obj: Any) -> Any:
+  def register(self, obj: Any, module: str = "") -> Any:
     """Adds ``obj`` under ``obj.name``; a name already taken is a :class:`RegistryError`.
 
-    Returns ``obj``, so it can decorate a class instance's creation.
+    ``module``: the module the idea comes from, when it is not the module of
+    ``obj``'s class (a loss function wrapped in the shipped ``BalanceLoss``
+    comes from the module that defines the function); what a run's
+    provenance records. Returns ``obj``, so it can decorate a class
+    instance's creation.
     """
     name = getattr(obj, "name", None)
     if not isinstance(name, str) or not name.isidentifier():
@@ -72,10 +76,10 @@ class Registry:
     if name in self._items:
       raise RegistryError(
           f"{self.what} {name!r} is already registered (by {self._origin[name]}."
-          f"{_qualname(self._items[name])}); {_module_of(obj)}.{_qualname(obj)} cannot take "
-          f"the name. Fix: give your {self.what} another name")
+          f"{_qualname(self._items[name])}); {module or _module_of(obj)}.{_qualname(obj)} "
+          f"cannot take the name. Fix: give your {self.what} another name")
     self._items[name] = obj
-    self._origin[name] = _module_of(obj)
+    self._origin[name] = module or _module_of(obj)
     return obj
 
   def unregister(self, name: str) -> None:

@@ -34,6 +34,7 @@ import jax
 from flax import nnx
 
 from moejax import chatter
+from moejax.config import ConfigError
 from moejax.config import plugins as plugins_lib
 from moejax.train import checkpoint as ckpt_lib
 from moejax.train import integrity
@@ -50,9 +51,19 @@ def run_config(workdir: str) -> ExperimentConfig:
                                 "directory. Fix: pass the --workdir of experiments.train (or a "
                                 "suite run directory DIR/<arm>[/seed_<s>])")
   # A plugin idea the run used must be registered before its config is built.
-  plugins_lib.load_record(workdir, say=lambda text: print(text, file=sys.stderr))
+  records = plugins_lib.load_record(workdir, say=lambda text: print(text, file=sys.stderr))
   with open(path, encoding="utf-8") as f:
-    return experiment_from_dict(json.load(f))
+    tree = json.load(f)
+  try:
+    return experiment_from_dict(tree)
+  except ConfigError as e:
+    if records or "is registered" not in e.problem:
+      raise
+    # A run made before its plugins were recorded: there is no config file to import them.
+    raise ConfigError(e.field, e.value, f"{e.problem} here, and {workdir} records no "
+                      f"{plugins_lib.PLUGINS_FILE}",
+                      "import the module that registers it before moejax.load (or put "
+                      "its folder on PYTHONPATH and import it)") from None
 
 
 def model_at(cfg: ExperimentConfig, workdir: str, step: Optional[int] = None):

@@ -83,8 +83,9 @@ def test_train_binary_trains_it_and_a_fresh_process_reads_the_run_back(tmp_path)
   rows = [json.loads(l) for l in (work / "metrics.jsonl").read_text().splitlines()]
   assert rows and rows[-1]["step"] == 6
   record = json.loads((work / "plugins.json").read_text())
-  assert [(r["name"], r["module"], pathlib.Path(r["file"]).name) for r in record] == [
-      ("cosine", "cosine_router", "cosine_router.py")]
+  assert [(r["module"], pathlib.Path(r["file"]).name, r["ideas"]) for r in record] == [
+      ("cosine_router", "cosine_router.py",
+       [{"registry": "router", "name": "cosine", "field": "model.moe.routing.kind"}])]
   assert len(record[0]["sha256"]) == 64
   # A process that never imported the plugin (another directory) reads the run: the
   # recorded module is imported from its file before the config is built.
@@ -101,8 +102,8 @@ def test_train_binary_trains_it_and_a_fresh_process_reads_the_run_back(tmp_path)
   out = _run(["-c", code.replace(str(work), str(broken))], cwd=tmp_path,
              env={"PYTHONPATH": str(ROOT)})
   assert out.returncode != 0
-  assert "PluginError: model.moe.routing.kind='cosine' is registered by the plugin module " \
-         "'gone_router'" in out.stderr
+  assert "PluginError: plugin module 'gone_router' (which registers router 'cosine') cannot " \
+         "be imported here" in out.stderr
 
 
 def test_ablate_runs_it_as_an_arm_with_budget_and_load_metrics(tmp_path):
@@ -124,6 +125,14 @@ def test_ablate_runs_it_as_an_arm_with_budget_and_load_metrics(tmp_path):
   assert "cosine" in summary["comparisons"]  # verdicts against the baseline
   result = json.loads((work / "cosine" / "result.json").read_text())
   assert [p["module"] for p in result["provenance"]["plugins"]] == ["cosine_router"]
+  # Each run records its own plugins; the summary lists them with the runs made with each.
+  topk = json.loads((work / "topk" / "result.json").read_text())
+  assert "plugins" not in topk["provenance"]
+  assert [(p["module"], p["runs"]) for p in summary["provenance"]["plugins"]] == [
+      ("cosine_router", [result["run"]])]
+  assert summary["provenance"]["plugin_flags"] == []
+  assert "- plugin `cosine_router` (router `cosine`): sha256 `" in (
+      work / "summary.md").read_text()
 
 
 def test_ep_moe_layer_runs_it_on_8_devices_like_one_device():
