@@ -21,6 +21,8 @@ import json
 import math
 import os
 import pathlib
+import stat
+import threading
 from typing import Any, Iterable, Mapping, Optional
 
 import numpy as np
@@ -198,3 +200,20 @@ def save_safetensors(state_dict: Mapping[str, Any], path: str | os.PathLike,
 
   arrays = {k: np.ascontiguousarray(to_numpy(v)) for k, v in state_dict.items()}
   save_file(arrays, str(path), metadata={"format": "pt", **(metadata or {})})
+  # safetensors writes a private temporary file (mode 0600) and renames it into place; the
+  # file gets the mode of any new file here instead (0666 less the umask: 0644 usually).
+  os.chmod(path, _new_file_mode(os.path.dirname(os.path.abspath(path))))
+
+
+def _new_file_mode(directory: str) -> int:
+  """The permission bits a file created in ``directory`` gets (the umask applied to 0666).
+
+  Found by creating one: reading the umask means setting it, for every thread at once.
+  """
+  probe = os.path.join(directory, f".moejax-mode-probe-{os.getpid()}-{threading.get_ident()}")
+  fd = os.open(probe, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o666)
+  try:
+    return stat.S_IMODE(os.fstat(fd).st_mode)
+  finally:
+    os.close(fd)
+    os.remove(probe)

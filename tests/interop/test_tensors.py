@@ -4,6 +4,8 @@ No torch: safetensors' numpy API writes and reads everything here.
 """
 
 import json
+import os
+import stat
 
 import ml_dtypes
 import numpy as np
@@ -118,3 +120,18 @@ def test_fp8_expert_weights_are_dequantised_on_import(tmp_path):
   block = import_moe_block(tmp_path / "model.safetensors", cfg, layer=0)
   want = q.astype(np.float32) * np.repeat(sd[key + "_scale_inv"], 2, axis=1)
   np.testing.assert_array_equal(block.params["experts"]["w_gate"][1], want.T)
+
+
+@pytest.mark.parametrize("umask", [0o022, 0o027])
+def test_a_saved_file_has_the_mode_of_any_new_file_not_safetensors_private_one(tmp_path,
+                                                                                 umask):
+  # safetensors writes a 0600 temporary file and renames it: the export's config.json
+  # was 0644 beside a 0600 model.safetensors.
+  previous = os.umask(umask)
+  try:
+    save_safetensors({"w": np.zeros((2, 3), np.float32)}, tmp_path / "model.safetensors")
+    (tmp_path / "config.json").write_text("{}")
+  finally:
+    os.umask(previous)
+  modes = {p.name: stat.S_IMODE(p.stat().st_mode) for p in tmp_path.iterdir()}
+  assert modes == {"model.safetensors": 0o666 & ~umask, "config.json": 0o666 & ~umask}
