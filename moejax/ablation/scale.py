@@ -28,7 +28,8 @@ experts grow as w^2, so the router-driven differences of ``granularity``
 and ``deepseekmoe`` shrink with scale). Integer factors keep every
 divisibility the configs check (heads, granularity, devices, micro-batches).
 The learning rate is not rescaled: every rung trains with the suite's
-optimizer settings (a sweep per rung is beyond a 2-core machine).
+optimizer settings (a learning-rate sweep per rung would multiply the
+suites' compute).
 
 Rungs (:data:`SCALES`; sizes of the small suite model in docs/ablations.md,
 printed by ``--budget_only``):

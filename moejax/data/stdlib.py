@@ -19,8 +19,8 @@ What goes in (decided once, so that results are comparable):
   or apps rather than library code (``distutils``, ``lib2to3``, ``idlelib``,
   ``turtledemo``, ``ensurepip``), so that the corpus changes little across
   Python versions. On CPython 3.11.7 that leaves 402 files, 8.2 MB (train
-  381 files, 7.9 MB; validation 21 files, 0.28 MB), prepared in ~10 s on
-  one core, 2.6 MB on disk.
+  381 files, 7.9 MB; validation 21 files, 0.28 MB), 2.6 MB on disk once
+  prepared.
 - one document per file: the UTF-8 bytes of its decoded text, with per-byte
   labels code/comment/docstring/string (``moejax/data/labels.py``);
 - files that do not decode, tokenize or parse under the running Python are

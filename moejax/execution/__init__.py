@@ -22,7 +22,8 @@ Entry points:
   class per dispatch unit, each holding a :mod:`~moejax.execution.transport`
   object; :func:`moejax.execution.parallel.prepare` picks them.
 
-See docs/execution.md for the contracts and the measured benchmark.
+See docs/execution.md for the contracts and the benchmark suites (their
+tables: docs/benchmarks.md).
 """
 
 # Nothing is imported eagerly: ``moejax.execution.registry`` must stay

@@ -25,7 +25,7 @@ output for unpermute to read back.
 The loop carries the full output, which XLA updates in place
 (dynamic-update-slice on a loop carry). Tile defaults:
 ``tiling.DEFAULT_TILE_M`` / ``tiling.DEFAULT_TILE_SMALL``, shared with the
-fused FFN (docs/execution.md has the measurements).
+fused FFN (the gmm benchmark suite, ``bench --suite=gmm``, chose them).
 """
 
 from __future__ import annotations
@@ -229,8 +229,9 @@ def blocked_gather_tgmm(lhs, grad: tuple, group_sizes, *, out_dtype, lhs_rows=No
 BACKEND = gmm_lib.Backend(
     name="blocked", gmm=blocked_gmm, tgmm=blocked_tgmm,
     needs="nothing (portable XLA; tuned for CPU)",
-    # auto's choice on CPU: docs/execution.md's grouped-matmul suite measures it
-    # ~46x faster than ragged_dot's dense masked matmul there; exact everywhere.
+    # auto's choice on CPU, where ragged_dot is a dense masked matmul over all
+    # G groups (G x the FLOPs); the gmm benchmark suite (bench --suite=gmm)
+    # compares the two. Exact everywhere.
     auto_on=("cpu",),
     gather_gmm=blocked_gather_gmm, scatter_gmm=blocked_scatter_gmm,
     gather_tgmm=blocked_gather_tgmm,

@@ -25,7 +25,8 @@ so the only [M, *] traffic is saving [a|b] ([M, 2f]) for the backward pass
 matmuls a dense FFN backward does, no recomputation.
 
 Per-tile and per-expert costs, not per-row cost, are what the loop structure
-is chosen for (profile in docs/execution.md, "Per-expert cost"):
+is chosen for (the profile benchmark suite, ``bench --suite=profile``, splits
+them by kind of instruction):
 
 * Remainder tiles run first, one ``fori_loop`` per size class over exactly
   the experts of that class (``ExpertTiles.by_class``): a size class costs
@@ -139,8 +140,8 @@ def _forward(activation, tm, ts, fine, params, x, w_rows, src_token, group_sizes
 
   A forward that is not differentiated (``_ffn``'s primal: inference,
   evaluation) does not write the [M, F1] pre-activations: at T=8192, K=8,
-  f=256 that is 128 MiB of freshly allocated memory per call, about a
-  quarter of the dense FFN's forward time on this CPU in page faults alone.
+  f=256 that is 128 MiB of freshly allocated memory per call, which the
+  operating system must fault in and zero before the first write.
   """
   t, d = x.shape
   m = src_token.shape[0]

@@ -17,7 +17,8 @@ kernel works on static shapes while skipping the work of absent rows:
   few static sizes (:func:`remainder_sizes`: grain multiples plus fine
   steps near the balanced group size), with the groups listed by size class
   so that one loop per class runs exactly its tiles: the fused FFN
-  (``fused.py``), whose per-tile cost makes a tile worth ~25 rows.
+  (``fused.py``), whose fixed per-tile cost makes a tile worth padding a
+  few dozen rows.
 * :func:`grid_tiles` keeps tiles on a fixed ``tm`` grid and visits a tile
   once per group that overlaps it (megablox): the Pallas kernels, whose
   BlockSpecs need tile-aligned row blocks.
@@ -30,16 +31,18 @@ import jax.numpy as jnp
 from flax import struct
 
 # Row tiles of the blocked gmm (:func:`group_tiles`): full tm-row tiles, then
-# the remainder of each group in ts-row tiles; docs/execution.md has the
-# measurements.
+# the remainder of each group in ts-row tiles. Larger tiles run the matmul
+# nearer its peak rate, smaller remainder tiles waste fewer padded rows; the
+# gmm benchmark suite (``bench --suite=gmm``) chose the pair.
 DEFAULT_TILE_M = 256
 DEFAULT_TILE_SMALL = 64
 # The fused FFN's tiles (:func:`expert_tiles`, sized by :func:`fused_tiles`):
 # at least 512-row tiles, up to FUSED_TILE_MAX when the balanced group is that
 # large, remainders in one tile of a multiple of the grain (64 rows, or tm/16).
-# Each tile costs a fixed ~0.4 ms on the 2-core CPU (weight-gradient
-# accumulator adds, per-op dispatch), so fewer, larger tiles win;
-# docs/execution.md has the measurements.
+# Each tile pays a fixed cost (weight-gradient accumulator adds, per-op
+# dispatch) on top of its rows, so fewer, larger tiles win until the padding
+# of the last tile outweighs it; the layer and scaling benchmark suites
+# (``bench --suite=layer``, ``--suite=scaling``) chose these values.
 FUSED_TILE_M = 512
 FUSED_TILE_MAX = 2048
 FUSED_TILE_GRAIN = 64
@@ -276,10 +279,10 @@ def fused_tiles(m: int, num_groups: int, tile_m: int | None = None,
   max(FUSED_TILE_GRAIN, tm / 16). Why: a tile's fixed cost (its
   weight-gradient accumulator adds and per-op dispatch) is paid per tile, so
   groups of >= 1024 rows (few experts, or many tokens) run fewer, larger
-  tiles; 2048-row tiles were 5-10% faster than 512-row ones at E=8, K=2,
-  f=1024 (T=8192) on the 2-core CPU. The grain grows with tm because every
-  multiple of it up to tm is a remainder size with its own compiled loop
-  (tm / 64 = 32 loops at 2048 doubled the compile time).
+  tiles (the layer suite's coarse shape, E=8, K=2, chose the upper bound).
+  The grain grows with tm because every multiple of it up to tm is a
+  remainder size with its own compiled loop: a fixed 64-row grain would
+  give 32 loops at tm = 2048 and so much longer compiles.
   """
   tm = tile_m
   if tm is None:

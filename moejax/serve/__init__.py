@@ -15,7 +15,8 @@ MoE and mixture-of-depths), :mod:`~moejax.serve.generate` (left-padded
 batches, the sampling loop), :mod:`~moejax.serve.sampling`,
 :mod:`~moejax.serve.tokenize`, :mod:`~moejax.serve.quantize` (int8 / int4
 expert weights) and :mod:`~moejax.topology.memory` (weight and KV-cache bytes
-of any config). docs/serving.md has the measurements.
+of any config). docs/serving.md is the guide; docs/benchmarks.md records the
+measurements.
 """
 
 from moejax.serve.decode import Decoder, check_decodable, serving_config, serving_model

@@ -217,8 +217,8 @@ class Progress:
   (``then_seconds``, measured on the suite's finished runs; before one has
   finished, estimated from this run: its start-up and compilation, its
   evaluations and the forward passes of each run's routing analysis,
-  ``after_passes`` of ``after_batches``). The parts are counted because on 2 CPU cores the
-  evaluation and analysis of a quick-suite run take as long as its training.
+  ``after_passes`` of ``after_batches``). The parts are counted because for a
+  short suite run the evaluation and analysis can take as long as its training.
   """
 
   def __init__(self, total_steps: int, out: TextIO = sys.stdout, enabled: bool = True,
