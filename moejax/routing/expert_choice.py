@@ -17,6 +17,17 @@ K = E_r slots per token, slot e is expert e, valid where expert e chose the
 token, weight = S[t, e] (the paper's gating; ``moe.routing.gating`` does not
 apply), times routed_scaling_factor.
 
+Which tokens an expert chooses among (``moe.routing.options.scope``):
+
+- ``group`` (default): the tokens of this call, one group per device under
+  expert parallelism (GShard's groups), so the expert-parallel layer equals
+  the single-device layer run on each device's share; T is the group's.
+- ``batch``: every token of the batch, through the routing context: the
+  scores of all devices are gathered, each expert takes its top C of the
+  N T tokens (C from N T), and each device keeps the choices that fall on its
+  own tokens, so the expert-parallel layer equals the single-device layer
+  on the whole batch. One device: the same as ``group``.
+
 Not causal: an expert's top-C is taken over all T tokens, future ones
 included. Route over shuffled or per-chunk token sets when that matters
 (Wang et al. 2408.15664 §5.2 saw leakage shrink the loss artificially).
@@ -25,18 +36,20 @@ included. Route over shuffled or per-chunk token sets when that matters
 from __future__ import annotations
 
 import dataclasses
-
 import math
+from typing import Optional
 
 import jax
 import jax.numpy as jnp
 
 from moejax.config import MoEConfig
 from moejax.routing.logits import router_logits
-from moejax.routing.types import RoutingResult, make_result
+from moejax.routing.types import RoutingContext, RoutingResult, make_result
 from moejax.routing.scores import probs_from_scores, scores
 from moejax.routing.spec import RouterSpec, register
-from moejax.config.core import check_positive
+from moejax.config.core import check_choice, check_positive
+
+SCOPES = ("group", "batch")
 
 
 def tokens_per_expert(num_tokens: int, num_experts: int, capacity: float) -> int:
@@ -45,34 +58,59 @@ def tokens_per_expert(num_tokens: int, num_experts: int, capacity: float) -> int
   return max(1, min(num_tokens, c))
 
 
-def select_expert_choice(logits: jax.Array, cfg: MoEConfig) -> RoutingResult:
-  """Expert-choice decision from logits f[T, E_r]; K = E_r slots per token."""
+def select_expert_choice(logits: jax.Array, cfg: MoEConfig,
+                         context: Optional[RoutingContext] = None) -> RoutingResult:
+  """Expert-choice decision from logits f[T, E_r]; K = E_r slots per token.
+
+  ``context`` (scope ``batch``): the batch these T tokens belong to; the
+  experts choose among all of its tokens (default: these T alone).
+  """
   rc = cfg.routing
   t, e = logits.shape
   s = scores(logits, rc.score_fn)
-  cap = tokens_per_expert(t, e, rc.opts.capacity)
-  _, tok = jax.lax.top_k(s.T, cap)  # [E_r, C] tokens chosen by each expert
-  chosen = jnp.zeros((e, t), bool).at[jnp.arange(e)[:, None], tok].set(True)
+  if rc.opts.scope == "batch" and context is not None and context.axis_names:
+    chosen = _choose_over_batch(jax.lax.stop_gradient(s), rc.opts.capacity, context)
+  else:
+    cap = tokens_per_expert(t, e, rc.opts.capacity)
+    _, tok = jax.lax.top_k(s.T, cap)  # [E_r, C] tokens chosen by each expert
+    chosen = jnp.zeros((e, t), bool).at[jnp.arange(e)[:, None], tok].set(True)
   valid = chosen.T  # [T, E_r]
   ids = jnp.broadcast_to(jnp.arange(e, dtype=jnp.int32), (t, e))
   return make_result(ids, s * rc.routed_scaling_factor, valid,
                      probs_from_scores(s, rc.score_fn), logits)
 
 
+def _choose_over_batch(s: jax.Array, capacity: float, context: RoutingContext) -> jax.Array:
+  """bool[E_r, T]: expert e chose local token t among the top C of the whole batch."""
+  t, e = s.shape
+  every = context.gather(s)  # [N T, E_r], global token order
+  cap = tokens_per_expert(context.num_tokens, e, capacity)
+  _, tok = jax.lax.top_k(every.T, cap)  # [E_r, C] global token indices
+  local = tok - context.token_offset()
+  mine = (local >= 0) & (local < t)
+  # Choices on other devices' tokens land out of range and are dropped.
+  return jnp.zeros((e, t), bool).at[jnp.arange(e)[:, None], jnp.where(mine, local, t)].set(
+      True, mode="drop")
+
+
 def route_expert_choice(params, x, bias, cfg: MoEConfig, *, token_ids=None, rng=None,
-                        train=False) -> RoutingResult:
+                        train=False, context: Optional[RoutingContext] = None) -> RoutingResult:
   del bias, token_ids
-  return select_expert_choice(router_logits(params["w"], x, cfg.routing, rng, train), cfg)
+  return select_expert_choice(router_logits(params["w"], x, cfg.routing, rng, train), cfg,
+                              context)
 
 
 @dataclasses.dataclass(frozen=True)
 class ExpertChoiceOptions:
-  """capacity: c in C = T c / E_r tokens per expert (experts per token on average)."""
+  """capacity: c in C = T c / E_r tokens per expert (experts per token on average);
+  scope: ``group`` (among this device's tokens) or ``batch`` (among the whole batch's)."""
 
   capacity: float = 2.0
+  scope: str = "group"
 
   def __post_init__(self):
     check_positive("moe.routing.options.capacity", self.capacity)
+    check_choice("moe.routing.options.scope", self.scope, SCOPES)
 
 
 class ExpertChoice(RouterSpec):
@@ -81,6 +119,7 @@ class ExpertChoice(RouterSpec):
   name = "expert_choice"
   Options = ExpertChoiceOptions
   token_choice = False
+  batch_wide = True  # an expert's choice reads every token it chooses among
   causal = False
   why_not_causal = "expert choice lets each expert pick its top tokens over the whole sequence"
 
@@ -94,8 +133,9 @@ class ExpertChoice(RouterSpec):
     # and in all E at most.
     return cfg.routing.opts.capacity, float(cfg.num_experts)
 
-  def route(self, params, x, bias, cfg, *, token_ids, rng, train):
-    return route_expert_choice(params, x, bias, cfg, token_ids=token_ids, rng=rng, train=train)
+  def route(self, params, x, bias, cfg, *, token_ids, rng, train, context):
+    return route_expert_choice(params, x, bias, cfg, token_ids=token_ids, rng=rng, train=train,
+                               context=context)
 
 
 register(ExpertChoice())

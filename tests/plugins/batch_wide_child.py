@@ -9,6 +9,9 @@ Groups (tests/parallel/children.py prints ``OK <group>`` / ``FAILED <group>``):
   the same rule run on each device's share alone does not.
 * ``sbase``: the shipped S-BASE router, in training (Sinkhorn, batch-wide) and
   in evaluation (greedy), the same way.
+* ``expert_choice``: the shipped expert choice with ``scope='batch'`` (each
+  expert's top C among every token of the batch) the same way; ``group``
+  (per device) is tests/parallel/test_ep.py's per-shard case.
 * ``refused``: ``balanced_sinkhorn_local`` declares ``expert_parallel=False``:
   ``ep_moe_layer`` refuses it in one line naming the router and the
   capability, before its route() ever runs.
@@ -61,16 +64,16 @@ def _differs_per_shard(cfg, params, x, ids, state, y0, aux0, train, what):
   """Each device's share routed alone gives another decision (the check is not vacuous)."""
   if not train:
     raise AssertionError("per-shard routing is checked in training")
-  ys, auxs = [], []
+  auxs = []
   for xs, i in zip(np.split(np.asarray(x), N), np.split(np.asarray(ids), N)):
-    y, aux = L.moe_layer(params, jnp.asarray(xs), state, cfg, token_ids=jnp.asarray(i),
+    _, aux = L.moe_layer(params, jnp.asarray(xs), state, cfg, token_ids=jnp.asarray(i),
                          train=True)
-    ys.append(y)
-    auxs.append(aux.routing.expert_ids)
-  local_ids = np.concatenate(auxs)
-  assert not np.array_equal(local_ids, aux0.routing.expert_ids), what
-  print(f"  {what}: {int((local_ids != np.asarray(aux0.routing.expert_ids)).sum())} slots "
-        "differ when each device routes its share alone", flush=True)
+    auxs.append(np.where(aux.routing.valid, aux.routing.expert_ids, -1))
+  local = np.concatenate(auxs)
+  whole = np.where(aux0.routing.valid, aux0.routing.expert_ids, -1)
+  assert not np.array_equal(local, whole), what
+  print(f"  {what}: {int((local != whole).sum())} slots differ when each device routes its "
+        "share alone", flush=True)
 
 
 def group_plugin():
@@ -86,6 +89,13 @@ def group_sbase():
   _differs_per_shard(cfg, *out, True, "sbase train")
   _equal_to_one_device(cfg, False, "sbase eval")
   print("  ok sbase (train: Sinkhorn over the batch; eval: greedy)", flush=True)
+
+
+def group_expert_choice():
+  cfg = _cfg(dict(kind="expert_choice", options=dict(capacity=2.0, scope="batch")))
+  out = _equal_to_one_device(cfg, True, "expert_choice batch")
+  _differs_per_shard(cfg, *out, True, "expert_choice batch")
+  print("  ok expert_choice scope=batch", flush=True)
 
 
 def group_refused():
@@ -106,7 +116,8 @@ def group_refused():
   assert sinkhorn_router.BalancedSinkhornLocal.calls == 0
 
 
-GROUPS = {"plugin": group_plugin, "sbase": group_sbase, "refused": group_refused}
+GROUPS = {"plugin": group_plugin, "sbase": group_sbase, "expert_choice": group_expert_choice,
+          "refused": group_refused}
 
 if __name__ == "__main__":
   sys.exit(children.run_groups(GROUPS, sys.argv[1:] or list(GROUPS)))

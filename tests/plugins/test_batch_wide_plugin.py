@@ -6,7 +6,8 @@ through the RoutingContext. On 8 simulated CPU devices (a child process,
 tests/plugins/batch_wide_child.py; the device count is fixed when JAX starts)
 ``ep_moe_layer`` must equal the single-device layer on the whole batch
 (outputs, loads, losses, metrics, routing, gradients), and so must the
-shipped S-BASE in training and evaluation; the same rule declaring
+shipped S-BASE in training and evaluation and expert choice with
+``scope='batch'``; the same rule declaring
 ``expert_parallel=False`` is refused in one line before it runs.
 """
 
@@ -17,7 +18,7 @@ import pytest
 from tests.parallel import children
 
 CHILD = pathlib.Path(__file__).with_name("batch_wide_child.py")
-GROUPS = ("plugin", "sbase", "refused")
+GROUPS = ("plugin", "sbase", "expert_choice", "refused")
 
 
 @pytest.fixture(scope="module")

@@ -72,3 +72,44 @@ def test_each_expert_gets_exactly_its_capacity(t, e, c, score_fn, seed):
   for ex in range(e):
     chosen, rest = s[valid[:, ex], ex], s[~valid[:, ex], ex]
     assert rest.size == 0 or chosen.min() >= rest.max()
+
+
+def test_scope_batch_chooses_among_the_whole_split_batch_scope_group_per_shard():
+  """4 shards of 4 tokens over a named axis: 'batch' = the 16 together, 'group' = each alone."""
+  import jax
+  import jax.numpy as jnp
+  from moejax.routing import ROUTERS
+  from moejax.routing.types import RoutingContext
+  # Expert 0 likes the first shard's tokens best: a batch-wide choice takes them all.
+  logits = random_logits(5, 16, 4) + jnp.zeros((16, 4)).at[:4, 0].set(10.0)
+  shards = logits.reshape(4, 4, 4)
+  cfgs = {scope: make_cfg(num_experts=4, kind="expert_choice", capacity=1.0, scope=scope)
+          for scope in ("batch", "group")}
+  whole = select_expert_choice(logits, cfgs["batch"])
+  for a, b in zip(jax.tree.leaves(whole), jax.tree.leaves(select_expert_choice(
+      logits, cfgs["group"]))):
+    np.testing.assert_array_equal(a, b)  # one device: the scopes agree
+
+  def split(scope):
+    r = jax.vmap(lambda z: select_expert_choice(z, cfgs[scope], RoutingContext.build(
+        4, "shard")), axis_name="shard")(shards)
+    return jax.tree.map(lambda a: a.reshape((16,) + a.shape[2:]), r)
+
+  for a, b in zip(jax.tree.leaves(split("batch")), jax.tree.leaves(whole)):
+    np.testing.assert_array_equal(a, b)
+  valid = np.asarray(whole.valid)
+  assert valid[:4, 0].all() and valid.sum(0).tolist() == [4] * 4
+  group = np.asarray(split("group").valid).reshape(4, 4, 4)  # each shard alone, C = 1
+  alone = jax.vmap(lambda z: select_expert_choice(z, cfgs["group"]))(shards)
+  np.testing.assert_array_equal(group, alone.valid)
+  assert group.sum(1).tolist() == [[1] * 4] * 4
+  spec = ROUTERS.get("expert_choice")
+  assert spec.batch_wide and spec.reads_context and spec.why_not_expert_parallel == ""
+
+
+def test_scope_is_checked():
+  import pytest
+  from moejax import config as C
+  with pytest.raises(C.ConfigError, match=r"^moe\.routing\.options\.scope='sequence': unknown "
+                                          r"value\. Fix: use one of group, batch"):
+    make_cfg(kind="expert_choice", scope="sequence")
