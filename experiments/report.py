@@ -63,9 +63,10 @@ def _fail(msg: str):
   sys.exit(1)
 
 
-def _new_summaries(args) -> dict:
-  from moejax.ablation import summary  # pylint: disable=g-import-not-at-top
-  pending = {}
+def _new_summaries(args) -> tuple[dict, dict]:
+  """({id: summary}, {id: re-check record}) of the RESULT_DIR arguments."""
+  from moejax.ablation import recheck, summary  # pylint: disable=g-import-not-at-top
+  pending, records = {}, {}
   for arg in args:
     sid, _, path = arg.rpartition("=") if "=" in arg else ("", "", arg)
     if not os.path.isdir(path):
@@ -76,8 +77,15 @@ def _new_summaries(args) -> dict:
       _fail(str(e))
     # As results/ID.json will hold it (sorted keys: the MDD line lists metrics in that order),
     # so that rendering from memory equals rendering from the written file.
-    pending[sid or summ["suite"]] = json.loads(json.dumps(summ, sort_keys=True))
-  return pending
+    sid = sid or summ["suite"]
+    pending[sid] = json.loads(json.dumps(summ, sort_keys=True))
+    record = recheck.make_record(sid, path, pending[sid])
+    if record is None:
+      print(f"{sid}: {path} has no first steps of its runs (a suite run before re-check "
+            "records): no record; its block keeps the file rule", file=sys.stderr)
+    else:
+      records[sid] = json.loads(json.dumps(record, sort_keys=True))
+  return pending, records
 
 
 def _notebooks() -> None:
@@ -95,9 +103,14 @@ def main(argv):
                          "and no --results_dir")
   if not os.path.isdir(_SUMMARIES.value):
     _fail(f"--summaries={_SUMMARIES.value}: not a directory (the committed results/ folder)")
-  pending = _new_summaries(argv[1:])
+  from moejax.ablation import recheck  # pylint: disable=g-import-not-at-top
+  pending, new_records = _new_summaries(argv[1:])
   summaries = report.load_summaries(_SUMMARIES.value)
   summaries.update(pending)
+  records = recheck.load_records(_SUMMARIES.value)
+  for sid in pending:  # a re-run replaces the block's record, or drops one it no longer has
+    records.pop(sid, None)
+  records.update(new_records)
   if os.path.exists(_OUT.value):
     with open(_OUT.value, encoding="utf-8") as f:
       text = f.read()
@@ -116,12 +129,14 @@ def main(argv):
     os.makedirs(_RESULTS.value, exist_ok=True)
     for sid, summ in pending.items():
       print(f"{sid}: {summary.write_json(summ, os.path.join(_RESULTS.value, sid + '.json'))}")
+      if sid in new_records:
+        print(f"{sid}: {recheck.write_record(new_records[sid], recheck.record_path(_RESULTS.value, sid))}")
     for sid in shown:
       for path in images.write(sid, summaries[sid], images_dir):
         print(f"{sid}: drew {path}")
   try:
     new = report.render(text, summaries, base.replace(os.sep, "/"),
-                        unplotted=() if _RESULTS.value else set(pending))
+                        unplotted=() if _RESULTS.value else set(pending), records=records)
   except report.ReportError as e:
     _fail(f"{_OUT.value}: {e}")
   bad = [p for sid in shown if _RESULTS.value or sid not in pending

@@ -25,14 +25,20 @@ validation-loss MDD. A block id ``trend.SUITE`` renders how the suite's
 differences move from scale s to m (and l): ``results/SUITE.json`` next to
 ``SUITE@m.json`` (:mod:`moejax.ablation.trend`).
 
-Every summary block starts with its freshness line: the code fingerprint its
-runs recorded against this checkout's (:mod:`moejax.ablation.freshness`):
+Every summary block starts with its freshness line. A block with a re-check
+record (``results/recheck/ID.json``, :mod:`moejax.ablation.recheck`) is
+judged by its numbers: ``current`` when its first steps retrained bit for bit
+at this checkout's code (or the code is the runs' own), **stale** when they
+did not or when code the first steps cannot reach changed, **re-check due**
+when the code changed since the last ``python -m experiments.recheck``. A
+block without a record keeps the file rule: the code fingerprint its runs
+recorded against this checkout's (:mod:`moejax.ablation.freshness`):
 ``current``, **stale** (naming the parts of the code that changed since) or
-**unverified** (no fingerprint recorded); the overview marks the suite the
+**unverified** (no fingerprint recorded). The overview marks the suite the
 same way and a trend block says when it is built from such summaries. As the
 committed RESULTS.md must equal what the summaries generate, a change of the
-code that computes numbers fails that check until RESULTS.md is regenerated
-(and so says which blocks are stale) or the suites are re-run.
+code that computes numbers fails that check until the re-check has run and
+RESULTS.md is regenerated.
 
 A summary that does not exist yet renders as a "pending re-run" line (a
 block) or ``(pending)`` (a value), so a section whose suite has not been
@@ -49,7 +55,7 @@ import os
 import re
 from typing import Collection, Mapping, Optional
 
-from moejax.ablation import freshness, images, tables, trend
+from moejax.ablation import freshness, images, recheck, tables, trend
 
 BLOCK = re.compile(r"(<!-- moejax:generated (?P<id>[\w@.+-]+) -->\n)(?P<body>.*?)"
                    r"(<!-- moejax:end (?P=id) -->)", re.S)
@@ -122,51 +128,77 @@ def stale_parts(summary: Mapping, code=_NOW) -> Optional[list[str]]:
   return freshness.changed_parts((summary.get("provenance") or {}).get("code"), now)
 
 
-def freshness_line(summary: Mapping, code=_NOW) -> str:
-  """The block's first line: does its code fingerprint match the checkout's?"""
+def block_state(summary: Mapping, record: Optional[Mapping], code=_NOW) -> tuple[str, str]:
+  """``(state, first line)`` of a block: from its re-check record when it has one
+  (:func:`moejax.ablation.recheck.freshness`), else the file rule. state: ``current``,
+  ``stale``, ``unverified``, ``due`` (re-check due) or ``machine``."""
+  code = freshness.current() if code is _NOW else code
+  got = recheck.freshness(record, code)
+  if got is not None:
+    return got
   parts = stale_parts(summary, code)
   recorded = (summary.get("provenance") or {}).get("code") or []
   if parts == []:
-    return (f"- code: current (fingerprint `{recorded[0]['fingerprint']}` of the code that "
-            "computes numbers; moejax.ablation.freshness)\n")
+    return ("current", f"- code: current (fingerprint `{recorded[0]['fingerprint']}` of the "
+            "code that computes numbers; moejax.ablation.freshness)\n")
   if parts is None:
-    return ("- **unverified**: this summary records no fingerprint of the code that ran it "
-            "(runs from an uncommitted tree, or before fingerprints), so whether its numbers "
-            "come out of the current code is not known; re-run the command below to verify\n")
-  return (f"- **stale**: code that computes numbers has changed since these runs "
-          f"({', '.join(parts)}), so the numbers below may not come out of the current code; "
-          "re-run the command below and regenerate (docs/ablations.md, Fresh results)\n")
+    return ("unverified", "- **unverified**: this summary records no fingerprint of the code "
+            "that ran it (runs from an uncommitted tree, or before fingerprints), so whether its "
+            "numbers come out of the current code is not known; re-run the command below to "
+            "verify\n")
+  return ("stale", f"- **stale**: code that computes numbers has changed since these runs "
+          f"({', '.join(parts)}), and they predate re-check records, so the numbers below may "
+          "not come out of the current code; re-run the command below and regenerate "
+          "(docs/ablations.md, Fresh results)\n")
+
+
+def freshness_line(summary: Mapping, code=_NOW, record: Optional[Mapping] = None) -> str:
+  """The block's first line (:func:`block_state`)."""
+  return block_state(summary, record, code)[1]
+
+
+def _flag(state: str) -> str:
+  return {"current": "", "due": " (re-check due)"}.get(state, f" ({state})")
+
+
+def default_records() -> dict[str, dict]:
+  """The committed re-check records (``results/recheck/*.json`` of this checkout)."""
+  return recheck.load_records(os.path.join(os.path.dirname(os.path.dirname(
+      os.path.dirname(os.path.abspath(__file__)))), "results"))
 
 
 def render(text: str, summaries: Mapping[str, Mapping], plots_base: str = "results/plots",
-           unplotted: Collection[str] = (), code=_NOW) -> str:
+           unplotted: Collection[str] = (), code=_NOW, records=_NOW) -> str:
   """``text`` with every generated block and inline value regenerated (see the module doc).
 
   ``plots_base``: where the blocks' images are, relative to ``text``'s file;
   ``unplotted``: summaries whose images this run did not draw (:func:`block_images`);
   ``code``: the checkout's code fingerprint that blocks are checked against (default: this
-  checkout's, :func:`moejax.ablation.freshness.current`).
+  checkout's, :func:`moejax.ablation.freshness.current`); ``records``: ``{id: re-check
+  record}`` (default: :func:`default_records`).
   """
   code = freshness.current() if code is _NOW else code
+  records = default_records() if records is _NOW else (records or {})
   order = block_ids(text)
 
   def block(m):
     sid = m.group("id")
     if sid == OVERVIEW:
       body = overview([i for i in order if i != OVERVIEW and not i.startswith(trend.PREFIX)],
-                      summaries, code)
+                      summaries, code, records)
     elif sid.startswith(trend.PREFIX):
       try:
         body = trend.trend_markdown(sid[len(trend.PREFIX):], summaries)
       except ValueError as e:
         raise ReportError(f"block {sid}: {e}") from e
       rungs = [i for i in trend.rung_ids(sid[len(trend.PREFIX):]).values() if i in summaries]
-      old = [i for i in rungs if stale_parts(summaries[i], code) != []]
+      old = [i for i in rungs
+             if block_state(summaries[i], records.get(i), code)[0] != "current"]
       if old:
         body += (f"\n*Built from summaries that are stale or unverified ({', '.join(old)}): "
                  "see their blocks.*\n")
     elif sid in summaries:
-      body = (freshness_line(summaries[sid], code) + tables.section_markdown(summaries[sid])
+      body = (freshness_line(summaries[sid], code, records.get(sid)) + tables.section_markdown(summaries[sid])
               + block_images(sid, summaries[sid], plots_base, sid not in unplotted))
     else:
       body = PENDING.format(id=sid)
@@ -207,7 +239,7 @@ def _verdicts(summary: Mapping, metric: str) -> str:
   return "; ".join(parts)
 
 
-def overview(ids, summaries: Mapping[str, Mapping], code=_NOW) -> str:
+def overview(ids, summaries: Mapping[str, Mapping], code=_NOW, records=None) -> str:
   """The overview table (see the module doc); pending rows for summaries not there yet,
   ``(stale)`` / ``(unverified)`` after a suite whose code changed since its runs."""
   lines = ["| suite | seeds | baseline | val loss vs baseline | MaxVio global vs baseline "
@@ -220,8 +252,7 @@ def overview(ids, summaries: Mapping[str, Mapping], code=_NOW) -> str:
     counts = sorted(set((s.get("seed_counts") or {}).values()))
     mdd = (s.get("mdd") or {}).get("val_loss")
     mdd_s = "n/a" if not mdd or mdd["value"] is None else tables.fmt(mdd["value"])
-    parts = stale_parts(s, code)
-    flag = "" if parts == [] else " (unverified)" if parts is None else " (stale)"
+    flag = _flag(block_state(s, (records or {}).get(sid), code)[0])
     lines.append(f"| {sid}{flag} | {'/'.join(map(str, counts))} | {s.get('baseline')} | "
                  f"{_verdicts(s, 'val_loss')} | {_verdicts(s, 'max_vio_global')} | {mdd_s} |")
   return "\n".join(lines) + "\n"

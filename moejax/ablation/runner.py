@@ -53,6 +53,7 @@ from moejax.ablation import analysis as analysis_lib
 from moejax.ablation import budget as budget_lib
 from moejax.ablation import final_eval
 from moejax.ablation import provenance
+from moejax.ablation import recheck
 from moejax.ablation import scale as scale_lib
 from moejax.ablation import sources as sources_lib
 from moejax.ablation.suite import Suite
@@ -306,12 +307,12 @@ def run_suite(suite: Suite, workdir: str, *, out: TextIO = sys.stdout,
     # The trainer also shows the suite's ETA (the steps of the runs after this one), its
     # final evaluation is the runner's (final_eval.evaluate_state, kept in `hook`), and
     # arms that fine-tune start from their source (finetune_start).
-    train_fn = lambda exp, path, out, eta, hook: loop.train(
+    train_fn = lambda exp, path, out, eta, hook, probe=None: loop.train(
         exp, path, out=out, extend=extend, suite=eta, final_eval=hook, start=finetune_start,
-        take_over_lock=take_over_lock)
+        take_over_lock=take_over_lock, probe=probe)
   else:
     custom = train_fn
-    train_fn = lambda exp, path, out, eta, hook: custom(exp, path, out=out)
+    train_fn = lambda exp, path, out, eta, hook, probe=None: custom(exp, path, out=out)
   say = lambda text: print(text, file=out, flush=True)
   b = check_suite(suite, out)  # raises before anything is written
   from moejax.data import fingerprint as fingerprint_lib  # pylint: disable=g-import-not-at-top
@@ -389,7 +390,8 @@ def _train_runs(suite, workdir, b, plan, train_fn, analyse_runs, say, out, corpu
     say(f"{tag}: training ({arm.name}, seed {seed}); {len(after)} more run(s) after it{left}")
     t0, c0 = time.perf_counter(), time.process_time()
     hook = _FinalEvalHook(exp)
-    summary = train_fn(exp, path, out, eta, hook)
+    summary = train_fn(exp, path, out, eta, hook,
+                       recheck.first_steps_probe(path) if seed == suite.seeds[0] else None)
     t_trained, c_trained = time.perf_counter(), time.process_time()
     res = {"suite": suite.name, "arm": arm.name, "seed": seed, "run": rel, "scale": suite.scale,
            "budget": b[arm.name].as_dict(), "train_summary": summary,

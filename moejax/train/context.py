@@ -20,6 +20,10 @@ the trainer's business only through two small protocols, so that
 
 A config with ``finetune.source`` set and no hook is refused
 (:func:`check_start`) rather than silently trained from scratch.
+
+A :class:`Probe` reads a fresh run's first steps back one by one, exactly
+as they trained: the results re-check (moejax.ablation.recheck) records
+them with a suite's runs and later re-trains them to compare bit for bit.
 """
 
 from __future__ import annotations
@@ -27,10 +31,12 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Callable, Optional, Protocol
 
+import jax
 import optax
 
 from moejax.config import ConfigError
 from moejax.train import checkpoint as ckpt_lib
+from moejax.train import layer_load
 from moejax.train import metrics_log
 from moejax.train.config import ExperimentConfig
 
@@ -43,6 +49,39 @@ class InitialState(Protocol):
 
   def describe(self) -> str:
     """Where the state comes from, for the ``initialised from ...`` line."""
+
+
+@dataclasses.dataclass
+class Probe:
+  """The first ``steps`` training steps of a fresh run, read back one by one.
+
+  Each step's metrics (:func:`moejax.train.layer_load.host_row`: loss,
+  MaxVio, per-layer loads, ...) are appended to ``rows`` as the step ends;
+  reading them back changes nothing the step computes. ``stop``: end the
+  run after those steps (a re-check), without evaluating, checkpointing or
+  logging them; otherwise the run trains on. ``on_full``: called once with
+  the rows when the last of them is in (a suite run writes them beside the
+  run then, so a run killed later still has them). A resumed run is not
+  probed: its first steps trained in an earlier process.
+  """
+
+  steps: int
+  stop: bool = False
+  on_full: Optional[Callable[[list], None]] = None
+  rows: list = dataclasses.field(default_factory=list)
+
+  def after_step(self, step: int, metrics: Any, run_steps: int) -> bool:
+    """Records step ``step`` (1-based) of a run of ``run_steps`` if probed; True when the
+    run should end here. A run shorter than ``steps`` is probed whole."""
+    last = min(self.steps, run_steps)
+    if step > last or len(self.rows) != step - 1:
+      return False
+    self.rows.append(layer_load.host_row(jax.device_get(metrics)))
+    if step == last:
+      if self.on_full is not None:
+        self.on_full(list(self.rows))
+      return self.stop
+    return False
 
 
 class StartHook(Protocol):
@@ -97,6 +136,7 @@ class RunContext:
       source), or None (the initialisation itself).
     stop: the run's :class:`moejax.train.preempt.Preemption` (asked after every
       step whether a signal ends the run there), or None (no signal handling).
+    probe: the :class:`Probe` reading back a fresh run's first steps, or None.
   """
 
   cfg: ExperimentConfig
@@ -114,3 +154,4 @@ class RunContext:
   final_eval: Optional[Callable] = None
   initial: Optional[InitialState] = None
   stop: Any = None
+  probe: Optional[Probe] = None

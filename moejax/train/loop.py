@@ -65,7 +65,7 @@ from moejax.train import profiling
 from moejax.train import step as step_lib
 from moejax.train import write_failure
 from moejax.train.config import ExperimentConfig, check_capacity, drop_warning
-from moejax.train.context import RunContext, StartHook, check_start
+from moejax.train.context import Probe, RunContext, StartHook, check_start
 from moejax.train.optim import make_optimizer
 
 # Key of the checkpoint's data item holding the metric rows logged since the
@@ -198,7 +198,7 @@ def _mean_rows(rows: list[dict]) -> dict[str, float]:
 
 def train(cfg: ExperimentConfig, workdir: str, *, out: TextIO = sys.stdout,
           extend: bool = False, suite: Optional[metrics_log.SuiteEta] = None,
-          final_eval: Optional[Callable] = None,
+          final_eval: Optional[Callable] = None, probe: Optional[Probe] = None,
           start: Optional[StartHook] = None, take_over_lock: bool = False) -> dict:
   """Trains (or resumes) the run in ``workdir``; returns a summary dict.
 
@@ -223,6 +223,8 @@ def train(cfg: ExperimentConfig, workdir: str, *, out: TextIO = sys.stdout,
       a run from scratch ignores it.
     take_over_lock: take over a lock left by a run on another host whatever
       its heartbeat's age (``--take_over_lock``; :mod:`moejax.train.lock`).
+    probe: reads a fresh run's first steps back (:class:`moejax.train.context.Probe`);
+      with ``probe.stop`` the run ends there, returning ``{"step", "probed_rows"}``.
 
   Returns:
     ``{"step", "train_loss", "val_loss", "unigram_baseline",
@@ -306,7 +308,7 @@ def train(cfg: ExperimentConfig, workdir: str, *, out: TextIO = sys.stdout,
     ctx = RunContext(cfg=cfg, workdir=workdir, graphdef=graphdef, tx=tx, restored=restored,
                      train_it=train_it, val_docs=val_docs, ckpt=ckpt, writer=writer,
                      progress=progress, say=say, layout=layout, final_eval=final_eval,
-                     initial=initial, stop=stop)
+                     initial=initial, stop=stop, probe=None if restored else probe)
     try:
       step = _run(ctx)
     except guard.NonFiniteError as e:
@@ -323,6 +325,8 @@ def train(cfg: ExperimentConfig, workdir: str, *, out: TextIO = sys.stdout,
       write_failure.finish(ckpt, writer, failing=sys.exc_info()[0] is not None)
     _history(workdir, "preempted" if stop.signum else "end", step=step,
              train_seconds=progress.train_seconds)
+  if probe is not None and probe.stop and restored is None:
+    return {"step": step, "probed_rows": list(probe.rows)}
   if stop.signum:  # the lock is released, the checkpoint of `step` complete
     raise stop.preempted(step, os.path.join(workdir, ckpt_lib.CHECKPOINT_DIR))
   _sync("moejax_train_end")  # process 0 has written the last rows that report() reads
@@ -474,6 +478,8 @@ def _run(ctx: RunContext) -> int:
     state, metrics = train_step(state, put_batch(batch))
     step += 1
     pending.append(metrics)
+    if ctx.probe is not None and ctx.probe.after_step(step, metrics, tc.steps):
+      break  # a re-check's last step: nothing of it is logged, evaluated or saved
     # A signal: this step is the last, checkpointed (every process stops at the same step).
     stop = ctx.stop is not None and step < tc.steps and ctx.stop.should_stop(step)
     if compiled:

@@ -1,0 +1,476 @@
+"""Is a committed result still what the code computes? Its first steps, re-trained bit for bit.
+
+Legend: N probed steps of a run, A arms of a suite.
+
+A suite run reads back the first N training steps of the first seed of every
+arm (and of the suite's source) one by one (:class:`moejax.train.context.Probe`)
+and writes them beside the run (``first_steps.json``). ``experiments.report
+ID=DIR --results_dir results`` keeps them as the block's **record**,
+``results/recheck/ID.json`` (:func:`make_record`): per arm the full-precision
+values of a fixed set of keys (:func:`recorded_keys`: loss, MaxVio, the
+per-layer loads; keys added later do not count), the arm's resolved config,
+its learning-rate schedule over the whole run, and the environment that
+made them, the machine kind included (:func:`environment`: CPU model and the
+instruction-set features XLA's CPU code generator targets, XLA flags, JAX
+and jaxlib versions, devices).
+
+:func:`recheck` re-trains those N steps at the current code and compares:
+
+- on the record's machine kind, equal values mean **current** for the code
+  those steps run; any difference means **stale**, naming the first arm,
+  key and step that differ;
+- on another machine kind the code XLA generates differs, so the numbers
+  may differ with correct code: the re-check never says stale there, it
+  reports the step where the curves part and how far (``machine``).
+
+What N steps cannot reach keeps the file rule, narrowed to it: the arms'
+configs (the schedule's tail, bias freeze steps and evaluation cadence are
+config fields, compared field by field; fields added later do not count),
+the learning-rate schedule's values over every step, and the code of the
+final evaluation, the analyses and the statistics (:data:`UNREACHED`), plus
+fine-tuning code for suites whose arms fine-tune from the suite's source
+(those arms are not re-trained; their source is). :func:`freshness` turns a
+record and the checkout into the block's status line.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import io
+import json
+import math
+import os
+import platform
+import tempfile
+from typing import Any, Mapping, Optional, Sequence
+
+from moejax.ablation import freshness as files_lib
+
+FORMAT = 1
+FIRST_STEPS_FILE = "first_steps.json"
+RECORD_DIR = "recheck"
+# Enough steps for the bias controller and Adam's moments to act on the routing;
+# few enough that re-checking every block fits a slow test.
+STEPS = 8
+SOURCE_ARM = "(source)"
+_KEYS = ("loss", "max_vio_batch")
+_LOAD_PREFIX = "load/"
+# Code that the first steps do not run: a change here is judged by the file rule.
+UNREACHED = ("moejax/evaluate/", "moejax/ablation/final_eval.py", "moejax/ablation/analysis.py",
+             "moejax/ablation/stats.py", "moejax/ablation/summary.py",
+             "moejax/ablation/speedup.py", "moejax/ablation/columns.py",
+             "moejax/ablation/budget.py", "moejax/ablation/merge.py")
+FINETUNE_CODE = ("moejax/finetune/",)
+# The x86 features that select XLA:CPU's vector code (lower targets: fewer of them).
+_ISA = ("sse4_1", "sse4_2", "avx", "avx2", "fma", "f16c", "avx512f", "avx512dq", "avx512bw",
+        "avx512vl", "avx512cd", "avx512_vnni", "avx512_bf16", "avx512_fp16", "avx_vnni",
+        "amx_tile", "amx_bf16", "amx_int8", "asimd", "sve", "sve2")
+
+
+def recorded_keys(row: Mapping[str, float]) -> dict[str, float]:
+  """The keys a record keeps of a step's row: loss, MaxVio and the per-layer loads."""
+  return {k: v for k, v in row.items()
+          if k in _KEYS or k.startswith("max_vio_batch/") or k.startswith(_LOAD_PREFIX)}
+
+
+def _cpu() -> tuple[str, list[str]]:
+  model, feats = platform.processor() or platform.machine(), set()
+  try:
+    with open("/proc/cpuinfo", encoding="utf-8") as f:
+      for line in f:
+        key, _, val = line.partition(":")
+        key = key.strip()
+        if key in ("model name", "Model", "CPU part") and model in ("", platform.machine(),
+                                                                  platform.processor()):
+          model = val.strip()
+        elif key in ("flags", "Features"):
+          feats |= set(val.split())
+  except OSError:
+    pass
+  return model, sorted(f for f in feats if f in _ISA)
+
+
+def environment() -> dict:
+  """What made a record's numbers; ``kind`` is what must match for a bit-for-bit verdict."""
+  import jax  # pylint: disable=g-import-not-at-top
+  import jaxlib  # pylint: disable=g-import-not-at-top
+  model, isa = _cpu()
+  dev = jax.devices()[0]
+  kind = {"platform": dev.platform, "device_kind": dev.device_kind,
+          "devices": jax.device_count(), "cpu": model, "isa": isa,
+          "xla_flags": os.environ.get("XLA_FLAGS", ""), "jax": jax.__version__,
+          "jaxlib": jaxlib.__version__}
+  return {"kind": kind, "python": platform.python_version(), "cpus": os.cpu_count()}
+
+
+def kind_differences(recorded: Mapping, now: Mapping) -> list[str]:
+  """The fields of the machine kind that differ: ``["cpu: A -> B", ...]``."""
+  a, b = recorded.get("kind", {}), now.get("kind", {})
+  return [f"{k}: {a.get(k)!r} -> {b.get(k)!r}" for k in sorted(set(a) | set(b))
+          if a.get(k) != b.get(k)]
+
+
+def flat_config(tree: Any, prefix: str = "") -> dict[str, Any]:
+  """A resolved experiment (its JSON tree) as ``{"train.steps": 250, ...}``."""
+  if isinstance(tree, Mapping):
+    out = {}
+    for k, v in tree.items():
+      out.update(flat_config(v, f"{prefix}{k}."))
+    return out
+  return {prefix[:-1]: tree}
+
+
+def lr_digest(exp) -> str:
+  """sha256 of the learning rate at every step of the run (float32): the schedule's tail
+  is never reached by the first steps."""
+  import numpy as np  # pylint: disable=g-import-not-at-top
+  from moejax.train.optim import learning_rate_schedule  # pylint: disable=g-import-not-at-top
+  lrs = np.asarray(learning_rate_schedule(exp.train)(np.arange(exp.train.steps + 1)), np.float32)
+  return hashlib.sha256(lrs.tobytes()).hexdigest()[:16]
+
+
+def unreached_scope(fine_tunes: bool) -> tuple[str, ...]:
+  return UNREACHED + (FINETUNE_CODE if fine_tunes else ())
+
+
+def file_hashes(scope: Sequence[str], root: str = files_lib._ROOT  # pylint: disable=protected-access
+                ) -> dict[str, str]:
+  """``{path: sha256}`` of the Python sources under ``scope`` that can move a number."""
+  out = {}
+  for path in files_lib._walk(root):  # pylint: disable=protected-access
+    full = os.path.join(root, path)
+    if any(path.startswith(s) for s in scope) and files_lib.in_scope(path) and os.path.isfile(full):
+      with open(full, "rb") as f:
+        out[path] = hashlib.sha256(f.read()).hexdigest()
+  return out
+
+
+def unreached_fingerprint(scope: Sequence[str], hashes: Optional[Mapping[str, str]] = None
+                          ) -> dict:
+  """``{"fingerprint", "parts"}`` of the files under ``scope`` (``hashes``: recorded at a
+  run; default: this checkout's)."""
+  hashes = file_hashes(scope) if hashes is None else hashes
+  total, parts = hashlib.sha256(), {}
+  for path in sorted(p for p in hashes if any(p.startswith(s) for s in scope)):
+    entry = f"{path}\0{hashes[path]}\n".encode()
+    total.update(entry)
+    parts.setdefault(files_lib.part(path), hashlib.sha256()).update(entry)
+  return {"fingerprint": total.hexdigest()[:16],
+          "parts": {k: h.hexdigest()[:12] for k, h in sorted(parts.items())}}
+
+
+# --- Writing a record ----------------------------------------------------------
+
+
+def first_steps_payload(rows: Sequence[Mapping[str, float]]) -> dict:
+  """What a run writes beside itself once its first steps are read back (with the
+  environment that computed them)."""
+  return {"steps": len(rows), "rows": [recorded_keys(r) for r in rows],
+          "environment": environment(), "unreached_files": file_hashes(UNREACHED + FINETUNE_CODE)}
+
+
+def first_steps_probe(path: str):
+  """The probe of a suite run whose first steps its record keeps: they are written beside
+  the run (``first_steps.json``) as soon as they are in, so a run killed later keeps them."""
+  from moejax.train import processes  # pylint: disable=g-import-not-at-top
+  from moejax.train.context import Probe  # pylint: disable=g-import-not-at-top
+
+  def write(rows):
+    if processes.is_lead():
+      write_record(first_steps_payload(rows), os.path.join(path, FIRST_STEPS_FILE))
+  return Probe(STEPS, on_full=write)
+
+
+def make_record(sid: str, suite_dir: str, summary: Mapping) -> Optional[dict]:
+  """The record of suite directory ``suite_dir`` (summary ``summary``, block ``sid``), or None
+  when its runs wrote no first steps (a suite run before records existed)."""
+  with open(os.path.join(suite_dir, "suite.json"), encoding="utf-8") as f:
+    suite_json = json.load(f)
+  seed = suite_json["seeds"][0]
+  arms, fine_tunes, envs, hashes = {}, False, [], None
+  from moejax.ablation.suite import run_dir  # pylint: disable=g-import-not-at-top
+  n = len(suite_json["seeds"])
+  runs = [(a, os.path.join(suite_dir, run_dir(a, seed, n))) for a in suite_json["arm_order"]]
+  if suite_json.get("source") is not None:
+    runs.insert(0, (SOURCE_ARM, os.path.join(suite_dir, run_dir("source", seed, n))))
+  for arm, path in runs:
+    steps_file = os.path.join(path, FIRST_STEPS_FILE)
+    result_file = os.path.join(path, "result.json" if arm != SOURCE_ARM else "source_result.json")
+    if not os.path.exists(result_file):
+      return None
+    with open(result_file, encoding="utf-8") as f:
+      experiment = json.load(f)["experiment"]
+    if experiment.get("finetune", {}).get("source"):
+      fine_tunes = True
+      arms[arm] = {"fine_tuned": True}
+      continue
+    if not os.path.exists(steps_file):
+      return None
+    with open(steps_file, encoding="utf-8") as f:
+      first = json.load(f)
+    envs.append(first.get("environment"))
+    hashes = first.get("unreached_files") if hashes is None else hashes
+    arms[arm] = {"metrics": {k: [r[k] for r in first["rows"]] for k in first["rows"][0]},
+                 "config": flat_config(experiment), "lr": lr_digest(_experiment(experiment))}
+  prov = summary.get("provenance") or {}
+  scope = unreached_scope(fine_tunes)
+  return {"format": FORMAT, "id": sid, "suite": summary.get("suite"), "seed": seed,
+          "steps": min(len(a["metrics"]["loss"]) for a in arms.values() if "metrics" in a),
+          "command": (prov.get("commands") or [None])[0], "corpus": _corpus_id(summary),
+          "environment": envs[0] if envs else None, "code": (prov.get("code") or [None])[0],
+          "unreached_scope": list(scope),
+          "unreached": None if hashes is None else unreached_fingerprint(scope, hashes),
+          "arms": arms}
+
+
+def _corpus_id(summary: Mapping) -> Optional[str]:
+  ids = (summary.get("corpus") or {}).get("ids") or []
+  return ids[0] if ids else None
+
+
+def _experiment(tree: Mapping):
+  from moejax.train.config import experiment_from_dict  # pylint: disable=g-import-not-at-top
+  return experiment_from_dict(tree)
+
+
+def record_path(results_dir: str, sid: str) -> str:
+  return os.path.join(results_dir, RECORD_DIR, f"{sid}.json")
+
+
+def load_records(results_dir: str) -> dict[str, dict]:
+  folder = os.path.join(results_dir, RECORD_DIR)
+  if not os.path.isdir(folder):
+    return {}
+  out = {}
+  for name in sorted(os.listdir(folder)):
+    if name.endswith(".json"):
+      with open(os.path.join(folder, name), encoding="utf-8") as f:
+        out[name[:-5]] = json.load(f)
+  return out
+
+
+def write_record(record: Mapping, path: str) -> str:
+  os.makedirs(os.path.dirname(path), exist_ok=True)
+  tmp = path + ".tmp"
+  with open(tmp, "w", encoding="utf-8") as f:
+    json.dump(record, f, indent=1, sort_keys=True)
+    f.write("\n")
+  os.replace(tmp, path)
+  return path
+
+
+# --- Comparing -----------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class Difference:
+  """The first value that differs: ``arm``'s ``key`` at 1-based ``step``."""
+  arm: str
+  key: str
+  step: int
+  recorded: Optional[float]
+  now: Optional[float]
+
+  def describe(self) -> str:
+    if self.recorded is None or self.now is None:
+      return f"arm {self.arm}: {self.key} {'missing now' if self.now is None else 'new'}"
+    rel = abs(self.now - self.recorded) / max(abs(self.recorded), 1e-30)
+    return (f"arm {self.arm}, {self.key} at step {self.step}: recorded {self.recorded!r}, "
+            f"now {self.now!r} (relative {rel:.1e})")
+
+
+def first_difference(recorded: Mapping[str, Mapping[str, Sequence[float]]],
+                     now: Mapping[str, Mapping[str, Sequence[float]]]) -> Optional[Difference]:
+  """The earliest step (then arm order, then key) where ``now`` is not bit-equal to
+  ``recorded`` (per arm ``{key: [value per step]}``); keys only in ``now`` do not count."""
+  found = []
+  for arm, keys in recorded.items():
+    for key, values in keys.items():
+      got = (now.get(arm) or {}).get(key)
+      if got is None:
+        found.append((0, arm, key, Difference(arm, key, 0, values[0] if values else None, None)))
+        continue
+      for i, (a, b) in enumerate(zip(values, got)):
+        if not _same(a, b):
+          found.append((i + 1, arm, key, Difference(arm, key, i + 1, a, b)))
+          break
+  return min(found, key=lambda t: t[:3])[3] if found else None
+
+
+def _same(a: float, b: float) -> bool:
+  return a == b or (isinstance(a, float) and isinstance(b, float) and math.isnan(a)
+                    and math.isnan(b))
+
+
+def largest_relative(recorded, now) -> float:
+  """The largest relative difference of any recorded value (how far the curves part)."""
+  worst = 0.0
+  for arm, keys in recorded.items():
+    for key, values in keys.items():
+      for a, b in zip(values, (now.get(arm) or {}).get(key, [])):
+        if not _same(a, b):
+          worst = max(worst, abs(b - a) / max(abs(a), 1e-30))
+  return worst
+
+
+def config_changes(recorded: Mapping[str, Any], now: Mapping[str, Any]) -> list[str]:
+  """Recorded config fields whose value changed (fields added since do not count)."""
+  return [f"{k}: {recorded[k]!r} -> {now.get(k, '(removed)')!r}" for k in sorted(recorded)
+          if now.get(k, "(removed)") != recorded[k]]
+
+
+@dataclasses.dataclass(frozen=True)
+class Outcome:
+  """One block's re-check.
+
+  Attributes:
+    verdict: ``current`` (equal bit for bit on the record's machine kind),
+      ``stale`` (something differs: ``reasons``), ``machine`` (another machine
+      kind: ``first`` is where the curves part, None when they do not), or
+      ``cannot`` (``reasons`` says why: another corpus, no record).
+    reasons: what made it stale / uncheckable, one phrase each.
+    first: the first differing value, if any.
+    largest: the largest relative difference over the re-trained steps.
+    machine: the machine-kind fields that differ from the record's.
+  """
+  verdict: str
+  reasons: tuple[str, ...] = ()
+  first: Optional[Difference] = None
+  largest: float = 0.0
+  machine: tuple[str, ...] = ()
+
+  def line(self, sid: str, steps: int) -> str:
+    if self.verdict == "current":
+      return f"{sid}: current (the first {steps} steps of every arm retrain bit for bit)"
+    if self.verdict == "stale":
+      return f"{sid}: stale: " + "; ".join(self.reasons)
+    if self.verdict == "machine":
+      where = (f"the curves part at {self.first.describe()}; largest relative difference "
+               f"{self.largest:.1e} over {steps} steps" if self.first else
+               f"the curves are equal bit for bit over {steps} steps")
+      return (f"{sid}: another machine kind ({'; '.join(self.machine)}): not judged; {where}")
+    return f"{sid}: cannot re-check: " + "; ".join(self.reasons)
+
+  def as_dict(self) -> dict:
+    d = dataclasses.asdict(self)
+    d["reasons"], d["machine"] = list(self.reasons), list(self.machine)
+    return d
+
+
+def judge(record: Mapping, now_metrics: Mapping, now_configs: Mapping[str, Mapping],
+          now_lr: Mapping[str, str], env_now: Mapping, unreached_now: Optional[Mapping]
+          ) -> Outcome:
+  """The verdict from what was re-computed (pure: the tests feed it hand-made values)."""
+  reasons = []
+  rec_unreached = record.get("unreached") or {}
+  if (unreached_now or {}).get("fingerprint") != rec_unreached.get("fingerprint"):
+    old, new = rec_unreached.get("parts", {}), (unreached_now or {}).get("parts", {})
+    parts = sorted(p for p in set(old) | set(new) if old.get(p) != new.get(p))
+    reasons.append("code the first steps do not reach changed (" + ", ".join(parts) + ")")
+  for arm, rec in record["arms"].items():
+    if "config" in rec and arm in now_configs:
+      changed = config_changes(rec["config"], now_configs[arm])
+      if changed:
+        reasons.append(f"arm {arm}'s config changed ({'; '.join(changed[:3])}"
+                       + (f"; {len(changed) - 3} more" if len(changed) > 3 else "") + ")")
+    if "lr" in rec and arm in now_lr and now_lr[arm] != rec["lr"]:
+      reasons.append(f"arm {arm}'s learning-rate schedule changed")
+  recorded = {a: r["metrics"] for a, r in record["arms"].items() if "metrics" in r}
+  first = first_difference(recorded, now_metrics)
+  largest = largest_relative(recorded, now_metrics)
+  machine = tuple(kind_differences(record.get("environment", {}), env_now))
+  if machine:
+    return Outcome("machine", tuple(reasons), first, largest, machine)
+  if first is not None:
+    reasons.insert(0, "first difference: " + first.describe())
+  return Outcome("stale" if reasons else "current", tuple(reasons), first, largest)
+
+
+# --- Re-training -------------------------------------------------------------------
+
+
+def probe_run(exp, steps: int, finetune_start=None) -> list[dict]:
+  """The first ``steps`` steps of ``exp`` trained in a scratch directory, read back."""
+  from moejax.train import loop  # pylint: disable=g-import-not-at-top
+  from moejax.train.context import Probe  # pylint: disable=g-import-not-at-top
+  with tempfile.TemporaryDirectory(prefix="moejax_recheck_") as tmp:
+    out = loop.train(exp, os.path.join(tmp, "run"), out=io.StringIO(),
+                     probe=Probe(steps, stop=True), start=finetune_start)
+  return [recorded_keys(r) for r in out["probed_rows"]]
+
+
+def _seeded(exp, seed: int):
+  # As moejax.ablation.sources.seeded (which imports this module for the suite's probes).
+  return dataclasses.replace(exp, train=dataclasses.replace(exp.train, seed=seed))
+
+
+def recheck(record: Mapping, suite, corpus_id: Optional[str] = None,
+            arms: Optional[Sequence[str]] = None) -> Outcome:
+  """Re-trains the record's first steps of ``suite`` (a :class:`moejax.ablation.suite.Suite`
+  built from the current configs) and judges them against ``record``; ``arms``: only
+  these (default: every arm the record has)."""
+  if arms is not None:
+    record = {**record, "arms": {a: r for a, r in record["arms"].items() if a in arms}}
+  from moejax.train.config import experiment_to_json  # pylint: disable=g-import-not-at-top
+  if corpus_id is not None and record.get("corpus") not in (None, corpus_id):
+    return Outcome("cannot", (f"the record's corpus is {record['corpus']}, this machine's "
+                              f"{corpus_id} (another Python: the corpus is its standard "
+                              "library)",))
+  steps = int(record["steps"])
+  metrics, configs, lrs = {}, {}, {}
+  seed = record["seed"]
+  for arm, rec in record["arms"].items():
+    if rec.get("fine_tuned"):
+      continue
+    if arm == SOURCE_ARM:
+      exp = _seeded(suite.source, seed) if suite.source is not None else None
+    else:
+      exp = (_seeded(suite.arm(arm).experiment, seed)
+             if arm in {a.name for a in suite.arms} else None)
+    if exp is None:
+      metrics[arm], configs[arm] = {}, {}
+      continue
+    exp = exp.for_platform()
+    configs[arm] = flat_config(json.loads(experiment_to_json(exp)))
+    lrs[arm] = lr_digest(exp)
+    rows = probe_run(exp, steps)
+    metrics[arm] = {k: [r.get(k) for r in rows] for k in rows[0]} if rows else {}
+  scope = record.get("unreached_scope") or UNREACHED
+  return judge(record, metrics, configs, lrs, environment(), unreached_fingerprint(scope))
+
+
+# --- The block's status line --------------------------------------------------------
+
+
+def freshness(record: Optional[Mapping], code_now: Optional[Mapping]) -> Optional[tuple[str, str]]:
+  """``(state, line)`` of a block from its record, or None when it has none (the plain file
+  rule applies). state: ``current`` / ``stale`` / ``due`` (code changed since the last
+  re-check: run it) / ``machine`` (last re-checked on another machine kind)."""
+  if record is None:
+    return None
+  if record.get("environment") is None:
+    return None
+  cmd = f"python -m experiments.recheck {record['id']}"
+  unreached_now = unreached_fingerprint(record.get("unreached_scope") or UNREACHED)
+  rec_u = (record.get("unreached") or {}).get("fingerprint")
+  if rec_u != (unreached_now or {}).get("fingerprint"):
+    return ("stale", "- **stale**: code that the re-check cannot reach (evaluation, analysis, "
+            "statistics) changed since these runs; re-run the command below\n")
+  check = record.get("check")
+  fp_now = (code_now or {}).get("fingerprint")
+  steps = record["steps"]
+  if check and check.get("code") == fp_now:
+    v = check["verdict"]
+    if v == "current":
+      return ("current", f"- code: current (re-checked: the first {steps} steps of every arm "
+              f"retrain bit for bit at code fingerprint `{fp_now}`; `{cmd}`)\n")
+    if v == "stale":
+      return ("stale", f"- **stale**: {'; '.join(check['reasons'])}; re-run the command "
+              "below\n")
+    return ("machine", f"- re-checked on another machine kind only ({'; '.join(check['machine'])}"
+            f"): not judged; `{cmd}` on the record's machine kind decides\n")
+  if (record.get("code") or {}).get("fingerprint") == fp_now:
+    return ("current", f"- code: current (the runs' own code, fingerprint `{fp_now}`)\n")
+  return ("due", f"- **re-check due**: code changed since these runs' last check; `{cmd}` "
+          "says whether any number moved\n")
