@@ -30,7 +30,7 @@ from typing import Callable, Iterable, Mapping, Optional, Sequence
 
 import numpy as np
 
-from moejax.ablation import curves, final_eval, plots, stats, tables
+from moejax.ablation import curves, final_eval, legend, plots, stats, tables
 from moejax.ablation.budget import corpus_check, spread
 from moejax.ablation.columns import BUDGET_KEYS, METRICS, NOTE_KEYS, VERDICT_METRICS
 from moejax.topology.accounting import human
@@ -354,12 +354,13 @@ def write_summary(workdir: str, suite_name: str = "") -> dict:
   if suite_name:
     summary["suite"] = suite_name
   write_json(summary, os.path.join(workdir, SUMMARY_FILE))
+  drawn = plots.write_plots(summary, os.path.join(workdir, "plots"))  # summary.md links them
+  md = "\n\n".join(p.rstrip("\n") for p in (tables.suite_markdown(summary),
+                                             legend.markdown(summary, drawn, workdir)) if p)
   with open(os.path.join(workdir, "summary.md"), "w", encoding="utf-8") as f:
-    f.write(tables.suite_markdown(summary))
+    f.write(md + "\n")
   write_csv(summary, os.path.join(workdir, "summary.csv"))
-  out = {"summary": summary}
-  out.update(plots.write_plots(summary, os.path.join(workdir, "plots")))
-  return out
+  return {"summary": summary, **drawn}
 
 
 def metrics_present(summaries: Iterable[Mapping], keys: Iterable[str] = METRICS) -> list[str]:

@@ -69,6 +69,9 @@ def test_tiny_suite_writes_results_table_and_plots(tiny_suite_dir):
   md = open(os.path.join(workdir, "summary.md")).read()
   assert md.index("| aux (baseline) |") < md.index("| bias |")  # suite order
   assert "| bias | val loss |" in md and "(2) |" in md  # compared with the baseline, 2 seeds
+  # Its plots linked, its columns defined (moejax.ablation.legend).
+  assert "Plots:\n\n- [metrics](plots/metrics.png)\n- [differences](plots/differences.png)" in md
+  assert "\n- **spec. MI/H**: I(expert; domain) / H(domain)" in md and "\n- **MDD**: " in md
   rows = summary.read_csv(os.path.join(workdir, "summary.csv"))
   assert [r["arm"] for r in rows] == ["aux", "bias"]
   assert rows[0]["val_loss_n"] == 2 and rows[0]["val_loss_lo"] < rows[0]["val_loss"]
