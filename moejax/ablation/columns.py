@@ -11,7 +11,9 @@ renderers need not import the summary module, which imports them to write
 
 from __future__ import annotations
 
-from typing import Mapping
+from typing import Iterable, Mapping
+
+from moejax.config.registry import BALANCE_LOSS_LOG_PREFIX
 
 # key in result.json -> (title, unit, direction: -1 lower is better, +1 higher, 0 neither)
 METRICS = {
@@ -68,6 +70,23 @@ ARM_COLUMNS = ("val_loss", "max_vio_batch", "max_vio_global", "drop_rate",
 # The speed-up table (moejax.ablation.speedup), for suites with a speed-up reference.
 SPEEDUP_COLUMNS = ("val_loss", "steps_to_reference", "speedup_steps", "speedup_time",
                    "tokens_per_s")
+
+
+# Balance losses: one key per loss a run's config puts in the objective (balance/<name>,
+# moejax.train.step.balance_loss_summary), so not a fixed list; summarised without verdicts.
+def balance_loss_keys(keys: Iterable[str]) -> list[str]:
+  """The balance-loss keys among ``keys`` (result.json or summary metric keys), sorted."""
+  return sorted({k for k in keys if k.startswith(BALANCE_LOSS_LOG_PREFIX)})
+
+
+def metric_info(key: str) -> tuple[str, str, int]:
+  """(title, unit, direction) of a summary metric, the balance losses' included."""
+  if key in METRICS:
+    return METRICS[key]
+  if key.startswith(BALANCE_LOSS_LOG_PREFIX):
+    return (key[len(BALANCE_LOSS_LOG_PREFIX):],
+            "coefficient x loss, summed over MoE layers, second half of training", 0)
+  raise KeyError(key)
 
 
 def present(summary: Mapping, keys) -> list[str]:

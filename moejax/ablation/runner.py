@@ -57,6 +57,7 @@ from moejax.ablation import recheck
 from moejax.ablation import scale as scale_lib
 from moejax.ablation import sources as sources_lib
 from moejax.ablation.suite import Suite
+from moejax.config.registry import BALANCE_LOSS_LOG_PREFIX
 from moejax.balance.aux import LayerMetrics
 from moejax.train import checkpoint as ckpt_lib
 from moejax.train import lock as lock_lib
@@ -194,7 +195,9 @@ def train_metrics(run_path: str) -> dict:
     out["train_loss"] = tr[-1]["loss"]
     # The second half of training: the routing after the early transient.
     late = tr[len(tr) // 2:]
-    for k in (*SUMMARIZED_TRAIN_METRICS, "tokens_per_s"):
+    # Every balance loss the run logged (balance/<name>: its config's losses).
+    losses = sorted({k for r in late for k in r if k.startswith(BALANCE_LOSS_LOG_PREFIX)})
+    for k in (*SUMMARIZED_TRAIN_METRICS, "tokens_per_s", *losses):
       vals = [r[k] for r in late if isinstance(r.get(k), (int, float))]
       if vals:
         out[k] = float(np.mean(vals))

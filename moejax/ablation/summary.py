@@ -32,7 +32,8 @@ import numpy as np
 
 from moejax.ablation import curves, final_eval, legend, plots, stats, tables
 from moejax.ablation.budget import corpus_check, spread
-from moejax.ablation.columns import BUDGET_KEYS, METRICS, NOTE_KEYS, VERDICT_METRICS
+from moejax.ablation.columns import (BUDGET_KEYS, METRICS, NOTE_KEYS, VERDICT_METRICS,
+                                     balance_loss_keys)
 from moejax.topology.accounting import human
 
 FORMAT = 1
@@ -102,10 +103,11 @@ def summarise_results(results: Sequence[dict], *, label: Callable[[dict], str] =
   if baseline is not None and baseline not in groups:
     raise ValueError(f"baseline {baseline!r} has no result; labels: {names}")
   arms = {}
+  losses = balance_loss_keys(k for r in results for k in r)
   for name in names:
     runs = sorted(groups[name], key=lambda r: r.get("seed", 0))
     metrics = {}
-    for key in METRICS:
+    for key in (*METRICS, *losses):
       vals = _seed_values(runs, key)
       if vals:
         metrics[key] = {"values": {str(s): v for s, v in sorted(vals.items())},
@@ -307,7 +309,8 @@ def write_csv(summary: Mapping, path: str) -> None:
   knows, and a column that is empty in every row says nothing.
   """
   keys = ["arm", "suite", "seeds"] + [k for k, _ in BUDGET_KEYS] + ["optimizer"]
-  for k in METRICS:
+  losses = balance_loss_keys(k for a in summary["arms"].values() for k in a["metrics"])
+  for k in (*METRICS, *losses):
     keys += [k, f"{k}_lo", f"{k}_hi", f"{k}_n"]
   rows = [_csv_row(name, a) for name, a in summary["arms"].items()]
   keys = [k for k in keys if k == "arm" or any(r.get(k) not in (None, "") for r in rows)]

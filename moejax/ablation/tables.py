@@ -17,8 +17,8 @@ from __future__ import annotations
 from typing import Mapping, Optional
 
 from moejax.ablation.columns import (ARM_COLUMNS, BUDGET_KEYS, METRICS, NOTE_KEYS,
-                                     SPEEDUP_COLUMNS, VERDICT_METRICS, present,
-                                     skip_constant_zero)
+                                     SPEEDUP_COLUMNS, VERDICT_METRICS, balance_loss_keys,
+                                     metric_info, present, skip_constant_zero)
 from moejax.ablation.scale import get_scale
 from moejax.topology.accounting import human
 
@@ -85,6 +85,20 @@ def arms_table(summary: Mapping) -> str:
                 human(float(b.get("compute", 3.0 * b["flops_per_token"] * b["tokens"])))]
     cells += [_cell(a["metrics"].get(k), k) for k in cols]
     lines.append("| " + " | ".join(cells) + " |")
+  return "\n".join(lines)
+
+
+def balance_loss_table(summary: Mapping) -> str:
+  """Each balance loss in the arms' objectives (empty when no run logged one)."""
+  cols = balance_loss_keys(k for a in summary["arms"].values() for k in a["metrics"])
+  if not cols:
+    return ""
+  head = ["arm"] + [f"`{metric_info(k)[0]}`" for k in cols]
+  lines = ["Balance losses (coefficient x loss, summed over MoE layers; mean over the second "
+           "half of training):", "", "| " + " | ".join(head) + " |",
+           "|---|" + "---:|" * len(cols)]
+  for name, a in summary["arms"].items():
+    lines.append("| " + " | ".join([name] + [_cell(a["metrics"].get(k), k) for k in cols]) + " |")
   return "\n".join(lines)
 
 
@@ -195,7 +209,8 @@ def notes(summary: Mapping) -> list[str]:
 def section_markdown(summary: Mapping) -> str:
   """The generated part of one RESULTS.md section (and of summary.md)."""
   parts = ["\n".join(provenance_lines(summary)), arms_table(summary)]
-  for extra in (speedup_table(summary), comparison_table(summary), mdd_line(summary)):
+  for extra in (balance_loss_table(summary), speedup_table(summary), comparison_table(summary),
+                mdd_line(summary)):
     if extra:
       parts.append(extra)
   n = notes(summary)

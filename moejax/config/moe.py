@@ -189,7 +189,8 @@ class BalanceConfig:
     c_i) / mean c. It stops updating at ``bias_freeze_step`` (-1: never).
   extra_losses: ((name, coefficient), ...) of balance losses registered with
     ``moejax.balance.register_loss`` (a researcher's own), each added to the
-    objective times its coefficient and logged under its name.
+    objective times its coefficient. Every loss in the objective, these and
+    the shipped ones, is logged under its name (``balance/<name>``).
   capacity_factor: None for dropless; otherwise each FFN expert keeps at most
     ceil(cf * T * K / E) token copies and drops the rest by ``drop_priority``
     (``position``: slot-major, earlier tokens first; ``score``: highest gate

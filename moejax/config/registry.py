@@ -162,6 +162,9 @@ BIAS_RULES = Registry("bias rule", "moe.balance.bias_update", ("moejax.balance",
                       "a rule of your own is registered with "
                       "@moejax.balance.register_bias_rule('name') in a module your config "
                       "imports")
+# Each balance loss in the objective is logged (metrics.jsonl, TensorBoard, the suite
+# summary) under this prefix and its registered name: ``balance/z_loss``.
+BALANCE_LOSS_LOG_PREFIX = "balance/"
 AUX_SCOPES = ("batch", "sequence", "global")
 AUX_CONVENTIONS = ("switch", "topk")
 DROP_PRIORITIES = ("position", "score")

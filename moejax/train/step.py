@@ -28,6 +28,7 @@ import optax
 from flax import nnx, struct
 
 from moejax.balance.aux import LayerMetrics
+from moejax.config.registry import BALANCE_LOSS_LOG_PREFIX, BALANCE_LOSSES
 from moejax.model import ExpertParallel, RouterStateVar, Transformer
 from moejax.nn import adapters as adapters_lib
 from moejax.nn.losses import masked_cross_entropy
@@ -174,6 +175,27 @@ def layer_loads(aux: dict) -> dict[str, jax.Array]:
   return out
 
 
+def balance_loss_summary(aux: dict, balance) -> dict[str, jax.Array]:
+  """``balance/<name>`` f32[]: every balance loss in the objective, shipped or registered.
+
+  Each is its coefficient x its value summed over the MoE layers, as the
+  objective counts it (so they add up to ``aux_loss`` less any
+  mixture-of-depths loss); a loss whose coefficient is 0 is not in the
+  objective and is not logged. ``balance``: the model's BalanceConfig (None:
+  no MoE).
+  """
+  if balance is None:
+    return {}
+  out: dict[str, jax.Array] = {}
+  for layer in aux["moe"].values():
+    for name, value in (layer.get("losses") or {}).items():
+      if name == "total" or not BALANCE_LOSSES.get(name).coefficient(balance):
+        continue
+      key = BALANCE_LOSS_LOG_PREFIX + name
+      out[key] = out.get(key, 0.0) + value.astype(jnp.float32)
+  return out
+
+
 def router_loads(aux: dict) -> dict[str, jax.Array]:
   """``{'layer_<i>': f32[E_r]}`` router loads of the routed MoE layers (controller input)."""
   return {name: layer["router_load"] for name, layer in aux["moe"].items()
@@ -199,6 +221,7 @@ def make_train_step(graphdef, cfg: ExperimentConfig,
   mask_frozen = frozen_gradients(cfg.model, cfg.finetune)  # identity when nothing is frozen
   nan_at = cfg.train.nan_at_step
   m = cfg.train.microbatches
+  balance = cfg.model.moe.balance if cfg.model.moe is not None else None
 
   def objective(params, router_state, other, batch, key, n_tokens):
     model = nnx.merge(graphdef, params, router_state, other)
@@ -207,6 +230,7 @@ def make_train_step(graphdef, cfg: ExperimentConfig,
     ce = ce_sum / n_tokens
     loss = ce + aux["loss"] / m
     return loss, (ce, aux["loss"], router_loads(aux), {**routing_summary(aux),
+                                                       **balance_loss_summary(aux, balance),
                                                        **layer_loads(aux)})
 
   grad_fn = jax.value_and_grad(objective, has_aux=True)

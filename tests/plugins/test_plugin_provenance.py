@@ -142,3 +142,60 @@ def test_the_suite_summary_carries_the_plugins_and_flags_two_versions():
   assert "- ! plugin module" in lines
   assert "plugins" not in summary_lib._collect_provenance(  # pylint: disable=protected-access
       [{"arm": "a", "provenance": {"commit": "c"}}])
+
+
+# --- Every balance loss logged under its name (metrics.jsonl, TensorBoard, the summary). ---
+
+def test_each_weighted_loss_is_summed_over_layers_and_only_those_in_the_objective():
+  import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
+  from moejax import config as C  # pylint: disable=g-import-not-at-top
+  from moejax.train import step  # pylint: disable=g-import-not-at-top
+  balance = C.BalanceConfig(aux_loss_coef=1e-2, extra_losses=(("max_prob_loss", 0.5),))
+  layer = lambda a, p: {"losses": {"aux_loss": jnp.float32(a), "z_loss": jnp.float32(0.0),
+                                   "max_prob_loss": jnp.float32(p),
+                                   "total": jnp.float32(a + p)}}
+  aux = {"moe": {"layer_0": layer(0.25, 0.5), "layer_1": layer(0.5, 0.125)}}
+  got = {k: float(v) for k, v in step.balance_loss_summary(aux, balance).items()}
+  assert got == {"balance/aux_loss": 0.75, "balance/max_prob_loss": 0.625}  # z_loss: coef 0
+  assert step.balance_loss_summary(aux, None) == {}  # a dense model
+
+
+def _scalar_tags(tb_dir):
+  import glob  # pylint: disable=g-import-not-at-top
+  import struct  # pylint: disable=g-import-not-at-top
+  from tensorboardX.proto import event_pb2  # pylint: disable=g-import-not-at-top
+  tags = set()
+  for path in glob.glob(os.path.join(tb_dir, "events.out.tfevents.*")):
+    data = pathlib.Path(path).read_bytes()
+    at = 0
+    while at + 12 <= len(data):
+      (n,) = struct.unpack("<Q", data[at:at + 8])
+      event = event_pb2.Event.FromString(data[at + 12:at + 12 + n])
+      at += 12 + n + 4
+      tags.update(v.tag for v in event.summary.value if v.HasField("simple_value"))
+  return tags
+
+
+def test_every_loss_of_the_run_is_logged_under_its_name_and_summarised(loss_only_run, tmp_path):
+  from moejax.ablation import runner, tables  # pylint: disable=g-import-not-at-top
+  from moejax.train import metrics_log  # pylint: disable=g-import-not-at-top
+  _, work = loss_only_run
+  names = {"balance/aux_loss", "balance/z_loss", "balance/max_prob_loss"}  # configs/tiny.py's
+  rows = metrics_log.read_metrics(str(work), "train")
+  assert [r["step"] for r in rows] == [1, 2]
+  for row in rows:
+    assert {k for k in row if k.startswith("balance/")} == names
+    # The weighted losses make up the aux loss of the objective (no mixture-of-depths).
+    assert sum(row[k] for k in names) == pytest.approx(row["aux_loss"], rel=1e-5)
+    assert 0.0 < row["balance/max_prob_loss"] <= 2 * 0.5  # 2 layers x 0.5 x a probability
+  assert {f"train/{k}" for k in names} <= _scalar_tags(str(work / metrics_log.TENSORBOARD_DIR))
+  # The suite's result (mean over the second half of training) and summary.
+  res = dict(runner.train_metrics(str(work)), arm="a", seed=0)
+  assert res["balance/max_prob_loss"] == rows[-1]["balance/max_prob_loss"]
+  summary = summary_lib.summarise_results([res])
+  got = summary["arms"]["a"]["metrics"]["balance/max_prob_loss"]["interval"]["mean"]
+  assert got == res["balance/max_prob_loss"]
+  table = tables.balance_loss_table(summary)
+  assert "| arm | `aux_loss` | `max_prob_loss` | `z_loss` |" in table
+  summary_lib.write_csv(summary, str(tmp_path / "s.csv"))
+  assert "balance/max_prob_loss" in (tmp_path / "s.csv").read_text().splitlines()[0]

@@ -123,6 +123,8 @@ def test_ablate_runs_it_as_an_arm_with_budget_and_load_metrics(tmp_path):
     for metric in ("max_vio_global", "max_vio_batch", "drop_rate", "active_experts_mean"):
       assert arms[arm]["metrics"][metric]["interval"]["mean"] is not None, (arm, metric)
   assert "cosine" in summary["comparisons"]  # verdicts against the baseline
+  for arm in ("topk", "cosine"):  # each balance loss in the objective, under its name
+    assert [k for k in arms[arm]["metrics"] if k.startswith("balance/")] == ["balance/aux_loss"]
   result = json.loads((work / "cosine" / "result.json").read_text())
   assert [p["module"] for p in result["provenance"]["plugins"]] == ["cosine_router"]
   # Each run records its own plugins; the summary lists them with the runs made with each.
