@@ -1,7 +1,8 @@
 r"""Routing analysis of Hugging Face MoE layers imported into moejax.
 
 Usage:
-  # a tiny random model of a family (nothing downloaded), text through it:
+  # a tiny randomly initialised, untrained model of a family (nothing downloaded):
+  # its routing shows the mechanics, not what training teaches a router:
   python -m experiments.analyze_routing --model_type=deepseek_v3 \
       --text="def f(x): return x" --out_dir=/tmp/routing
   # a local checkpoint directory (config.json + safetensors), text through it:
@@ -12,6 +13,7 @@ Usage:
   python -m experiments.analyze_routing --checkpoint=/models/mixtral \
       --hidden_states=x.npy --layers=0,15 --out_dir=/tmp/routing
 
+Which model was analysed is the output's first line and ``model`` in summary.json.
 Text is byte-level (UTF-8 bytes mod the vocabulary; no tokenizer is
 needed). For text, each MoE block's input is captured from the HF model
 (torch) and routed through the imported moejax layer; the max difference
@@ -30,6 +32,7 @@ import importlib
 import json
 import pathlib
 import sys
+import textwrap
 from typing import Optional, Sequence
 
 import numpy as np
@@ -38,8 +41,9 @@ from absl import app, flags
 from experiments import cli
 
 _MODEL_TYPE = flags.DEFINE_string("model_type", None,
-                                  "tiny random model of this family (mixtral, qwen2_moe, "
-                                  "qwen3_moe, deepseek_v3)")
+                                  "a tiny randomly initialised, untrained model of this family "
+                                  "(mixtral, qwen2_moe, qwen3_moe, deepseek_v3); --checkpoint "
+                                  "for a trained one")
 _CHECKPOINT = flags.DEFINE_string("checkpoint", None,
                                   "local Hugging Face checkpoint directory")
 _TEXT = flags.DEFINE_string("text", None, "text to route")
@@ -97,7 +101,8 @@ def run(out_dir: str, *, model_type: Optional[str] = None, checkpoint: Optional[
                                                           max_tokens=max_tokens)
     source = f"{len(token_text)} byte tokens of text"
 
-  summary = {"source": source, "layers": []}
+  summary = {"model": describe_model(model_type, checkpoint, seed), "source": source,
+             "layers": []}
   for lr in routings:
     i = lr.name.split()[-1]
     plots.plot_load(lr, out / f"load_layer{i}.png")
@@ -109,6 +114,7 @@ def run(out_dir: str, *, model_type: Optional[str] = None, checkpoint: Optional[
   analysis.write_trace_csv(out / "trace.csv", routings, token_text)
   (out / "summary.json").write_text(json.dumps(summary, indent=1))
 
+  print(textwrap.fill(f"model: {summary['model']}", 100, subsequent_indent="  "))
   print(f"{source}; outputs in {out}")
   print(f"{'layer':>8} {'MaxVio':>8} {'entropy':>8} {'max|dy|':>10}")
   for lr in routings:
@@ -116,6 +122,15 @@ def run(out_dir: str, *, model_type: Optional[str] = None, checkpoint: Optional[
     print(f"{lr.name:>8} {lr.max_vio:8.3f} {lr.load_entropy:8.3f} "
           f"{'' if err is None else f'{err:10.2e}'}")
   return summary
+
+
+def describe_model(model_type: Optional[str], checkpoint: Optional[str], seed: int) -> str:
+  """What the routing is of: a trained checkpoint, or a random tiny model (said so)."""
+  if checkpoint is not None:
+    return f"the checkpoint in {checkpoint}"
+  return (f"a tiny {model_type} model, randomly initialised (seed {seed}) and untrained: its "
+          "routing reflects the random weights, not learned specialisation (pass "
+          "--checkpoint=DIR to analyse a trained model)")
 
 
 INTEROP_INSTALL = 'pip install -e ".[interop]"'

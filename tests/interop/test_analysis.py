@@ -81,7 +81,7 @@ def test_plots_write_pngs(tmp_path):
     assert (tmp_path / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
-def test_cli_text_through_tiny_model_and_hidden_states_mode(tmp_path):
+def test_cli_text_through_tiny_model_and_hidden_states_mode(tmp_path, capsys):
   pytest.importorskip("torch")
   pytest.importorskip("transformers")
   pytest.importorskip("matplotlib")
@@ -91,6 +91,15 @@ def test_cli_text_through_tiny_model_and_hidden_states_mode(tmp_path):
   text = "for i in range(10):\n    print(i)  # 48 tokens!!\n"
   assert len(text.encode()) == 48
   summary = analyze_routing.run(str(tmp_path / "text"), model_type="qwen3_moe", text=text)
+  random_model = ("a tiny qwen3_moe model, randomly initialised (seed 0) and untrained: its "
+                  "routing reflects the random weights, not learned specialisation (pass "
+                  "--checkpoint=DIR to analyse a trained model)")
+  printed = capsys.readouterr().out.splitlines()
+  assert printed[:2] == ["model: a tiny qwen3_moe model, randomly initialised (seed 0) and "
+                         "untrained: its routing reflects the",
+                         "  random weights, not learned specialisation (pass --checkpoint=DIR "
+                         "to analyse a trained model)"]
+  assert summary["model"] == random_model
   assert [e["name"] for e in summary["layers"]] == ["layer 0", "layer 1"]
   for entry in summary["layers"]:
     assert entry["tokens"] == 48 and sum(entry["load"]) == 48 * 2
@@ -109,3 +118,4 @@ def test_cli_text_through_tiny_model_and_hidden_states_mode(tmp_path):
   hs = analyze_routing.run(str(tmp_path / "hs"), checkpoint=str(tmp_path / "ckpt"),
                            hidden_states=x, layers=[1])
   assert hs["layers"][0]["load"] == summary["layers"][1]["load"]
+  assert hs["model"] == f"the checkpoint in {tmp_path / 'ckpt'}"
