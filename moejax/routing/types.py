@@ -107,7 +107,10 @@ class RoutingContext:
   helpers below. They reduce over ``axis_names``, the mesh axes the batch is
   split over inside ``jax.shard_map`` (``ep_moe_layer``, the model under
   data parallelism), and are plain reductions on one device, so a router
-  written with them decides on the whole batch either way.
+  written with them decides on the whole batch either way. The batch is what
+  the layer is called on: one micro-batch under gradient accumulation; under
+  ``jax.jit`` data parallelism without ``shard_map`` the router already sees
+  the whole (sharded) batch and ``axis_names`` is ().
 
   Attributes:
     axis_names: mesh axes the batch is split over; () on one device.
