@@ -32,6 +32,13 @@ class RegistryError(ValueError):
   """A name registered twice, or an object that cannot be registered."""
 
 
+class UnknownNameError(KeyError):
+  """``registry[name]`` of a name nobody registered; the message is one line with the fix."""
+
+  def __str__(self) -> str:  # KeyError would show the message in quotes
+    return str(self.args[0])
+
+
 class Registry:
   """Ideas of one kind (routers, layer kinds, ...) by name.
 
@@ -99,6 +106,26 @@ class Registry:
       raise ConfigError(e.field, name, f"no {self.what} of that name is registered",
                         fix) from None
     raise AssertionError("unreachable")
+
+  def __getitem__(self, name: str) -> Any:
+    """``ROUTERS['topk']``: the idea named ``name`` (a name -> idea mapping).
+
+    An unknown name raises :class:`UnknownNameError` (a KeyError) whose
+    message is :meth:`get`'s one line: the close names and how to register one.
+    """
+    try:
+      return self.get(name)
+    except ConfigError as e:
+      raise UnknownNameError(str(e)) from None
+
+  def keys(self) -> tuple:
+    return self.names()
+
+  def values(self) -> tuple:
+    return tuple(self.get(n) for n in self.names())
+
+  def items(self) -> tuple:
+    return tuple((n, self.get(n)) for n in self.names())
 
   def names(self) -> tuple:
     self._load()

@@ -42,6 +42,7 @@ import datetime
 import json
 import os
 import socket
+import threading
 from typing import Any, Callable, Optional
 
 import jax
@@ -289,21 +290,36 @@ def _placed(abstract_state: Any) -> Any:
   return jax.tree.map(place, abstract_state)
 
 
-# orbax (0.12) restores the arrays as tasks of a fresh event loop, and when
-# the first read fails (a damaged checkpoint) it closes that loop with the
-# other reads still in flight. Those reads then report, at some later moment
-# and from other threads, everything Python cannot raise: "Event loop is
-# closed" when tensorstore finishes one, and "Exception ignored in: <coroutine
-# object _read_array_index_and_device_put>" with the whole TensorStore spec
-# (dozens of lines per array) when the suspended coroutine is collected. A
-# loop made while restoring therefore cancels and finishes its pending tasks
-# before it closes: the abandoned reads end there, quietly (their errors are
-# the damage restore_latest already reports in one line).
+# orbax (0.12) runs a save's writes and a restore's reads as tasks of a fresh
+# event loop (in the save's own thread), and when the first of them fails (a
+# full disk, a damaged checkpoint) it closes that loop with the others still
+# in flight. Those then report, at some later moment and from other threads,
+# everything Python cannot raise: "RuntimeError: Event loop is closed" (with
+# its traceback) each time TensorStore finishes one, "Task / Future exception
+# was never retrieved" with the TensorStore error when a finished one is
+# collected, and "Exception ignored in: <coroutine object ...>" with the whole
+# TensorStore spec when a suspended one is. While a Checkpointer is open (and
+# inside :func:`draining_event_loops`), a new event loop therefore cancels
+# and finishes its pending tasks before it closes, so the abandoned writes
+# and reads end there, quietly; and the errors of its tasks that nobody
+# retrieved are not printed when they are a write failure: the trainer reports
+# it in its one ``error:`` line (moejax.train.write_failure).
+def _quiet_owned(loop, context: dict) -> None:
+  """The loops' exception handler: drops cancellations and write failures, prints the rest."""
+  from moejax.train import write_failure  # pylint: disable=g-import-not-at-top (imports this)
+  error = context.get("exception")
+  if error is not None and (isinstance(error, asyncio.CancelledError)
+                            or write_failure.classify(error) is not None):
+    return
+  loop.default_exception_handler(context)
+
+
 class _DrainingPolicy(asyncio.DefaultEventLoopPolicy):
   """Event loops that cancel and await their pending tasks when closed."""
 
   def new_event_loop(self):
     loop = super().new_event_loop()
+    loop.set_exception_handler(_quiet_owned)
     close = loop.close
 
     def drain_then_close():
@@ -318,15 +334,36 @@ class _DrainingPolicy(asyncio.DefaultEventLoopPolicy):
     return loop
 
 
+# Counted, not nested: a Checkpointer may close after one opened later (a
+# restore's read-only one, a run's own), and the policy stays until the last.
+_draining = {"count": 0, "previous": None}
+_draining_lock = threading.Lock()
+
+
+def _start_draining() -> None:
+  with _draining_lock:
+    if _draining["count"] == 0:
+      _draining["previous"] = asyncio.get_event_loop_policy()
+      asyncio.set_event_loop_policy(_DrainingPolicy())
+    _draining["count"] += 1
+
+
+def _stop_draining() -> None:
+  with _draining_lock:
+    _draining["count"] -= 1
+    if _draining["count"] == 0:
+      asyncio.set_event_loop_policy(_draining["previous"])
+      _draining["previous"] = None
+
+
 @contextlib.contextmanager
 def draining_event_loops():
   """Inside: every new event loop finishes its pending tasks (cancelled) before it closes."""
-  previous = asyncio.get_event_loop_policy()
-  asyncio.set_event_loop_policy(_DrainingPolicy())
+  _start_draining()
   try:
     yield
   finally:
-    asyncio.set_event_loop_policy(previous)
+    _stop_draining()
 
 
 class Checkpointer:
@@ -350,6 +387,8 @@ class Checkpointer:
     handlers = {"state": ocp.StandardCheckpointHandler(), "data": ocp.JsonCheckpointHandler()}
     self.manager = ocp.CheckpointManager(os.path.abspath(os.path.join(workdir, CHECKPOINT_DIR)),
                                          options=options, item_handlers=handlers)
+    _start_draining()  # orbax's save and restore loops, until close (see above)
+    self._draining = True
 
   def latest_step(self) -> Optional[int]:
     return self.manager.latest_step()
@@ -409,9 +448,14 @@ class Checkpointer:
     self._flush()
 
   def close(self) -> None:
-    if self._pending:
-      self.wait()
-    self.manager.close()
+    try:
+      if self._pending:
+        self.wait()
+      self.manager.close()
+    finally:
+      if self._draining:
+        self._draining = False
+        _stop_draining()
 
   # A context manager, so that a one-off reader (a test, a tool) cannot leave orbax's
   # manager and its threads open until interpreter exit.
