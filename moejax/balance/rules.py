@@ -10,7 +10,18 @@ A balance loss is one function and its registration::
 
 used with ``moe.balance.extra_losses=(("my_loss", 1e-2),)``: the layer adds
 coefficient x loss to its ``losses`` (under the loss's name) and to
-``total``. A bias-controller rule is one function of the global load::
+``total``. A loss that also takes ``context`` receives the layer's
+:class:`~moejax.routing.types.RoutingContext`: the batch's token count,
+train or eval, and ``context.mean(x)`` / ``context.sum(x)`` over every token
+of the batch, exact under expert parallelism (a statistic divided by this
+device's token count would be N times off on N devices)::
+
+    @register_loss("kl_uniform")
+    def kl_uniform(result, cfg, *, batch_shape, axis_names, context):
+      p = context.mean(result.probs)                # f32[E_r], the whole batch's
+      return jnp.sum(p * jnp.log(p * p.shape[-1] + 1e-9))
+
+A bias-controller rule is one function of the global load::
 
     @register_bias_rule("my_rule")
     def my_rule(load, mean, rate):               # f32[E_r], f32[], float
