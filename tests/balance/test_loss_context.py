@@ -85,3 +85,20 @@ def test_the_layer_hands_its_context_to_the_loss(losses):
   _, aux = L.moe_layer(params, x, None, cfg, train=True)
   assert SEEN == [RoutingContext((), 6, 6, (3, 2), True)]
   np.testing.assert_allclose(aux.losses["ctx_kl_local"], 2 * aux.losses["ctx_kl"], rtol=1e-6)
+
+
+def test_the_rules_docstring_example_runs_as_written():
+  import re
+  import textwrap
+  from moejax.balance import rules
+  block = re.findall(r"::\n\n((?:    .*\n|\n)+)", rules.__doc__)[1]
+  assert "context.mean" in block
+  try:
+    exec(textwrap.dedent(block), {"register_loss": balance.register_loss, "jnp": jnp})  # noqa: S102
+    cfg = moe_config(num_experts=2, expert_width=4, routing=dict(top_k=1),
+                     balance=dict(extra_losses=(("kl_uniform", 1.0),)))
+    out = balance_losses(_result([[0.5, 0.5], [1.0, 0.0]]), cfg, batch_shape=(1, 2))
+    np.testing.assert_allclose(out["kl_uniform"], 0.75 * np.log(1.5) + 0.25 * np.log(0.5),
+                               rtol=1e-5)
+  finally:
+    BALANCE_LOSSES.unregister("kl_uniform")
