@@ -101,7 +101,8 @@ def parse_flags(argv: Sequence[str], experiment_at: Optional[str] = None,
          or _flag_error(e, argv, experiment_at, fv))
   except flags.Error as e:
     fail(_flag_error(e, argv, experiment_at, fv))
-  except (KeyError, AttributeError, OSError, ValueError, TypeError, SyntaxError) as e:
+  except (KeyError, AttributeError, OSError, ValueError, TypeError, SyntaxError,
+          ImportError) as e:
     fail(flag_errors.describe_config_error(e, argv, experiment_at, fv))
   if fv is flags.FLAGS:
     quiet_logs()
@@ -120,7 +121,7 @@ def config_tree(holder) -> object:
     value = holder.value
     hasattr(value, "to_dict")  # a file that failed to load raises on first attribute access
     return value
-  except (OSError, KeyError, AttributeError, ValueError, SyntaxError) as e:
+  except (OSError, KeyError, AttributeError, ValueError, SyntaxError, ImportError) as e:
     fail(flag_errors.describe_config_error(e, sys.argv))
 
 

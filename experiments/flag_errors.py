@@ -123,6 +123,8 @@ def describe_config_error(e: BaseException, argv: Sequence[str],
   flag = f"--{file_arg[0]}={file_arg[1]}" if file_arg else "--config"
   if isinstance(e, SyntaxError):
     return f"{flag}: cannot load it: SyntaxError: {e.msg} (line {e.lineno})"
+  if isinstance(e, ImportError):
+    return f"{flag}: cannot load it: {_import_problem(e, file_arg[1] if file_arg else '')}"
   if "Errno 2" in text or "No such file" in text:
     return f"{flag}: no such file. Fix: {_config_files_fix(file_arg[1] if file_arg else '')}"
   if "config file" in text:
@@ -153,6 +155,25 @@ def _config_files_fix(given: str) -> str:
   shown = ", ".join(names[:_LISTED]) + (", ..." if len(names) > _LISTED else "")
   more = f" (more in {', '.join(subdirs[:4])})" if subdirs else ""
   return f"{hint}the config files in {folder}/ are {shown}{more}"
+
+
+def _import_problem(e: ImportError, config_file: str) -> str:
+  """What a failed import in a config file (a plugin module, usually) needs, and the fix."""
+  name = getattr(e, "name", None)
+  if not isinstance(e, ModuleNotFoundError) or not name:
+    return (f"{type(e).__name__}: {_last_line(e)}. Fix: correct that import in the config "
+            "file or in the module it imports")
+  top = name.split(".")[0]
+  # A module next to the config file (a researcher's plugin) is found from that folder.
+  here = os.path.dirname(os.path.abspath(config_file)) if config_file else ""
+  beside = here and (os.path.exists(os.path.join(here, f"{top}.py"))
+                     or os.path.isdir(os.path.join(here, top)))
+  where = (f"it sits in {here}: run with PYTHONPATH={here}" if beside else
+           f"put the folder that holds {top}.py (or the package {top}/) on PYTHONPATH "
+           f"(PYTHONPATH=DIR python -m ...), or pip install it")
+  return (f"it imports the module {name!r}, which is not importable (neither on PYTHONPATH "
+          f"nor installed). Fix: {where}; a plugin module must be importable wherever the "
+          "config is loaded")
 
 
 # --- A value of the wrong type. ----------------------------------------------
