@@ -47,6 +47,7 @@ def main(argv):
   from moejax.serve import Decoder, SamplingConfig, generate, get_tokenizer
   from moejax.serve import quantize as quant_lib
   from moejax.serve.generate import load_run
+  from moejax.train.checkpoint import WorkdirError
 
   try:
     sampling = SamplingConfig(temperature=_TEMPERATURE.value, top_k=_TOP_K.value,
@@ -59,7 +60,7 @@ def main(argv):
     if qcfg is not None:
       quant_lib.quantize_model(model, qcfg)
     dec = Decoder(model, backend=_BACKEND.value)
-  except (ConfigError, FileNotFoundError, ValueError) as e:
+  except (ConfigError, FileNotFoundError, ValueError, WorkdirError) as e:
     cli.fail(f"{type(e).__name__}: {e}")
   prompts = [tok.encode(p) for p in _PROMPT.value]
   out = generate(dec, prompts, max_new_tokens=_MAX_NEW.value, sampling=sampling,

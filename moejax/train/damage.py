@@ -23,9 +23,11 @@ from typing import Optional
 # orbax's JsonCheckpointHandler file of the "data" item (the iterator's state).
 DATA_STATE_FILE = os.path.join("data", "metadata")
 _SPEC_MARK = "See full TensorStore details"
-# 'OUT_OF_RANGE: Error reading "KEY/0.0" in OCDBT database at local file "DIR/": DETAIL'
-_READING = re.compile(r'^(?P<status>[A-Z_]+): Error reading "(?P<key>[^"]+)"'
-                      r'(?: in [^"]*"[^"]*")?: (?P<detail>.*)$', re.S)
+# 'OUT_OF_RANGE: Error reading "KEY/0.0" in OCDBT database at local file "DIR/": DETAIL', the
+# key's chunk or its metadata (KEY/.zarray, behind 'Error opening "zarr" driver: ').
+_READING = re.compile(r'^(?P<status>[A-Z_]+): (?:Error opening "[^"]*" driver: )*'
+                      r'Error reading "(?P<key>[^"]+)"(?: in [^"]*"[^"]*")?: (?P<detail>.*)$',
+                      re.S)
 _LIMIT = 160
 
 

@@ -37,7 +37,7 @@ from moejax import chatter
 from moejax.config import ConfigError
 from moejax.config import plugins as plugins_lib
 from moejax.train import checkpoint as ckpt_lib
-from moejax.train import integrity
+from moejax.train import damage, integrity
 from moejax.train import step as step_lib
 from moejax.train.config import ExperimentConfig, experiment_from_dict
 from moejax.train.optim import make_optimizer
@@ -82,8 +82,15 @@ def model_at(cfg: ExperimentConfig, workdir: str, step: Optional[int] = None):
   with chatter.quiet_library_logs():
     ckpt = ckpt_lib.Checkpointer(workdir, max(len(steps), 1), read_only=True)
     try:
-      tree, data_state = ckpt.restore(step, abstract.checkpoint_tree())
-      _verify(ckpt.step_dir(step), step, steps, tree, data_state)
+      step_dir = ckpt.step_dir(step)
+      problem = damage.data_state_problem(step_dir)
+      if problem:
+        raise _damaged(step_dir, step, steps, f"damaged: {problem}")
+      try:
+        tree, data_state = ckpt.restore(step, abstract.checkpoint_tree())
+      except Exception as e:  # orbax / TensorStore: the part named, not their reprs
+        raise _damaged(step_dir, step, steps, f"damaged: {damage.restore_error(e)}") from None
+      _verify(step_dir, step, steps, tree, data_state)
     finally:
       ckpt.close()
   return nnx.merge(graphdef, tree["params"], tree["router_state"], tree["other"]), step
@@ -99,17 +106,23 @@ def _verify(step_dir: str, step: int, steps, tree, data_state: dict) -> None:
   verdict = integrity.verify_step(step_dir, tree, data_state)
   workdir = os.path.dirname(os.path.dirname(step_dir))
   if verdict.mismatches:
-    earlier = [s for s in steps if s < step]
-    pick = (f"load an earlier checkpoint (step={earlier[-1]}; kept: {list(steps)})" if earlier
-            else "retrain the run (no earlier checkpoint is kept)")
-    aside = os.path.join(workdir, ckpt_lib.DAMAGED_DIR, str(step))
-    raise ckpt_lib.WorkdirError(
-        f"checkpoint {step} in {os.path.dirname(step_dir)} is {verdict.note}. Fix: {pick}, or "
-        f"move it aside (mv {step_dir} {aside}) and resume the run, which trains from the "
-        "previous checkpoint")
+    raise _damaged(step_dir, step, steps, verdict.note)
   if not verdict.verified and workdir not in _SAID_UNVERIFIED and jax.process_index() == 0:
     _SAID_UNVERIFIED.add(workdir)
     print(f"note: {step_dir} loaded {verdict.note}", file=sys.stderr)
+
+
+def _damaged(step_dir: str, step: int, steps, what: str) -> ckpt_lib.WorkdirError:
+  """The error of a checkpoint that cannot be loaded as it is (``what``), with the fixes."""
+  earlier = [s for s in steps if s < step]
+  pick = (f"load an earlier checkpoint (step={earlier[-1]}; kept: {list(steps)})" if earlier
+          else "retrain the run (no earlier checkpoint is kept)")
+  aside = os.path.join(os.path.dirname(os.path.dirname(step_dir)), ckpt_lib.DAMAGED_DIR,
+                       str(step))
+  return ckpt_lib.WorkdirError(
+      f"checkpoint {step} in {os.path.dirname(step_dir)} is {what}. Fix: {pick}, or move it "
+      f"aside (mv {step_dir} {aside}) and resume the run, which trains from the previous "
+      "checkpoint")
 
 
 def load(workdir: str, step: Optional[int] = None):

@@ -9,11 +9,13 @@ from __future__ import annotations
 
 import json
 import os
+import re
 
 import pytest
 
 from moejax.train import checkpoint as ckpt_lib
 from moejax.train import damage
+from moejax.train import load as load_lib
 from moejax.train import step as step_lib
 from moejax.train.optim import make_optimizer
 
@@ -39,6 +41,17 @@ def test_a_damaged_array_is_named_by_its_key_and_tensorstores_status():
   assert damage.restore_error(e) == (
       "its array opt_state.1.0.mu.blocks.0.attn.k_proj.kernel cannot be read (OUT_OF_RANGE: "
       "Requested byte range [9640, 11585) is not valid for value of size 10)")
+
+
+def test_an_arrays_unreadable_metadata_behind_the_drivers_is_named_by_its_key():
+  e = _raised(Exception(_ORBAX), ValueError(
+      'OUT_OF_RANGE: Error opening "cast" driver: Error opening "zarr" driver: Error reading '
+      '"opt_state.1.0.mu.blocks.0.attn.o_proj.kernel/.zarray" in OCDBT database at local file '
+      '"/w/checkpoints/30/state/": Requested byte range [0, 193) is not valid for value of '
+      'size 10'))
+  assert damage.restore_error(e) == (
+      "its array opt_state.1.0.mu.blocks.0.attn.o_proj.kernel cannot be read (OUT_OF_RANGE: "
+      "Requested byte range [0, 193) is not valid for value of size 10)")
 
 
 def test_without_tensorstores_cause_the_repr_is_cut_off():
@@ -77,3 +90,30 @@ def test_an_emptied_data_state_falls_back_and_is_named_as_such(tiny_copy):
                                    "empty"),)
   with open(os.path.join(workdir, "checkpoints", "30", damage.DATA_STATE_FILE)) as f:
     assert restored.data_state == json.load(f)
+
+
+def test_loading_a_damaged_checkpoint_names_the_part_and_the_earlier_one(tiny_copy):
+  """moejax.load / generate / export_hf / quantize: the same names, the fixes of a load."""
+  cfg, workdir = tiny_copy
+  ck = os.path.join(workdir, "checkpoints")
+  open(os.path.join(ck, "40", damage.DATA_STATE_FILE), "w").close()
+  with pytest.raises(ckpt_lib.WorkdirError) as err:
+    load_lib.model_at(cfg, workdir)
+  assert str(err.value) == (
+      f"checkpoint 40 in {ck} is damaged: its data-iterator state file data/metadata is empty. "
+      "Fix: load an earlier checkpoint (step=30; kept: [30, 40]), or move it aside (mv "
+      f"{ck}/40 {workdir}/damaged_checkpoints/40) and resume the run, which trains from the "
+      "previous checkpoint")
+  state = os.path.join(ck, "30", "state")
+  for d, _, files in os.walk(state):
+    for name in files:
+      if os.sep + "d" + os.sep in os.path.join(d, name) + os.sep:
+        with open(os.path.join(d, name), "r+b") as f:
+          f.truncate(10)
+  with pytest.raises(ckpt_lib.WorkdirError) as err:
+    load_lib.model_at(cfg, workdir, step=30)
+  msg = str(err.value)
+  assert re.match(rf"checkpoint 30 in {re.escape(ck)} is damaged: its array [\w.]+ cannot be "
+                  r"read \([A-Z_]+: .*\)\. Fix: retrain the run \(no earlier checkpoint is "
+                  r"kept\)", msg), msg
+  assert "TensorStore" not in msg and "pybind" not in msg
