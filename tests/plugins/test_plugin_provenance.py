@@ -16,6 +16,7 @@ import sys
 
 import pytest
 
+import moejax
 from moejax.ablation import provenance, summary as summary_lib
 from moejax.config import plugins as plugins_lib
 from moejax.config.registry import BALANCE_LOSSES, BIAS_RULES
@@ -90,11 +91,12 @@ def test_a_run_whose_only_plugin_is_a_loss_loads_in_a_fresh_process(loss_only_ru
   shutil.copytree(work, moved)
   record[0].update(module="my_rules", file=str(tmp_path / "gone" / "my_rules.py"))
   (moved / "plugins.json").write_text(json.dumps(record))
-  out = _python(code % str(moved), cwd=tmp_path)
-  assert out.returncode != 0
-  last = out.stderr.strip().splitlines()[-1]
-  assert last.startswith("moejax.config.plugins.PluginError: plugin module 'my_rules' (which "
-                         "registers balance loss 'max_prob_loss') cannot be imported here"), last
+  with pytest.raises(plugins_lib.PluginError) as e:  # before the config is built
+    moejax.load(str(moved))
+  last = str(e.value)
+  assert "\n" not in last and last.startswith(
+      "plugin module 'my_rules' (which registers balance loss 'max_prob_loss') cannot be "
+      "imported here"), last
   assert "Fix: put the folder that holds my_rules.py on PYTHONPATH" in last
   # ... and that fix works.
   (tmp_path / "lib").mkdir()
