@@ -150,6 +150,7 @@ def missing_interop(hidden_states: bool) -> list[str]:
 
 def main(argv):
   del argv
+  cli.check_writable("--out_dir", _OUT_DIR.value)  # before the model is built
   missing = missing_interop(bool(_HIDDEN.value))
   if missing:
     print(f"error: analyze_routing needs the interop extra ({', '.join(missing)} not "

@@ -118,6 +118,8 @@ def _run(tmp_path, binary: str, *args: str) -> subprocess.CompletedProcess:
      errno.EPERM, "Operation not permitted"),
     ("export_hf", ["--workdir=/nonexistent_run"], "--out", "/sys/moejax_out", "/sys",
      errno.EPERM, "Operation not permitted"),
+    ("analyze_routing", ["--model_type=mixtral"], "--out_dir", "/sys/moejax_routing", "/sys",
+     errno.EPERM, "Operation not permitted"),
 ])
 def test_each_writing_binary_refuses_before_any_output(tmp_path, binary, args, flag, path,
                                                        parent, code, strerror):
