@@ -201,3 +201,27 @@ def test_every_loss_of_the_run_is_logged_under_its_name_and_summarised(loss_only
   assert "| arm | `aux_loss` | `max_prob_loss` | `z_loss` |" in table
   summary_lib.write_csv(summary, str(tmp_path / "s.csv"))
   assert "balance/max_prob_loss" in (tmp_path / "s.csv").read_text().splitlines()[0]
+
+
+def test_a_plugin_layer_kind_and_executor_are_recorded_too():
+  from moejax.config.registry import EXECUTORS, LAYERS  # pylint: disable=g-import-not-at-top
+
+  class Kind:  # only its registration is read here
+    name = "test_provenance_kind"
+
+  class Executor:
+    name = "test_provenance_unit"
+
+  LAYERS.register(Kind())
+  EXECUTORS.register(Executor)
+  try:
+    tree = {"model": {"moe": {"kind": Kind.name, "routing": {"kind": "topk"}}},
+            "parallel": {"dispatch_unit": Executor.name}}
+    [record] = plugins_lib.used(tree)
+    assert record["module"] == __name__
+    assert [(i["registry"], i["name"], i["field"]) for i in record["ideas"]] == [
+        ("layer kind", Kind.name, "model.moe.kind"),
+        ("expert-parallel dispatch unit", Executor.name, "parallel.dispatch_unit")]
+  finally:
+    LAYERS.unregister(Kind.name)
+    EXECUTORS.unregister(Executor.name)
