@@ -6,7 +6,7 @@ through the RoutingContext. On 8 simulated CPU devices (a child process,
 tests/plugins/batch_wide_child.py; the device count is fixed when JAX starts)
 ``ep_moe_layer`` must equal the single-device layer on the whole batch
 (outputs, loads, losses, metrics, routing, gradients), and so must the
-shipped S-BASE in training and evaluation and expert choice with
+shipped S-BASE in training and expert choice with
 ``scope='batch'``; the same rule declaring
 ``expert_parallel=False`` is refused in one line before it runs.
 """
