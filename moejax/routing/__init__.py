@@ -8,7 +8,8 @@ Entry points: :func:`moejax.routing.router.route` and
 A router kind is a registered :class:`RouterSpec` (``moejax.routing.spec``);
 importing this package registers the shipped ones (topk, expert_choice,
 hash, top_p, hierarchical, sbase) with the same :func:`register` a
-researcher's module calls. ``ROUTERS`` is the registry (name -> spec).
+researcher's module calls. ``ROUTERS`` is the registry: ``ROUTERS.get(name)``
+is the spec of a name, ``ROUTERS.names()`` every name.
 A router reads the batch it decides on through a :class:`RoutingContext`.
 """
 
