@@ -54,6 +54,7 @@ library, another tokenizer) are flagged: their numbers are not comparable.
 from __future__ import annotations
 
 import dataclasses
+import textwrap
 from typing import Mapping, Optional, Sequence
 
 from moejax.topology.accounting import budget as model_budget
@@ -237,22 +238,67 @@ def corpus_check(fingerprints: Mapping[str, Mapping | None]) -> list[str]:
   return mismatches(fingerprints)
 
 
-def table(budgets: Mapping[str, ArmBudget], fixed: Mapping[str, float] = ()) -> str:
-  """The budget table as aligned text; fixed quantities are marked with '*'."""
+# The widest line the budget table prints (a terminal, a log viewer, a pasted issue).
+TABLE_WIDTH = 100
+
+
+def table(budgets: Mapping[str, ArmBudget], fixed: Mapping[str, float] = (),
+          width: int = TABLE_WIDTH) -> str:
+  """The budget table as aligned text, no line wider than ``width``; fixed quantities are
+  marked with '*'.
+
+  The optimizer string (about 90 characters) is written under the table, once
+  when every arm has the same (the usual case, the check requires it when it is
+  held fixed), else as a letter per arm and a line per letter. Numeric columns
+  that do not fit beside each other continue in a second block below, the arm
+  column repeated.
+  """
   mark = lambda q: q + ("*" if q in fixed else "")
   sourced = any(b.source_tokens is not None for b in budgets.values())
   extra = ["source_tokens", mark("total_tokens"), mark("compute")] if sourced else []
+  optimizers = list(dict.fromkeys(b.optimizer for b in budgets.values()))
+  keys = {o: chr(ord("A") + i) for i, o in enumerate(optimizers)}
   head = ["arm", mark("total"), mark("active"), "active_max", mark("flops_per_token"),
-          mark("tokens"), "train_FLOPs"] + extra + [mark("optimizer")]
+          mark("tokens"), "train_FLOPs"] + extra + ([mark("optimizer")]
+                                                    if len(optimizers) > 1 else [])
   rows = [head]
   for n, b in budgets.items():
     more = ([human(b.source_tokens or 0), human(b.total_tokens), human(b.compute)]
             if sourced else [])
     rows.append([n, human(b.total), human(b.active), human(b.active_max),
                  human(b.flops_per_token), human(b.tokens), human(b.train_flops)] + more
-                + [b.optimizer])
-  widths = [max(len(r[i]) for r in rows) for i in range(len(head))]
-  lines = ["  ".join(c.ljust(w) if i in (0, len(head) - 1) else c.rjust(w)
-                     for i, (c, w) in enumerate(zip(r, widths))) for r in rows]
-  lines.insert(1, "-" * len(lines[0]))
+                + ([keys[b.optimizer]] if len(optimizers) > 1 else []))
+  lines = []
+  for block in _column_blocks(rows, width):
+    lines += ([""] if lines else []) + _aligned(block)
+  if len(optimizers) == 1:
+    lines += _wrapped(f"{mark('optimizer')} (every arm): {optimizers[0]}", width)
+  else:
+    for o in optimizers:
+      lines += _wrapped(f"{mark('optimizer')} {keys[o]}: {o}", width)
   return "\n".join(lines)
+
+
+def _column_blocks(rows: list[list[str]], width: int) -> list[list[list[str]]]:
+  """``rows`` cut into blocks of whole columns that fit ``width``, each led by column 0."""
+  widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+  blocks, current = [], [0]
+  for i in range(1, len(widths)):
+    if current != [0] and sum(widths[j] + 2 for j in current) + widths[i] > width:
+      blocks.append(current)
+      current = [0]
+    current.append(i)
+  blocks.append(current)
+  return [[[r[i] for i in cols] for r in rows] for cols in blocks]
+
+
+def _aligned(rows: list[list[str]]) -> list[str]:
+  widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+  lines = ["  ".join(c.ljust(w) if i == 0 else c.rjust(w)
+                     for i, (c, w) in enumerate(zip(r, widths))).rstrip() for r in rows]
+  lines.insert(1, "-" * len(lines[0]))
+  return lines
+
+
+def _wrapped(text: str, width: int) -> list[str]:
+  return textwrap.wrap(text, width, subsequent_indent="    ", break_on_hyphens=False)

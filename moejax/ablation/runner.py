@@ -44,6 +44,7 @@ import dataclasses
 import json
 import os
 import sys
+import textwrap
 import time
 from typing import Callable, Optional, TextIO
 
@@ -91,8 +92,9 @@ def check_suite(suite: Suite, out: TextIO = sys.stdout) -> dict[str, budget_lib.
   print(budget_lib.table(b, suite.fixed), file=out)
   notes = budget_lib.check(b, suite.fixed, {a.name: a.experiment for a in suite.arms},
                            exempt=suite.exempt)
-  for line in notes:
-    print(f"  ok  {line}", file=out)
+  for line in notes:  # as wide as the table (budget_lib.TABLE_WIDTH)
+    print(textwrap.fill(line, budget_lib.TABLE_WIDTH, initial_indent="  ok  ",
+                        subsequent_indent="      ", break_on_hyphens=False), file=out)
   return b
 
 
@@ -433,7 +435,8 @@ def _train_runs(suite, workdir, b, plan, train_fn, analyse_runs, say, out, corpu
     walls.append(res["wall_seconds"])
     trained = (summary or {}).get("train_seconds") or 0.0
     overhead.append(max(res["wall_seconds"] - trained, 0.0))
-    say(f"{tag}: done in {res['wall_seconds']:.0f}s, val loss {res.get('val_loss')}; "
+    # Rounded as the trainer's lines are (result.json keeps the full value).
+    say(f"{tag}: done in {res['wall_seconds']:.0f}s, val loss {res['val_loss']:.3f}; "
         f"{os.path.join(path, RESULT_FILE)}")
   return results
 

@@ -204,36 +204,49 @@ class SuiteEta(NamedTuple):
   after_batches: Optional[int] = None   # batches per pass; None: the whole split
 
 
+# A forward pass's share of a training step (forward + backward: 3x the forward FLOPs, as
+# moejax.train.mfu counts them): an evaluation batch's time before one has been measured.
+FORWARD_SHARE = 1.0 / 3.0
+
+
 class Progress:
   """One line per log step: ``step 120/1000 (12%) | 9.8k tok/s | loss 2.345 | ETA 3m12s``.
 
   The ETA is what is left of this run: the remaining steps at the mean step
-  time of this process (compilation excluded), the remaining periodic
-  evaluations at their measured time, and the final whole-split evaluation
-  at the periodic evaluations' time per batch (:meth:`plan_evals`). Inside a
-  suite (``in_suite``) the line also shows ``suite ETA``: this run's ETA, the
-  later runs' ``then_steps`` at this step time, and the time outside the
-  training steps of this run's remainder and of each later run
-  (``then_seconds``, measured on the suite's finished runs; before one has
-  finished, estimated from this run: its start-up and compilation, its
-  evaluations and the forward passes of each run's routing analysis,
-  ``after_passes`` of ``after_batches``). The parts are counted because for a
-  short suite run the evaluation and analysis can take as long as its training.
+  time of this process (the first step, which compiles, excluded; ``ETA --``
+  until a step after it has been timed), the remaining periodic evaluations
+  and the final whole-split evaluation (:meth:`plan_evals`) at the time per
+  batch of the periodic evaluations after the first (which compiles the
+  evaluation step: its time counts as start-up, not as a rate), or before
+  one has been measured at :data:`FORWARD_SHARE` of a step. A line at 100%
+  has no ETA. Inside a suite (``in_suite``) the line also shows ``suite
+  ETA``: this run's ETA plus, never negative, the later runs' ``then_steps``
+  at this step time and the time outside the training steps of this run's
+  remainder and of each later run (``then_seconds``, measured on the suite's
+  finished runs; before one has finished, estimated from this run: its
+  start-up and compilations, its evaluations and the forward passes of each
+  run's routing analysis, ``after_passes`` of ``after_batches``), so it is
+  never below the run's ETA. The parts are counted because on 2 CPU cores
+  the evaluation and analysis of a quick-suite run take as long as its
+  training.
   """
 
   def __init__(self, total_steps: int, out: TextIO = sys.stdout, enabled: bool = True,
                then_steps: int = 0, then_seconds: Optional[float] = None,
                in_suite: bool = False, then_runs: int = 0, after_passes: int = 0,
-               after_batches: Optional[int] = None):
+               after_batches: Optional[int] = None, clock=time.perf_counter):
     self.total, self.out, self.enabled = total_steps, out, enabled
     self.train_seconds, self.steps_timed = 0.0, 0
     self.then_steps, self.then_seconds = then_steps, then_seconds
     self.in_suite = in_suite
     self.then_runs, self.after_passes, self.pass_batches = then_runs, after_passes, after_batches
-    self.eval_seconds, self.eval_batches_done = 0.0, 0
+    self.eval_seconds, self.eval_batches_done = 0.0, 0    # the evaluations after the first
+    self.eval_compile_seconds = 0.0                      # the first (compiles its step)
+    self.evals_seen = 0
     self.evals_left, self.evals_total, self.eval_batches, self.final_batches = 0, 0, 0, 0
     self.final_left = False
-    self.started, self.setup_seconds = time.perf_counter(), 0.0
+    self.clock = clock
+    self.started, self.setup_seconds = clock(), 0.0
 
   def add_time(self, seconds: float, steps: int) -> None:
     self.train_seconds += seconds
@@ -241,7 +254,7 @@ class Progress:
 
   def first_step_done(self) -> None:
     """Marks the end of start-up and compilation (the first step)."""
-    self.setup_seconds = time.perf_counter() - self.started
+    self.setup_seconds = self.clock() - self.started
 
   def plan_evals(self, evals_left: int, eval_batches: int, final_batches: int) -> None:
     """``evals_left`` periodic evaluations of ``eval_batches`` batches each, then one
@@ -253,43 +266,61 @@ class Progress:
     if final:
       self.final_left = False
       return
+    self.evals_left = max(self.evals_left - 1, 0)
+    self.evals_seen += 1
+    if self.evals_seen == 1:
+      self.eval_compile_seconds += seconds
+      return
     self.eval_seconds += seconds
     self.eval_batches_done += batches
-    self.evals_left = max(self.evals_left - 1, 0)
 
   def _per_step(self) -> float:
     return self.train_seconds / max(self.steps_timed, 1)
 
   def _per_batch(self) -> float:
-    return self.eval_seconds / self.eval_batches_done if self.eval_batches_done else 0.0
+    if self.eval_batches_done:
+      return self.eval_seconds / self.eval_batches_done
+    return self._per_step() * FORWARD_SHARE
+
+  def _evals_left_seconds(self) -> float:
+    batches = self.evals_left * self.eval_batches + self.final_batches * self.final_left
+    return self._per_batch() * batches
 
   def eta(self, step: int) -> float:
-    batches = self.evals_left * self.eval_batches + self.final_batches * self.final_left
-    return self._per_step() * (self.total - step) + self._per_batch() * batches
+    return self._per_step() * max(self.total - step, 0) + self._evals_left_seconds()
 
   def suite_eta(self, step: int) -> float:
-    if self.then_seconds is not None:
-      # Measured on finished runs: what this run has not spent of a run's overhead yet,
-      # and all of it for each later run (this run's own evaluations are part of the
-      # overhead, so they are not added again).
-      per_run = self.then_seconds / (self.then_runs + 1)
-      spent = self.setup_seconds + self.eval_seconds
-      return (self._per_step() * (self.total - step + self.then_steps)
-              + max(per_run - spent, 0.0) + self.then_runs * per_run)
-    rest = self.eta(step) + self._per_step() * self.then_steps
+    return self.eta(step) + self._per_step() * self.then_steps + self._suite_overhead()
+
+  def _suite_overhead(self) -> float:
+    """The suite's time after this run's ETA outside training steps (never negative)."""
     per_batch = self._per_batch()
+    if self.then_seconds is not None:
+      # Measured on finished runs: what this run has not spent of a run's overhead yet
+      # (beyond the evaluations its ETA holds), and all of it for each later run.
+      per_run = self.then_seconds / (self.then_runs + 1)
+      spent = self.setup_seconds + self.eval_compile_seconds + self.eval_seconds
+      return (max(per_run - spent - self._evals_left_seconds(), 0.0)
+              + self.then_runs * per_run)
     after = self.after_passes * (self.final_batches if self.pass_batches is None
                                  else min(self.pass_batches, self.final_batches))
-    later_run = self.setup_seconds + per_batch * (
+    later_run = self.setup_seconds + self.eval_compile_seconds + per_batch * (
         self.evals_total * self.eval_batches + self.final_batches + after)
-    return rest + per_batch * after + self.then_runs * later_run
+    return per_batch * after + self.then_runs * later_run
 
   def line(self, step: int, tokens_per_s: float, loss: float, extra: str = "") -> str:
-    pct = 100.0 * step / self.total
-    text = (f"step {step}/{self.total} ({pct:.0f}%) | {tokens_per_s / 1e3:.1f}k tok/s | "
-            f"loss {loss:.4f}{extra} | ETA {format_duration(self.eta(step))}")
-    if self.in_suite:
-      text += f" | suite ETA {format_duration(self.suite_eta(step))}"
+    pct = 100 * step // self.total  # floored: "100%" only on the last step
+    text = (f"step {step}/{self.total} ({pct}%) | {tokens_per_s / 1e3:.1f}k tok/s | "
+            f"loss {loss:.4f}{extra}")
+    done = step >= self.total
+    if not done:
+      text += f" | ETA {self._show(self.eta(step))}"
+    if self.in_suite and (not done or self.then_runs):
+      text += f" | suite ETA {self._show(self.suite_eta(step))}"
     if self.enabled:
       print(text, file=self.out, flush=True)
     return text
+
+  def _show(self, seconds: float) -> str:
+    """``--`` until a step after the compiling one has been timed (no rate yet)."""
+    return format_duration(seconds) if self.steps_timed else "--"

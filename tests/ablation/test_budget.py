@@ -100,3 +100,57 @@ def test_every_shipped_suite_passes_its_budget_check(name):
   out = io.StringIO()
   runner.check_suite(suite, out)
   assert all(a.name in out.getvalue() for a in suite.arms)
+
+
+_OPT = ("adamw lr=0.001 warmup=10 cosine->x0.1 b1=0.9 b2=0.95 eps=1e-08 wd=0.1 clip=1 "
+        "steps=100")
+
+
+def _arm(total, optimizer=_OPT, source_tokens=None):
+  return budget_lib.ArmBudget(total=total, active=148_800.0, active_max=148_800.0,
+                              flops_per_token=329_730.0, tokens=102_400, optimizer=optimizer,
+                              source_tokens=source_tokens,
+                              source_flops=None if source_tokens is None else 3e11)
+
+
+def test_the_budget_table_fits_100_columns_with_the_optimizer_under_it():
+  names = ("full_new", "frozen_new", "lora_experts_new")
+  sourced = {n: _arm(460_100 + i, source_tokens=307_200) for i, n in enumerate(names)}
+  text = budget_lib.table(sourced, {"tokens": 0.0, "optimizer": 0.0})
+  assert max(len(line) for line in text.splitlines()) <= 100
+  assert text.splitlines() == [
+      "arm                 total   active  active_max  flops_per_token  tokens*  train_FLOPs"
+      "  source_tokens",
+      "-" * 100,
+      "full_new          460.10K  148.80K     148.80K          329.73K  102.40K      101.29B"
+      "        307.20K",
+      "frozen_new        460.10K  148.80K     148.80K          329.73K  102.40K      101.29B"
+      "        307.20K",
+      "lora_experts_new  460.10K  148.80K     148.80K          329.73K  102.40K      101.29B"
+      "        307.20K",
+      "",
+      "arm               total_tokens  compute",
+      "-" * 39,
+      "full_new               409.60K  401.29B",
+      "frozen_new             409.60K  401.29B",
+      "lora_experts_new       409.60K  401.29B",
+      "optimizer* (every arm): adamw lr=0.001 warmup=10 cosine->x0.1 b1=0.9 b2=0.95 eps=1e-08 "
+      "wd=0.1 clip=1",
+      "    steps=100"]
+  # Arms on other optimizers: a letter each, the strings under the table.
+  mixed = budget_lib.table({"a": _arm(1000), "b": _arm(1000, _OPT.replace("lr=0.001", "lr=0.01"))})
+  assert mixed.splitlines() == [
+      "arm  total   active  active_max  flops_per_token   tokens  train_FLOPs  optimizer",
+      "-" * 81,
+      "a    1.00K  148.80K     148.80K          329.73K  102.40K      101.29B          A",
+      "b    1.00K  148.80K     148.80K          329.73K  102.40K      101.29B          B",
+      "optimizer A: " + _OPT,
+      "optimizer B: " + _OPT.replace("lr=0.001", "lr=0.01")]
+  assert max(len(line) for line in mixed.splitlines()) <= 100
+
+
+def test_the_printed_budget_and_its_notes_fit_100_columns():
+  out = io.StringIO()
+  runner.check_suite(suite_lib.suite_from_dict(helpers.tiny_suite()), out)
+  lines = out.getvalue().splitlines()
+  assert max(len(line) for line in lines) <= 100 and "  ok  data: identical" in "\n".join(lines)

@@ -91,6 +91,11 @@ def test_tiny_suite_writes_results_table_and_plots(tiny_suite_dir):
   assert "[1/4] aux/seed_0: training (aux, seed 0); 3 more run(s) after it\n" in printed
   assert "[4/4] bias/seed_1: training (bias, seed 1); 0 more run(s) after it, suite ETA " \
       in printed
+  # A result rounded (result.json keeps every digit).
+  with open(os.path.join(workdir, "bias", "seed_1", runner.RESULT_FILE)) as f:
+    val_loss = json.load(f)["val_loss"]
+  assert "[4/4] bias/seed_1: done in " in printed
+  assert f"s, val loss {val_loss:.3f}; " in printed and repr(val_loss) not in printed
   tail = printed[printed.index("outputs in"):]
   assert "| bias |" in printed[printed.rindex("| arm |"):]
   for name in ("summary.md", "summary.json", "summary.csv", "metrics.png", "curves.png",

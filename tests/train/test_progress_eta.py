@@ -30,7 +30,9 @@ def test_suite_eta_before_any_run_finished_estimates_the_later_runs_from_this_on
   p = _progress(in_suite=True, then_steps=100, then_runs=1, after_passes=2)
   p.setup_seconds = 3.0
   this_run = 10.0 + 1.0 + 4.0 + 2 * 40 * 0.1            # + its routing analysis
-  later = 100 * 0.2 + 3.0 + 0.1 * (4 * 5 + 40 + 2 * 40)  # steps, set-up, evals, analysis
+  # steps, set-up, the evaluation's compilation (the first of this run's, 0.5 s), evals,
+  # analysis
+  later = 100 * 0.2 + 3.0 + 0.5 + 0.1 * (4 * 5 + 40 + 2 * 40)
   assert p.suite_eta(50) == pytest.approx(this_run + later)
   assert "suite ETA" in p.line(50, 1e3, 1.0)
   # Once a run has finished, its measured time outside training replaces the estimate:
@@ -40,3 +42,81 @@ def test_suite_eta_before_any_run_finished_estimates_the_later_runs_from_this_on
   m.setup_seconds = 3.0
   assert m.suite_eta(50) == pytest.approx(50 * 0.2 + 100 * 0.2 + (30.0 - 4.0) + 30.0)
   assert "suite ETA" not in _progress().line(50, 1e3, 1.0)  # a lone run has none
+
+
+class _Clock:
+  """A fake clock: the simulated run advances it, the ETA reads it."""
+
+  def __init__(self):
+    self.now = 0.0
+
+  def __call__(self):
+    return self.now
+
+
+def _simulate(step_s=0.2, batch_s=0.1, compile_s=30.0, eval_compile_s=5.0, total=100,
+              log_every=10, eval_every=25, eval_batches=5, final_batches=40):
+  """A run on a fake clock: ``[(step, ETA shown, the true time left)]`` at every log line.
+
+  The first step compiles (``compile_s``), the first evaluation compiles its step
+  (``eval_compile_s``); the final evaluation runs after the last line.
+  """
+  clock = _Clock()
+  p = metrics_log.Progress(total, out=io.StringIO(), clock=clock)
+  p.plan_evals(evals_left=len(range(eval_every, total, eval_every)),
+               eval_batches=eval_batches, final_batches=final_batches)
+  events, seen, window = [], 0, 0.0
+  clock.now += compile_s + step_s
+  p.first_step_done()
+  for step in range(2, total + 1):
+    clock.now += step_s
+    window += step_s
+    if step % log_every == 0:
+      p.add_time(window, step - 1 - seen)
+      seen, window = step - 1, 0.0
+      events.append((step, p.eta(step), clock.now))
+    if step % eval_every == 0 and step < total:
+      seconds = batch_s * eval_batches + (eval_compile_s if not p.evals_seen else 0.0)
+      clock.now += seconds
+      p.add_eval(seconds, eval_batches)
+  clock.now += batch_s * final_batches  # the final, whole-split evaluation
+  return [(step, eta, clock.now - at) for step, eta, at in events]
+
+
+def test_the_eta_is_the_measured_step_time_after_compilation_and_converges():
+  lines = _simulate()
+  # Neither the compiling first step (30 s) nor the compiling first evaluation (5 s) is a
+  # rate: once a warm evaluation has been timed (step 50's, after its line), every ETA is
+  # the time left.
+  for step, eta, left in lines:
+    if step > 50:
+      assert eta == pytest.approx(left, abs=1e-9), step
+    else:  # before: evaluation batches at a third of a step (0.067 s, truly 0.1 s) and the
+      # evaluation's compilation not yet seen (5 s): under, never over, by at most those
+      assert left - 5.0 - 55 * (0.1 - 0.2 / 3) - 1e-9 <= eta <= left, (step, eta, left)
+  assert lines[-1][1] == pytest.approx(4.0)  # step 100: the final 40 batches
+
+
+def test_suite_eta_is_never_below_the_runs_eta():
+  for then_seconds in (None, 0.0, 1.0, 60.0):
+    p = metrics_log.Progress(100, out=io.StringIO(), in_suite=True, then_steps=50,
+                             then_seconds=then_seconds, then_runs=1)
+    p.add_time(2.0, 10)
+    p.plan_evals(evals_left=3, eval_batches=5, final_batches=40)
+    p.add_eval(7.0, 5)  # the compiling one
+    p.add_eval(0.5, 5)
+    for step in (11, 50, 99, 100):
+      assert p.suite_eta(step) >= p.eta(step) + 50 * 0.2, (then_seconds, step)
+
+
+def test_no_eta_before_a_timed_step_nor_at_100_percent():
+  p = metrics_log.Progress(40, out=io.StringIO(), in_suite=True)
+  assert p.line(1, 0.0, 5.0).endswith("| loss 5.0000 | ETA -- | suite ETA --")
+  p.add_time(1.0, 9)
+  assert p.line(10, 1e3, 4.0).endswith("| ETA 0m03s | suite ETA 0m03s")
+  assert p.line(39, 1e3, 3.0).startswith("step 39/40 (97%)")
+  assert p.line(40, 1e3, 3.0) == "step 40/40 (100%) | 1.0k tok/s | loss 3.0000"
+  later = metrics_log.Progress(40, out=io.StringIO(), in_suite=True, then_steps=40, then_runs=1)
+  later.add_time(1.0, 10)
+  assert later.line(40, 1e3, 3.0) == ("step 40/40 (100%) | 1.0k tok/s | loss 3.0000 | "
+                                      "suite ETA 0m04s")
