@@ -13,6 +13,7 @@ Usage:
   python -m experiments.bench --suite=scaling --json_out=/tmp/scaling.json
   python -m experiments.bench --suite=profile --json_out=/tmp/profile.json  # bench_profile.py
       # experiments/bench_scaling.py: the MoE / dense ratio as E and T grow
+  python -m experiments.bench --suite=peak     # this machine's MFU peak, cached once
 
 ``--suite=layer`` times, side by side in one process, forward and
 forward+backward of
@@ -45,6 +46,12 @@ Repeats run round-robin over the variants so that load from other processes
 hits them alike; medians are reported. A variant whose first run exceeds
 ``--slow_s`` gets ``--slow_repeats`` timed runs instead.
 
+``--suite=peak`` measures this machine's dense matmul roof in float32 and
+bfloat16 (the best of a few seconds of 512^3 matmuls each) and caches it in
+the user's cache directory (``moejax.train.mfu.calibration_path``): the
+trainer's MFU on a device without a datasheet peak (a CPU) is against it,
+read, never measured again under a run's load.
+
 ``--suite=gmm`` times the grouped matmul alone (uneven groups, ``--gmm_dtype``)
 for every native backend and a dense [m, k] x [k, n] matmul of the same
 FLOPs, and reports TFLOP/s (2 m k n / time for all of them, so ragged_dot's
@@ -74,8 +81,10 @@ from experiments.bench_lib import (SHAPES, conditions, dense_ffn, gshard_ffn,  #
 from moejax.execution import gmm as gmm_lib
 
 _SUITE = flags.DEFINE_enum("suite", "layer",
-                           ["layer", "gmm", "ep", "serving", "step", "scaling", "profile"],
-                           "which benchmark")
+                           ["layer", "gmm", "ep", "serving", "step", "scaling", "profile",
+                            "peak"],
+                           "which benchmark ('peak': calibrate this machine's matmul peak "
+                           "for the trainer's MFU, once)")
 _JSON = flags.DEFINE_string("json_out", None, "write the results here as JSON")
 _REPEATS = flags.DEFINE_integer("repeats", 5, "timed runs per variant (median)")
 _SLOW_S = flags.DEFINE_float("slow_s", 20.0, "a first run slower than this is 'slow' "
@@ -239,9 +248,30 @@ def print_gmm_table(res: dict) -> None:
     print(f"{name:<14}skipped: {why}")
 
 
+def peak_suite() -> dict:
+  """Calibrates this machine's peak for the trainer's MFU (moejax.train.mfu.calibrate)."""
+  from moejax.train import mfu  # pylint: disable=g-import-not-at-top
+  return {"calibrations": mfu.calibrate(), "path": mfu.calibration_path(),
+          "conditions": conditions()}
+
+
+def print_peak_table(res: dict) -> None:
+  from moejax.train import mfu  # pylint: disable=g-import-not-at-top
+  device = jax.devices()[0]
+  print(f"matmul peak of this machine, cached in {res['path']} (the trainer's MFU reads it):")
+  for key, rec in res["calibrations"].items():
+    hit = mfu.table_peak(device.device_kind, rec["dtype"])
+    used = (f"; runs use the datasheet peak {hit[1] / 1e12:.4g} TFLOP/s ({hit[0]})" if hit
+            else "")
+    print(f"  {key}: {rec['tflops']:.4g} TFLOP/s ({rec['matmul']}){used}")
+
+
 def main(argv):
   del argv
-  if _SUITE.value == "layer":
+  if _SUITE.value == "peak":
+    res = peak_suite()
+    print_peak_table(res)
+  elif _SUITE.value == "layer":
     unknown = set(_SHAPES.value) - set(SHAPES)
     if unknown:
       raise app.UsageError(f"--shapes: unknown {sorted(unknown)}; use {sorted(SHAPES)}")

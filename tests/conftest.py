@@ -154,3 +154,18 @@ def compilation_cache(tmp_path_factory):
       os.environ.pop(var, None)
     else:
       os.environ[var] = value
+
+
+@pytest.fixture(scope="session", autouse=True)
+def no_user_peak_calibration(tmp_path_factory):
+  """An empty moejax cache directory for this run (and the binaries it launches): a
+  developer's ``experiments.bench --suite=peak`` calibration (moejax.train.mfu) would
+  otherwise change which MFU the tests' runs print. A test that wants one writes it here."""
+  previous = os.environ.get("MOEJAX_CACHE_DIR")
+  path = str(tmp_path_factory.mktemp("moejax_cache"))
+  os.environ["MOEJAX_CACHE_DIR"] = path
+  yield path
+  if previous is None:
+    os.environ.pop("MOEJAX_CACHE_DIR", None)
+  else:
+    os.environ["MOEJAX_CACHE_DIR"] = previous

@@ -142,3 +142,21 @@ def test_step_twin_profile_splits_each_arms_traced_steps_per_step():
   assert md[2] == "| kind | moe ms / dense ms (+excess x dense) |"
   assert any(line.startswith("| sort | ") for line in md)
   assert md[-2].startswith("| traced step | ")
+
+
+def test_peak_suite_calibrates_once_and_runs_read_it(tmp_path, monkeypatch, capsys):
+  from experiments import bench  # pylint: disable=g-import-not-at-top
+  from moejax.train import mfu  # pylint: disable=g-import-not-at-top
+  monkeypatch.setenv("MOEJAX_CACHE_DIR", str(tmp_path))
+  monkeypatch.setattr(mfu, "CALIBRATE_SECONDS", 0.05)
+  res = bench.peak_suite()
+  bench.print_peak_table(res)
+  printed = capsys.readouterr().out
+  assert printed.startswith(f"matmul peak of this machine, cached in {tmp_path}/peak.json")
+  cpu = jax.devices()[0]
+  key = mfu.calibration_key(cpu, "float32")
+  assert f"  {key}: " in printed and set(res["calibrations"]) == {
+      key, mfu.calibration_key(cpu, "bfloat16")}
+  peak = mfu.resolve_peak(None, dtype="float32")
+  assert peak.source == "calibrated:cpu"
+  assert peak.per_device == pytest.approx(res["calibrations"][key]["tflops"] * 1e12)

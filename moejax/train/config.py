@@ -59,8 +59,9 @@ class TrainConfig:
       balance loss); a ``batch``- or ``global``-scope balance loss is
       computed per micro-batch, as in every framework.
     peak_tflops: the peak TFLOP/s of one device that MFU is measured against
-      (None: the device's bf16 peak from moejax.train.mfu's table, or on CPU
-      a matmul roof measured at start).
+      (None: the device's datasheet peak for model.compute_dtype from
+      moejax.train.mfu's table, else this machine's calibration cached by
+      ``python -m experiments.bench --suite=peak``, else MFU is n/a).
     profile_steps: ``(a, b)``: write a ``jax.profiler`` trace of steps a+1 .. b
       (from the end of step a to the end of step b; a >= 1 keeps the
       compiling first step out) under ``WORKDIR/profile`` (None: no trace).

@@ -457,7 +457,7 @@ def _run(ctx: RunContext) -> int:
 
   train_step = step_lib.make_train_step(graphdef, cfg, tx)
   eval_step = make_eval_step(graphdef, cfg.model, len(val_docs.domain_names))
-  meter = mfu_lib.Meter.for_run(cfg)  # on CPU: measures the matmul roof (~0.5 s, once)
+  meter = mfu_lib.Meter.for_run(cfg)  # its peak is read, never measured (moejax.train.mfu)
   say(meter.describe())
   profiler = profiling.StepProfiler(workdir, tc.profile_steps, start, say)
   pending: list = []          # device metrics not yet read back

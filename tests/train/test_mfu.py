@@ -25,29 +25,75 @@ def test_peak_table_matches_jax_device_kinds(kind, want):
   assert mfu.table_peak(kind) == want
 
 
+def test_the_table_peak_is_the_compute_dtypes():
+  assert mfu.table_peak("NVIDIA H200", "float32") == ("H200", 494e12)  # TF32, dense
+  assert mfu.table_peak("NVIDIA A100-SXM4-80GB", "float32") == ("A100", 156e12)
+  assert mfu.table_peak("TPU v5 lite", "float32") == ("TPU v5e", 197e12)  # bf16 passes
+  assert mfu.PEAK_BF16[1] == ("H200", "H200", False, 989e12)  # device_check's column
+
+
 def _device(kind, platform):
   return types.SimpleNamespace(device_kind=kind, platform=platform)
 
 
-def test_peak_order_config_then_table_then_measured():
-  calls = []
+def _never_measured(*args, **kwargs):
+  raise AssertionError("a run must read its peak, not measure it")
 
-  def measure(dtype):
-    calls.append(dtype)
-    return 5e10
 
+def test_peak_order_config_then_table_then_calibration_then_none(monkeypatch):
+  monkeypatch.setattr(mfu, "measure_matmul_roof", _never_measured)
+  cpu, l4 = _device("cpu", "cpu"), _device("NVIDIA L4", "gpu")
   h200 = _device("NVIDIA H200", "gpu")
-  assert mfu.resolve_peak(400.0, h200, devices=8, processes=2, measure=measure) == mfu.Peak(
-      400e12, 8, "config")
-  assert mfu.resolve_peak(None, h200, devices=8, processes=2, measure=measure) == mfu.Peak(
-      989e12, 8, "table:H200")
-  assert calls == []  # nothing measured when the peak is known
+  cal = {mfu.calibration_key(cpu, "float32"): {"tflops": 0.05},
+         mfu.calibration_key(l4, "bfloat16"): {"tflops": 100.0}}
+  peak = lambda tflops, device, dtype="float32": mfu.resolve_peak(
+      tflops, device, dtype=dtype, devices=8, processes=2, calibrations=cal)
+  assert peak(400.0, h200) == mfu.Peak(400e12, 8, "config")
+  assert peak(None, h200, "bfloat16") == mfu.Peak(989e12, 8, "table:H200")
+  assert peak(None, h200) == mfu.Peak(494e12, 8, "table:H200")
   # A CPU roof counts once per process: simulated devices share its cores.
-  assert mfu.resolve_peak(None, _device("cpu", "cpu"), devices=8, processes=2,
-                          measure=measure) == mfu.Peak(5e10, 2, "measured:cpu")
-  assert mfu.resolve_peak(None, _device("NVIDIA L4", "gpu"), devices=4, processes=1,
-                          measure=measure) == mfu.Peak(5e10, 4, "measured:gpu")
-  assert calls == ["float32", "bfloat16"]
+  assert peak(None, cpu) == mfu.Peak(5e10, 2, "calibrated:cpu")
+  assert peak(None, l4, "bfloat16") == mfu.Peak(100e12, 8, "calibrated:gpu")
+  assert peak(None, cpu, "bfloat16") is None  # that dtype was not calibrated
+  assert peak(None, l4) is None
+
+
+def test_two_runs_read_the_same_calibrated_peak(tmp_path, monkeypatch):
+  """Calibrated once (the bench command), read by every run: the same peak each time."""
+  monkeypatch.setenv("MOEJAX_CACHE_DIR", str(tmp_path / "cache"))
+  cfg = helpers.experiment("tiny")
+  before = mfu.Meter.for_run(cfg)
+  assert before.peak is None and before.row(10, 2.0) == {
+      "model_tflops_per_s": pytest.approx(mfu.step_flops(cfg) * 5 / 1e12),
+      "peak_source": "none"}
+  assert before.describe().startswith(
+      "MFU n/a: no known float32 peak for this device; calibrate this machine once with "
+      f"`python -m experiments.bench --suite=peak` (cached in {tmp_path}/cache/peak.json) or "
+      "set --config.train.peak_tflops; ")
+  assert mfu.progress_text(before.row(10, 2.0)).endswith(" TFLOP/s | MFU n/a")
+  roofs = iter([2.5e10, 1.0e10])  # what two measurements would see under changing load
+  written = mfu.calibrate(measure=lambda dtype, seconds: next(roofs))
+  assert [r["tflops"] for r in written.values()] == [0.025, 0.01]
+  monkeypatch.setattr(mfu, "measure_matmul_roof", _never_measured)
+  first, second = mfu.Meter.for_run(cfg), mfu.Meter.for_run(cfg)
+  assert first.describe() == second.describe()
+  assert first.describe().startswith("MFU against 0.025 TFLOP/s x 1 (calibrated:cpu); ")
+  assert mfu.progress_text(first.row(10, 2.0)) == mfu.progress_text(second.row(10, 2.0))
+  assert mfu.progress_text(first.row(10, 2.0)).endswith("% of 0.025 TFLOP/s")
+  # The bf16 run reads its own calibration; the config overrides both.
+  bf16 = helpers.experiment("tiny", model__compute_dtype="bfloat16")
+  assert mfu.Meter.for_run(bf16).peak.per_device == 1e10
+  assert mfu.Meter.for_run(helpers.experiment("tiny", train__peak_tflops=2.0)).peak == \
+      mfu.Peak(2e12, 1, "config")
+
+
+def test_the_cache_is_the_users(monkeypatch):
+  monkeypatch.delenv("MOEJAX_CACHE_DIR")
+  monkeypatch.setenv("XDG_CACHE_HOME", "/x/cache")
+  assert mfu.calibration_path() == "/x/cache/moejax/peak.json"
+  monkeypatch.delenv("XDG_CACHE_HOME")
+  monkeypatch.setenv("HOME", "/home/u")
+  assert mfu.calibration_path() == "/home/u/.cache/moejax/peak.json"
 
 
 def test_mfu_of_a_known_flop_count_time_and_peak():
@@ -55,11 +101,11 @@ def test_mfu_of_a_known_flop_count_time_and_peak():
   meter = mfu.Meter(flops_per_step=3e11, peak=mfu.Peak(1e12, 2, "config"))
   row = meter.row(steps=4, seconds=2.0)
   assert row == {"model_tflops_per_s": pytest.approx(0.6), "mfu": pytest.approx(0.3),
-                 "peak_tflops": 1.0, "peak_source": "config"}
+                 "peak_tflops": 1.0, "peak_devices": 2, "peak_source": "config"}
   # A window of only the compiling first step: no rate, like tokens/s.
   assert meter.row(steps=0, seconds=2.0)["mfu"] == 0.0
   assert mfu.mfu(1.5e12, 3.0, 1e12) == pytest.approx(0.5)
-  assert mfu.progress_text(row) == " | 0.6 TFLOP/s | MFU 30.0%"
+  assert mfu.progress_text(row) == " | 0.6 TFLOP/s | MFU 30.0% of 1 TFLOP/s x 2"
   assert mfu.progress_text({"loss": 1.0}) == ""
 
 
@@ -82,15 +128,18 @@ def test_peak_tflops_must_be_a_positive_number(value):
     helpers.experiment("tiny", train__peak_tflops=value)
 
 
-def test_every_train_row_says_its_flop_rate_mfu_and_peak(tiny_run):
+def test_every_train_row_says_its_flop_rate_and_without_a_peak_mfu_na(tiny_run):
+  """The tests' cache holds no calibration (tests/conftest.py): the run says MFU n/a and how
+  to calibrate, and measures nothing at its start."""
   cfg, workdir, _, stdout = tiny_run
   from moejax.train import metrics_log  # pylint: disable=g-import-not-at-top
   rows = metrics_log.read_metrics(workdir, "train")
   for row in rows:
-    assert row["peak_source"] == "measured:cpu" and row["peak_tflops"] > 0
-    assert row["mfu"] == pytest.approx(row["model_tflops_per_s"] / row["peak_tflops"])
+    assert row["peak_source"] == "none" and "mfu" not in row and "peak_tflops" not in row
     # Same window and clock as tokens/s; every position of the tiny batches is a target.
     assert row["model_tflops_per_s"] * 1e12 == pytest.approx(
         row["tokens_per_s"] / (8 * 32) * mfu.step_flops(cfg), rel=1e-9)
-  assert rows[-1]["mfu"] > 0
-  assert "TFLOP/s | MFU " in stdout and "(measured:cpu)" in stdout
+  assert rows[-1]["model_tflops_per_s"] > 0
+  assert "TFLOP/s | MFU n/a" in stdout
+  assert "MFU n/a: no known float32 peak for this device; calibrate this machine once with " \
+      "`python -m experiments.bench --suite=peak`" in stdout
