@@ -96,6 +96,7 @@ class SBase(RouterSpec):
   name = "sbase"
   Options = SBaseOptions
   batch_wide = True
+  # causal stays True: decoding runs with train=False, the greedy top-k of each token.
 
   def route(self, params, x, bias, cfg, *, token_ids, rng, train, context):
     del bias, token_ids
