@@ -56,7 +56,9 @@ def suite_from_command(command: str):
     raise ValueError(f"the record's command is not an experiments.ablate run: {command!r}")
   wanted = [a for a in args[args.index("experiments.ablate") + 1:] if a.startswith("--config")]
   fv = flags.FlagValues()
-  config_flags.DEFINE_config_file("config", None, "suite", flag_values=fv)
+  # The override flags (--config.a.b) are defined from the argv given here.
+  config_flags.DEFINE_config_file("config", None, "suite", flag_values=fv,
+                                  sys_argv=["recheck", *wanted])
   cwd = os.getcwd()
   try:
     os.chdir(ROOT)  # the command's config path is relative to the repository
