@@ -306,10 +306,9 @@ def _placed(abstract_state: Any) -> Any:
 # it in its one ``error:`` line (moejax.train.write_failure).
 def _quiet_owned(loop, context: dict) -> None:
   """The loops' exception handler: drops cancellations and write failures, prints the rest."""
-  from moejax.train import write_failure  # pylint: disable=g-import-not-at-top (imports this)
   error = context.get("exception")
   if error is not None and (isinstance(error, asyncio.CancelledError)
-                            or write_failure.classify(error) is not None):
+                            or write_errors.classify(error) is not None):
     return
   loop.default_exception_handler(context)
 

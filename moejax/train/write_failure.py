@@ -21,41 +21,17 @@ from __future__ import annotations
 import errno
 import logging
 import os
-import re
 import shutil
 from typing import Optional
 
 from moejax.train import checkpoint as ckpt_lib
+from moejax.train.write_errors import WRITE_ERRNOS, classify  # noqa: F401 (also this module's API)
 
-# The errnos of "this path cannot be written" (the disk, the filesystem, the permissions).
-WRITE_ERRNOS = (errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES, errno.EPERM, errno.EIO,
-                errno.EFBIG)
 TEMPORARY_MARK = ".orbax-checkpoint-tmp"
-_CODE = re.compile(r"os_error_code='(\d+)'")
-_PATH = re.compile(r'(?:Failed writing|Error writing|Error opening)[^"]*"([^"]+)"')
 
 
 class WriteFailed(ckpt_lib.WorkdirError):
   """A file of the run could not be written; nothing after the last checkpoint is kept."""
-
-
-def classify(e: BaseException) -> Optional[tuple[int, Optional[str]]]:
-  """(errno, path or None) of a write failure in ``e`` or its causes, else None."""
-  seen = set()
-  while e is not None and id(e) not in seen:
-    seen.add(id(e))
-    if isinstance(e, OSError) and e.errno in WRITE_ERRNOS:
-      return e.errno, e.filename
-    code = _CODE.search(str(e))
-    if code and int(code.group(1)) in WRITE_ERRNOS:
-      # The first absolute path: in 'Error writing "KEY" in OCDBT database at local file
-      # "/DIR/": Failed writing: "/DIR/d/FILE"' the first quoted name is an array's key
-      # inside the database.
-      paths = _PATH.findall(str(e))
-      return int(code.group(1)), next((p for p in paths if os.path.isabs(p)),
-                                      paths[0] if paths else None)
-    e = e.__cause__ or e.__context__
-  return None
 
 
 def reported_by_moejax(record: logging.LogRecord) -> bool:
