@@ -46,6 +46,17 @@ Repeats run round-robin over the variants so that load from other processes
 hits them alike; medians are reported. A variant whose first run exceeds
 ``--slow_s`` gets ``--slow_repeats`` timed runs instead.
 
+Every suite says what each variant did as it goes (``name: compiled and ran
+in 0.31s``, ``FAILED: ...``, ``refused: ...``), then prints its table. A
+variant that fails is a row saying so, and the binary then ends with one
+``error:`` line naming the failed runs and exit status 1 (``--keep_going``:
+status 0, and a note). On CPU, ragged_dot runs as a dense product over every
+group, whose memory grows with E x T x d (tens of GB at the fine shape): its
+variants are compiled first and refused in one line, not run, when XLA's
+estimate of their memory exceeds what the machine has available. absl's
+INFO lines and transformers' notices stay out of the output (``-v`` shows
+them).
+
 ``--suite=peak`` measures this machine's dense matmul roof in float32 and
 bfloat16 (the best of a few seconds of 512^3 matmuls each) and caches it in
 the user's cache directory (``moejax.train.mfu.calibration_path``): the
@@ -62,6 +73,7 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -75,6 +87,7 @@ from experiments import bench_scaling  # the E / T scaling suite and its scaling
 from experiments import bench_serving  # the serving suite and its serving_* flags
 from experiments import bench_step  # the training-step profile and its step_* flags
 from experiments import bench_twin  # --suite=step --step_twin: MoE vs its dense twin
+from experiments import cli
 from experiments.bench_lib import (SHAPES, conditions, dense_ffn, gshard_ffn,  # noqa: F401
                                    native_backends, random_routing, time_round_robin,
                                    uneven_group_sizes)
@@ -86,6 +99,11 @@ _SUITE = flags.DEFINE_enum("suite", "layer",
                            "which benchmark ('peak': calibrate this machine's matmul peak "
                            "for the trainer's MFU, once)")
 _JSON = flags.DEFINE_string("json_out", None, "write the results here as JSON")
+_KEEP_GOING = flags.DEFINE_bool("keep_going", False, "exit 0 even when a variant failed (its "
+                                "row says so); without it a failure makes the exit status 1")
+_FAIL_VARIANTS = flags.DEFINE_list("fail_variants", [], "test hook: these variants (layer or "
+                                   "gmm names) raise instead of running, to check the failure "
+                                   "path")
 _REPEATS = flags.DEFINE_integer("repeats", 5, "timed runs per variant (median)")
 _SLOW_S = flags.DEFINE_float("slow_s", 20.0, "a first run slower than this is 'slow' "
                              "(--suite=scaling: its first timed run, 6 s unless given)")
@@ -148,7 +166,9 @@ def layer_suite(shapes, variants_filter=None) -> dict:
     torch_fns = bench_lib.torch_layer_fns(prob, _TORCH_THREADS.value, tuple(_HF_IMPLS.value))
     torch_note = torch_fns.pop("_skipped", None)
     fns.update({n: fn for n, fn in torch_fns.items() if keep(n.split("/")[0])})
-    timed = time_round_robin(fns, _REPEATS.value, _SLOW_S.value, _SLOW_REPEATS.value)
+    print(f"{shape}: T={t} d={d} E={e} K={k} f={f}, {len(fns)} runs", flush=True)
+    timed = time_round_robin(_forced_failures(fns), _REPEATS.value, _SLOW_S.value,
+                             _SLOW_REPEATS.value)
     table = bench_lib.split_modes(timed)
     torch_names = {n.split("/")[0] for n in torch_fns}
     jax_rows = {n: r for n, r in table.items() if n not in torch_names}
@@ -172,6 +192,16 @@ def layer_suite(shapes, variants_filter=None) -> dict:
   return out
 
 
+def _forced_failures(fns: dict) -> dict:
+  """``fns`` with the --fail_variants ones (by variant name) raising instead."""
+  def fail(name):
+    def fn():
+      raise RuntimeError(f"{name} forced to fail by --fail_variants")
+    return fn
+  return {n: fail(n) if n.split("/")[0] in _FAIL_VARIANTS.value else fn
+          for n, fn in fns.items()}
+
+
 def print_layer_table(res: dict) -> None:
   for shape, s in res["shapes"].items():
     print(f"\n{shape}: T={s['T']} d={s['d']} E={s['E']} K={s['K']} f={s['f']} "
@@ -187,9 +217,10 @@ def print_layer_table(res: dict) -> None:
         if "median_s" in r:
           cells += [f"{r['median_s']:.3f}", f"{r.get('ratio_to_dense', float('nan')):.2f}"]
         else:
-          cells += ["failed" if "error" in r else "-", "-"]
-          if "error" in r:
-            notes.append(f"{mode}: {r['error'][:90]}")
+          state = "failed" if "error" in r else "refused" if "refused" in r else "-"
+          cells += [state, "-"]
+          if state != "-":  # an error's first line is cut at 200 characters already
+            notes.append(f"{mode}: {r.get('error') or r['refused']}")
       runs = max((r.get("runs", 0) for r in row.values()), default=0)
       cpu = row.get("fwdbwd", {}).get("cpu_ratio_to_dense")
       cpu_s = "-" if cpu is None else f"{cpu:.2f}"
@@ -217,19 +248,26 @@ def gmm_suite() -> dict:
                                    .astype(dt)): f(lhs, dense_rhs)}
   for name in backends:
     f = jax.jit(lambda a, b, s, name=name: gmm_lib.gmm(a, b, s, backend=name))
-    fns[name] = lambda f=f: f(lhs, rhs, sizes)
-  timed = time_round_robin(fns, _REPEATS.value, _SLOW_S.value, _SLOW_REPEATS.value)
+    fns[name] = (bench_lib.memory_checked(f, (lhs, rhs, sizes), f"{name} (its dense CPU "
+                                          "fallback)")
+                 if name == "ragged_dot" and jax.default_backend() == "cpu"
+                 else lambda f=f: f(lhs, rhs, sizes))
+  timed = time_round_robin(_forced_failures(fns), _REPEATS.value, _SLOW_S.value,
+                           _SLOW_REPEATS.value)
+  failed = {n: r for n, r in timed.items() if "median_s" not in r}  # rows saying why
   timed = {n: r for n, r in timed.items() if "median_s" in r}
-  if _GMM_CHECK.value:
+  if _GMM_CHECK.value and "ragged_dot" not in failed:  # the reference: refused, no check
     for name, err in bench_lib.check_against_ragged_dot(lhs, rhs, sizes, list(timed)[1:]).items():
       timed[name]["max_rel_err_vs_ragged_dot"] = err
   flops = 2 * m * k * n
+  dense_s = timed["dense"]["median_s"] if "dense" in timed else float("nan")
   for name, r in timed.items():
     r["tflops"] = flops / r["median_s"] / 1e12
-    r["fraction_of_dense"] = r["tflops"] / (flops / timed["dense"]["median_s"] / 1e12)
+    r["fraction_of_dense"] = dense_s / r["median_s"]
   return {"conditions": conditions(), "m": m, "k": k, "n": n, "groups": g,
           "dtype": str(dt), "group_sizes": np.asarray(sizes).tolist(),
-          "results": timed, "skipped": {b: w for b, w in skipped.items() if b not in backends}}
+          "results": timed, "failed": failed,
+          "skipped": {b: w for b, w in skipped.items() if b not in backends}}
 
 
 
@@ -244,6 +282,9 @@ def print_gmm_table(res: dict) -> None:
              if err else "")
     print(f"{name:<14}{r['median_s']:>12.5f}{r['tflops']:>10.3f}{r['fraction_of_dense']:>9.2f}"
           f"  {err_s}")
+  for name, r in res.get("failed", {}).items():
+    print(f"{name:<14}{'failed' if 'error' in r else 'refused'}: "
+          f"{r.get('error') or r.get('refused')}")
   for name, why in res["skipped"].items():
     print(f"{name:<14}skipped: {why}")
 
@@ -268,45 +309,72 @@ def print_peak_table(res: dict) -> None:
 
 def main(argv):
   del argv
-  if _SUITE.value == "peak":
-    res = peak_suite()
-    print_peak_table(res)
-  elif _SUITE.value == "layer":
-    unknown = set(_SHAPES.value) - set(SHAPES)
-    if unknown:
-      raise app.UsageError(f"--shapes: unknown {sorted(unknown)}; use {sorted(SHAPES)}")
-    res = layer_suite(_SHAPES.value, _VARIANTS.value)
-    print_layer_table(res)
-  elif _SUITE.value == "ep":
-    res = bench_ep.ep_suite(_REPEATS.value)
-    bench_ep.print_ep_table(res)
-  elif _SUITE.value == "step" and bench_twin.enabled():
-    res = bench_twin.run_from_flags(conditions())
-    bench_twin.print_twin_table(res)
-  elif _SUITE.value == "step":
-    res = bench_step.step_suite(conditions())
-    bench_step.print_step_table(res)
-  elif _SUITE.value == "scaling":
-    given = lambda flag: flag.value if flag.present else None  # else the suite's defaults
-    spec = bench_scaling.spec_from_flags(_REPEATS.value, given(_SLOW_S), given(_SLOW_REPEATS),
-                                         _TORCH_THREADS.value, _SEED.value)
-    res = bench_scaling.scaling_suite(spec, conditions())
-    bench_scaling.print_scaling_table(res)
-  elif _SUITE.value == "profile":
-    res = bench_profile.run_from_flags(_REPEATS.value, _SEED.value, conditions())
-    bench_profile.print_profile_table(res)
-  elif _SUITE.value == "serving":
-    res = bench_serving.serving_suite(conditions())
-    bench_serving.print_serving_table(res)
-  else:
-    res = gmm_suite()
-    print_gmm_table(res)
+  bench_lib.PROGRESS[0] = sys.stdout  # a line per variant as it goes, before the table
+  try:
+    res = run_suite(_SUITE.value)
+  except bench_lib.BenchFailed as e:
+    cli.fail(f"{e}. Fix: see the error above; nothing was timed")
   print(f"\nconditions: {json.dumps(res['conditions'])}")
   if _JSON.value:
     with open(_JSON.value, "w") as fh:
       json.dump(res, fh, indent=1)
     print(f"wrote {_JSON.value}")
+  finish(res, _KEEP_GOING.value)
+
+
+def finish(res: dict, keep_going: bool) -> None:
+  """Exit status 1 with one ``error:`` line naming the failed runs, unless ``keep_going``
+  (then a note, status 0); nothing when every run ran."""
+  failed = bench_lib.failures(res)
+  if failed and not keep_going:
+    cli.fail(f"{len(failed)} benchmark run(s) failed: {'; '.join(failed)[:600]}. Fix: see "
+             "each one's row above, or pass --keep_going to exit 0 with them in the table")
+  if failed:
+    print(f"note: {len(failed)} benchmark run(s) failed (--keep_going: exit status 0)",
+          file=sys.stderr)
+
+
+def run_suite(suite: str) -> dict:
+  """Runs ``suite`` and prints its table; returns its results."""
+  if suite == "peak":
+    res = peak_suite()
+    print_peak_table(res)
+  elif suite == "layer":
+    unknown = set(_SHAPES.value) - set(SHAPES)
+    if unknown:
+      raise app.UsageError(f"--shapes: unknown {sorted(unknown)}; use {sorted(SHAPES)}")
+    res = layer_suite(_SHAPES.value, _VARIANTS.value)
+    print_layer_table(res)
+  elif suite == "ep":
+    res = bench_ep.ep_suite(_REPEATS.value)
+    bench_ep.print_ep_table(res)
+  elif suite == "step" and bench_twin.enabled():
+    res = bench_twin.run_from_flags(conditions())
+    bench_twin.print_twin_table(res)
+  elif suite == "step":
+    res = bench_step.step_suite(conditions())
+    bench_step.print_step_table(res)
+  elif suite == "scaling":
+    given = lambda flag: flag.value if flag.present else None  # else the suite's defaults
+    spec = bench_scaling.spec_from_flags(_REPEATS.value, given(_SLOW_S), given(_SLOW_REPEATS),
+                                         _TORCH_THREADS.value, _SEED.value)
+    res = bench_scaling.scaling_suite(spec, conditions())
+    bench_scaling.print_scaling_table(res)
+  elif suite == "profile":
+    res = bench_profile.run_from_flags(_REPEATS.value, _SEED.value, conditions())
+    bench_profile.print_profile_table(res)
+  elif suite == "serving":
+    res = bench_serving.serving_suite(conditions())
+    bench_serving.print_serving_table(res)
+  else:
+    res = gmm_suite()
+    print_gmm_table(res)
+  return res
 
 
 if __name__ == "__main__":
-  app.run(main)
+  # Transformers' notices (the torch peer's ExpertsInterface note) stay out of the table,
+  # as absl's INFO lines and orbax / TFDS notes do (cli.run's quiet logs; -v shows them).
+  if not any(a.startswith(("-v", "--verbosity")) for a in sys.argv[1:]):
+    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+  cli.run(main)

@@ -67,6 +67,67 @@ def block(x):
   return jax.block_until_ready(x)
 
 
+# Where time_round_robin says what each variant did as it goes (None: nowhere). The bench
+# binary sets its stdout, so that a suite that runs for minutes shows each variant's first
+# run or failure at once, before its table.
+PROGRESS: list = [None]
+
+
+def _progress(line: str) -> None:
+  out = PROGRESS[0]
+  if out is not None:
+    print(line, file=out, flush=True)
+
+
+class BenchFailed(RuntimeError):
+  """A suite that cannot make its table: a part it needs failed (the message says which)."""
+
+
+class Refused(Exception):
+  """A variant not run here: it would need more memory than the machine has."""
+
+
+def available_memory() -> int:
+  """Bytes of memory available to a new allocation now (MemAvailable, else all of it)."""
+  try:
+    with open("/proc/meminfo", encoding="utf-8") as f:
+      for line in f:
+        if line.startswith("MemAvailable:"):
+          return int(line.split()[1]) * 1024
+  except OSError:
+    pass
+  return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+def _bytes(n: int) -> str:
+  for unit, size in (("GiB", 2**30), ("MiB", 2**20)):
+    if n >= size:
+      return f"{n / size:.1f} {unit}"
+  return f"{n / 2**10:.1f} KiB"
+
+
+def memory_checked(fn, args, what: str, available: Optional[Callable[[], int]] = None):
+  """A thunk of jitted ``fn`` on ``args`` that, on its first call, compiles it, reads XLA's
+  estimate of the bytes it needs (arguments, outputs, temporaries) and raises
+  :class:`Refused` in one line when that exceeds :func:`available_memory`, before running
+  anything; else it runs the compiled program (compiled once)."""
+  compiled = []
+
+  def thunk():
+    if not compiled:
+      exe = fn.lower(*args).compile()
+      m = exe.memory_analysis()
+      need = (m.argument_size_in_bytes + m.output_size_in_bytes + m.temp_size_in_bytes
+              - m.alias_size_in_bytes) if m is not None else 0
+      have = (available or available_memory)()
+      if need > have:
+        raise Refused(f"{what} needs {_bytes(need)} here, more than the {_bytes(have)} "
+                      "available; not run")
+      compiled.append(exe)
+    return compiled[0](*args)
+  return thunk
+
+
 def time_round_robin(fns: dict[str, Callable[[], object]], repeats: int,
                      slow_s: float = float("inf"), slow_repeats: int = 1,
                      inner: int = 1, slow_after_compile: bool = False,
@@ -85,17 +146,21 @@ def time_round_robin(fns: dict[str, Callable[[], object]], repeats: int,
   first run exceeds ``once_s`` is not run again: that run is its only time
   (``first_run_only``; meant for code with nothing to compile, e.g. torch).
   """
-  first, first_cpu, failed = {}, {}, {}
+  first, first_cpu, failed, refused = {}, {}, {}, {}
   for name, fn in fns.items():
     c0, t0 = time.process_time(), time.perf_counter()
     try:
       block(fn())
+    except Refused as e:
+      refused[name] = str(e)
+      _progress(f"  {name}: refused: {e}")
+      continue
     except Exception as e:  # noqa: BLE001 - recorded, the suite goes on
       failed[name] = f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"
-      logging.warning("%s failed: %s", name, failed[name])
+      _progress(f"  {name}: FAILED: {failed[name]}")
       continue
     first[name], first_cpu[name] = time.perf_counter() - t0, time.process_time() - c0
-    logging.info("compiled+ran %s in %.2fs", name, first[name])
+    _progress(f"  {name}: compiled and ran in {first[name]:.2f}s")
   once = {n for n, t in first.items() if t > once_s}
   live = {n: f for n, f in fns.items() if n in first and n not in once}
   judge = lambda s: slow_repeats if s > slow_s else repeats
@@ -122,7 +187,24 @@ def time_round_robin(fns: dict[str, Callable[[], object]], repeats: int,
                   "all_s": [round(first[n], 6)], "first_run_s": round(first[n], 3),
                   "first_run_only": True} for n in once})
   out.update({n: {"error": err} for n, err in failed.items()})
+  out.update({n: {"refused": why} for n, why in refused.items()})
   return {n: out[n] for n in fns if n in out}  # in the callers' order
+
+
+def failures(res, where: str = "") -> list[str]:
+  """``'PATH: error'`` of every failed run in a suite's result (its ``{"error": ...}``
+  entries, at any depth; refused and skipped variants are not failures)."""
+  out = []
+  if isinstance(res, dict):
+    if isinstance(res.get("error"), str):
+      out.append(f"{where or 'suite'}: {res['error']}")
+    for key, value in res.items():
+      if key != "error":
+        out += failures(value, f"{where}/{key}" if where else str(key))
+  elif isinstance(res, list):
+    for i, value in enumerate(res):
+      out += failures(value, f"{where}[{i}]")
+  return out
 
 
 # --- Layer problems. --------------------------------------------------------
@@ -227,6 +309,13 @@ def jax_layer_fns(prob: dict, variants: dict[str, Optional[dict]]) -> dict[str, 
     fb = jax.jit(jax.grad(lambda p, x, w, ids, fn=fn: jnp.vdot(fn(p, x, w, ids), cot),
                           (0, 1, 2)))
     args = (prob["moe"], x, routing.weights.astype(x.dtype), routing.expert_ids)
+    if (kw or {}).get("backend") == "ragged_dot" and jax.default_backend() == "cpu":
+      # XLA:CPU runs ragged_dot as a dense product over every group (a [G, M, K] masked
+      # copy of the rows: tens of GB at the fine shape), so its memory is checked first.
+      for mode, f in (("fwd", fwd), ("fwdbwd", fb)):
+        out[f"{name}/{mode}"] = memory_checked(f, args, f"{name}/{mode} (ragged_dot's dense "
+                                                        "CPU fallback)")
+      continue
     out[f"{name}/fwd"] = lambda fwd=fwd, args=args: fwd(*args)
     out[f"{name}/fwdbwd"] = lambda fb=fb, args=args: fb(*args)
   return out

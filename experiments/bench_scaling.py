@@ -379,7 +379,8 @@ def print_scaling_table(res: dict) -> None:
       for m in MODES:
         r = row.get(m, {})
         if "median_s" not in r:
-          line += f"{'failed' if 'error' in r else '-':>10}{'-':>9}{'-':>13}{'-':>7}"
+          state = "failed" if "error" in r else "refused" if "refused" in r else "-"
+          line += f"{state:>10}{'-':>9}{'-':>13}{'-':>7}"
           continue
         rs = r.get("ratio_spread")
         rng = "-" if rs is None else f"{rs['min']:.2f}-{rs['max']:.2f}"
@@ -388,7 +389,8 @@ def print_scaling_table(res: dict) -> None:
                  f"{rng:>13}"
                  f"{_fmt(r.get('cpu_ratio_to_dense')):>7}")
       runs = max((r.get("runs", 0) for r in row.values()), default=0)
-      errs = "; ".join(f"{m}: {r['error'][:80]}" for m, r in row.items() if "error" in r)
+      errs = "; ".join(f"{m}: {(r.get('error') or r['refused'])[:80]}" for m, r in row.items()
+                       if "error" in r or "refused" in r)
       print(line + f"{runs:>6}" + (f"  ({errs})" if errs else ""))
     fl = p["floor"]
     print(f"{'floor':<18}" + "".join(

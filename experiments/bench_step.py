@@ -56,7 +56,7 @@ def time_parts(fns: dict[str, Callable[[], object]], repeats: int) -> dict[str, 
   timed = bench_lib.time_round_robin(fns, repeats)
   failed = {n: t["error"] for n, t in timed.items() if "error" in t}
   if failed:
-    raise RuntimeError(f"step profile: parts failed: {failed}")
+    raise bench_lib.BenchFailed(f"step profile: parts failed: {failed}")
   return {n: {"wall_s": t["median_s"], "cpu_s": t["cpu_s"]} for n, t in timed.items()}
 
 

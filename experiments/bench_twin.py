@@ -140,7 +140,7 @@ def twin_suite(exp, repeats: int, matmul_n: int, conditions: dict,
   timed = bench_lib.time_round_robin(fns, repeats)
   failed = {n: t["error"] for n, t in timed.items() if "error" in t}
   if failed:
-    raise RuntimeError(f"step twin: failed: {failed}")
+    raise bench_lib.BenchFailed(f"step twin: failed: {failed}")
   tokens = b * s
   out = {}
   for name, cfg in arms.items():

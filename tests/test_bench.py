@@ -3,6 +3,7 @@
 
 import json
 import pathlib
+import re
 import subprocess
 import sys
 
@@ -160,3 +161,62 @@ def test_peak_suite_calibrates_once_and_runs_read_it(tmp_path, monkeypatch, caps
   peak = mfu.resolve_peak(None, dtype="float32")
   assert peak.source == "calibrated:cpu"
   assert peak.per_device == pytest.approx(res["calibrations"][key]["tflops"] * 1e12)
+
+
+def test_a_failing_variant_is_a_row_and_exit_status_1_naming_it():
+  """One binary run (toy size, two variants, one forced to fail): a line per variant as it
+  goes, the failed row in the table, and one error line naming it."""
+  r = subprocess.run(
+      [sys.executable, "-m", "experiments.bench", "--suite=layer", "--tokens=64",
+       "--d_model=32", "--shapes=coarse", "--repeats=1", "--variants=dense,blocked",
+       "--fail_variants=blocked"], cwd=ROOT, capture_output=True, text=True, timeout=300,
+      env={**__import__("os").environ, "JAX_PLATFORMS": "cpu"})
+  assert r.returncode == 1, (r.stdout[-2000:], r.stderr[-2000:])
+  out = r.stdout.splitlines()
+  assert out[:3] == ["coarse: T=64 d=32 E=8 K=2 f=1024, 4 runs",
+                     "  dense/fwd: compiled and ran in " + out[1].rsplit(" ", 1)[1],
+                     "  dense/fwdbwd: compiled and ran in " + out[2].rsplit(" ", 1)[1]]
+  assert out[3] == ("  blocked/fwd: FAILED: RuntimeError: blocked/fwd forced to fail by "
+                    "--fail_variants")
+  row = next(line for line in out if line.startswith("blocked "))
+  assert row.split()[1:3] == ["failed", "-"] and "forced to fail" in row
+  assert r.stderr == (
+      "error: 2 benchmark run(s) failed: shapes/coarse/variants/blocked/fwd: RuntimeError: "
+      "blocked/fwd forced to fail by --fail_variants; shapes/coarse/variants/blocked/fwdbwd: "
+      "RuntimeError: blocked/fwdbwd forced to fail by --fail_variants. Fix: see each one's "
+      "row above, or pass --keep_going to exit 0 with them in the table\n")
+
+
+def test_keep_going_exits_0_with_a_note(capsys):
+  from experiments import bench  # pylint: disable=g-import-not-at-top
+  res = {"shapes": {"fine": {"variants": {"ragged_dot": {"fwd": {"error": "OOM"},
+                                                         "fwdbwd": {"refused": "too big"}}}}}}
+  bench.finish(res, keep_going=True)
+  assert capsys.readouterr().err == (
+      "note: 1 benchmark run(s) failed (--keep_going: exit status 0)\n")
+  with pytest.raises(SystemExit) as info:
+    bench.finish(res, keep_going=False)
+  assert info.value.code == 1
+  assert capsys.readouterr().err.startswith(
+      "error: 1 benchmark run(s) failed: shapes/fine/variants/ragged_dot/fwd: OOM. Fix: ")
+  bench.finish({"shapes": {"fine": {"variants": {"dense": {"fwd": {"median_s": 1.0}}}}}},
+               keep_going=False)  # every run ran: nothing
+
+
+def test_ragged_dot_beyond_the_machines_memory_is_refused_in_one_line_before_running():
+  from experiments import bench_lib  # pylint: disable=g-import-not-at-top
+  lhs, rhs = jnp.ones((256, 16)), jnp.ones((4, 16, 8))
+  sizes = jnp.full((4,), 64, jnp.int32)
+  fn = jax.jit(jax.lax.ragged_dot)
+  small = bench_lib.memory_checked(fn, (lhs, rhs, sizes), "ragged_dot/fwd",
+                                   available=lambda: 2**10)  # a 1 KiB machine
+  fits = bench_lib.memory_checked(fn, (lhs, rhs, sizes), "ragged_dot/fwd",
+                                  available=lambda: 2**40)
+  timed = bench_lib.time_round_robin({"ragged_dot/fwd": small, "ok/fwd": fits}, repeats=1)
+  assert list(timed["ragged_dot/fwd"]) == ["refused"]
+  # The dense fallback's [G, M, K] copy of the rows alone: 4 x 256 x 16 floats, 64 KiB.
+  assert re.fullmatch(r"ragged_dot/fwd needs (\d+\.\d) KiB here, more than the 1\.0 KiB "
+                      r"available; not run", timed["ragged_dot/fwd"]["refused"])
+  assert float(timed["ragged_dot/fwd"]["refused"].split()[2]) >= 64
+  assert timed["ok/fwd"]["median_s"] > 0
+  assert bench_lib.failures({"variants": timed}) == []  # refused is not a failure
