@@ -1,4 +1,5 @@
-"""MFU: the peak table, the peak's order (config, table, measured), the arithmetic, the train row."""
+"""MFU: the peak table by dtype, the peak's order (config, table, calibration, none), the
+arithmetic, the train row."""
 
 from __future__ import annotations
 
