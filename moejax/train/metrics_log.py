@@ -213,8 +213,9 @@ class Progress:
   """One line per log step: ``step 120/1000 (12%) | 9.8k tok/s | loss 2.345 | ETA 3m12s``.
 
   The ETA is what is left of this run: the remaining steps at the mean step
-  time of this process (the first step, which compiles, excluded; ``ETA --``
-  until a step after it has been timed), the remaining periodic evaluations
+  time of this process (the first step, which compiles, excluded, and the
+  first logged window too once a later one is timed; ``ETA --`` until a
+  step after the first has been timed), the remaining periodic evaluations
   and the final whole-split evaluation (:meth:`plan_evals`) at the time per
   batch of the periodic evaluations after the first (which compiles the
   evaluation step: its time counts as start-up, not as a rate), or before
@@ -237,6 +238,7 @@ class Progress:
                after_batches: Optional[int] = None, clock=time.perf_counter):
     self.total, self.out, self.enabled = total_steps, out, enabled
     self.train_seconds, self.steps_timed = 0.0, 0
+    self.first_window: tuple = ()  # (seconds, steps) of the first timed window
     self.then_steps, self.then_seconds = then_steps, then_seconds
     self.in_suite = in_suite
     self.then_runs, self.after_passes, self.pass_batches = then_runs, after_passes, after_batches
@@ -251,6 +253,8 @@ class Progress:
   def add_time(self, seconds: float, steps: int) -> None:
     self.train_seconds += seconds
     self.steps_timed += steps
+    if not self.first_window:
+      self.first_window = (seconds, steps)
 
   def first_step_done(self) -> None:
     """Marks the end of start-up and compilation (the first step)."""
@@ -275,7 +279,13 @@ class Progress:
     self.eval_batches_done += batches
 
   def _per_step(self) -> float:
-    return self.train_seconds / max(self.steps_timed, 1)
+    """Seconds per step: the timed windows after the first once there are any (the steps
+    right after compilation run slower, warming caches and touching fresh buffers, and an
+    ETA from them converged slowly), else the first."""
+    seconds, steps = self.train_seconds, self.steps_timed
+    if self.first_window and steps > self.first_window[1]:
+      seconds, steps = seconds - self.first_window[0], steps - self.first_window[1]
+    return seconds / max(steps, 1)
 
   def _per_batch(self) -> float:
     if self.eval_batches_done:

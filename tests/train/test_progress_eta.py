@@ -120,3 +120,14 @@ def test_no_eta_before_a_timed_step_nor_at_100_percent():
   later.add_time(1.0, 10)
   assert later.line(40, 1e3, 3.0) == ("step 40/40 (100%) | 1.0k tok/s | loss 3.0000 | "
                                       "suite ETA 0m04s")
+
+
+def test_the_warm_up_window_after_compilation_leaves_the_rate_once_a_later_one_is_timed():
+  p = metrics_log.Progress(100, out=io.StringIO())
+  p.add_time(9.0, 9)           # steps 2-10: 1 s each while caches warm up
+  assert p.eta(10) == pytest.approx(90.0)  # the only rate there is
+  p.add_time(2.0, 10)          # steps 11-20: 0.2 s each
+  assert p.eta(20) == pytest.approx(80 * 0.2)
+  p.add_time(2.0, 10)
+  assert p.eta(30) == pytest.approx(70 * 0.2)
+  assert p.train_seconds == pytest.approx(13.0)  # what the history records stays all of it
