@@ -77,6 +77,13 @@ _TAKE_OVER = flags.DEFINE_bool("take_over_lock", False, "Take over the workdir's
                                 "names a run on another host (a requeued job whose previous "
                                 "node is gone), whatever the age of its heartbeat; a live run "
                                 "on this host is still refused (moejax.train.lock).")
+_PLAN = flags.DEFINE_bool("plan", False, "Print, for every arm and metric the suite gives an "
+                          "effect size (suite.effects), the seeds that resolve it with 80% "
+                          "power, planned from the committed summary's spread "
+                          "(results/NAME[@scale].json, or --pilot), and the training time; "
+                          "then exit without training.")
+_PILOT = flags.DEFINE_string("pilot", None, "With --plan: the summary JSON to take each arm's "
+                             "spread from (default: results/NAME[@scale].json).")
 flags.mark_flags_as_required(["config"])
 
 
@@ -96,6 +103,28 @@ def resolved_suite(tree, suite) -> dict:
           "seeds": list(suite.seeds), "analysis": dict(suite.analysis), "scale": suite.scale,
           "base": base,
           "arms (changes to base: field -> value)": arms}
+
+
+def _plan(suite) -> None:
+  import os  # pylint: disable=g-import-not-at-top
+  from moejax.ablation import power  # pylint: disable=g-import-not-at-top
+  if not suite.effects:
+    cli.fail(f"suite {suite.name} states no effect size (suite.effects), so there is nothing to "
+             "plan. Fix: add effects={'val_loss': {'size': X, 'source': '...'}} to its "
+             "get_config()")
+  root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  path = _PILOT.value or os.path.join(root, "results", power.pilot_id(suite) + ".json")
+  if not os.path.exists(path):
+    cli.fail(f"--pilot={path}: no pilot summary. Fix: run the suite with a few seeds, then "
+             "python -m experiments.report ID=DIR --results_dir results (or pass --pilot)")
+  with open(path, encoding="utf-8") as f:
+    pilot = json.load(f)
+  rows, seconds = power.plan(suite, pilot)
+  print(f"{suite.name} at {suite.scale}: effect sizes and their sources")
+  for metric, spec in suite.effects.items():
+    print(f"  {metric}: {spec['size']:.3g} ({spec['source']})")
+  print(f"pilot: {path}")
+  print(power.plan_table(suite, rows, seconds))
 
 
 def main(argv):
@@ -119,6 +148,8 @@ def main(argv):
     if _PRINT_CONFIG.value:
       print(json.dumps(resolved_suite(tree, suite), indent=2, default=list))
       return
+    if _PLAN.value:
+      return _plan(suite)
     if not _BUDGET_ONLY.value:
       cli.check_writable("--workdir", _WORKDIR.value)  # before the budget table
     if _BUDGET_ONLY.value:

@@ -40,5 +40,12 @@ def get_config():
       seeds=(0, 1, 2),
       baseline="aux_1e-2",  # the paper's reference: the aux loss
       reproduction=True,
+      # What the suite tests, from the paper (moejax.ablation.power: bounded verdicts and
+      # the seeds `--plan` asks for).
+      effects=dict(
+          max_vio_global=dict(size=0.68, source="Wang et al. 2408.15664, Table 2 (1B): "
+                              "MaxVio_global 0.72 with the aux loss, 0.04 loss-free"),
+          val_loss=dict(size=0.0063, source="Wang et al. 2408.15664, Table 2 (1B): perplexity "
+                        "9.56 -> 9.50, ln(9.56 / 9.50) nats per token")),
       analysis=dict(comm_devices=8),
   )

@@ -230,10 +230,15 @@ def _verdicts(summary: Mapping, metric: str) -> str:
   by: dict[str, list[str]] = {}
   for arm, comp in (summary.get("comparisons") or {}).items():
     if metric in comp:
-      by.setdefault(comp[metric]["verdict"], []).append(arm)
+      e = comp[metric]
+      by.setdefault("bounded" if e.get("bounded") else e["verdict"], []).append(arm)
   if not by:
     return "n/a"
   parts = [f"{word}: {', '.join(by[word])}" for word in ("better", "worse") if word in by]
+  if "bounded" in by:
+    size = next(c[metric]["effect"] for c in summary["comparisons"].values()
+                if metric in c and c[metric].get("bounded"))
+    parts.append(f"no effect > {size:.3g}: {', '.join(by['bounded'])}")
   if "unresolved" in by:
     parts.append(f"unresolved: {len(by['unresolved'])}")
   return "; ".join(parts)

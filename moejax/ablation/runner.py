@@ -346,6 +346,7 @@ def run_suite(suite: Suite, workdir: str, *, out: TextIO = sys.stdout,
         "scale": suite.scale, "scale_factors": scale_lib.get_scale(suite.scale).factors(),
         "exempt": {a: list(q) for a, q in suite.exempt.items()},
         "compare_to": dict(suite.compare_to),
+        "effects": {k: dict(v) for k, v in suite.effects.items()},
         "source": (None if suite.source is None
                    else json.loads(experiment_to_json(suite.source))),
         "arms": {a.name: a.overrides for a in suite.arms},

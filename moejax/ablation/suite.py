@@ -62,7 +62,7 @@ MIN_REPRODUCTION_SEEDS = 3
 QUANTITIES = QUANTITIES + ("trainable",)
 # Compute including a fine-tuning arm's source (moejax.ablation.budget): upcycling suites.
 QUANTITIES = QUANTITIES + ("total_tokens", "compute")
-SUITE_KEYS = SUITE_KEYS + ("exempt", "compare_to", "source")
+SUITE_KEYS = SUITE_KEYS + ("exempt", "compare_to", "source", "effects")
 SUITE_SOURCE = "suite:source"   # finetune.source of arms that start from the suite's source run
 NO_COMPARISON = "-"
 ANALYSIS_KEYS = ("causal_probe", "comm_devices", "latency", "latency_reps", "routing_batches",
@@ -93,6 +93,9 @@ class Suite:
   source: Any = None   # the source ExperimentConfig, or None
   baseline: str = ""
   reproduction: bool = False
+  # {metric: {"size": X, "source": why X}}: the effect each comparison is judged against
+  # (moejax.ablation.power: bounded verdicts, seeds for 80% power).
+  effects: Mapping[str, Mapping[str, Any]] = dataclasses.field(default_factory=dict)
   scale: str = scale_lib.DEFAULT_SCALE
 
   def arm(self, name: str) -> Arm:
@@ -201,6 +204,7 @@ def suite_from_dict(tree: Mapping[str, Any] | Any) -> Suite:
                         f"use one of {', '.join(ANALYSIS_KEYS)}")
   scale = scale_lib.get_scale(tree.get("scale") or scale_lib.DEFAULT_SCALE)
   references = _references(tree, arms_tree, scale)
+  effects = _effects(tree.get("effects") or {})
   base_tree = _base_tree(tree["base"])
   arms = []
   for arm_name, overrides in arms_tree.items():
@@ -218,7 +222,28 @@ def suite_from_dict(tree: Mapping[str, Any] | Any) -> Suite:
   return _check_source_use(Suite(
       name=name, description=tree.get("description", ""), arms=tuple(arms), fixed=fixed,
       seeds=seeds, analysis=analysis, baseline=baseline, reproduction=reproduction,
-      scale=scale.name, **references))
+      scale=scale.name, effects=effects, **references))
+
+
+def _effects(tree: Mapping[str, Any]) -> dict:
+  """``suite.effects`` validated: per verdict metric a size > 0 and the source of it."""
+  from moejax.ablation.columns import VERDICT_METRICS  # pylint: disable=g-import-not-at-top
+  out = {}
+  for metric, spec in dict(tree).items():
+    where = f"suite.effects.{metric}"
+    if metric not in VERDICT_METRICS:
+      raise ConfigError(where, spec, "is not a metric with a verdict",
+                        f"use one of {', '.join(VERDICT_METRICS)}")
+    spec = dict(spec) if isinstance(spec, Mapping) else {}
+    size, source = spec.get("size"), spec.get("source")
+    if isinstance(size, bool) or not isinstance(size, (int, float)) or not size > 0:
+      raise ConfigError(f"{where}.size", size, "must be a difference > 0 in the metric's units",
+                        "give the published difference, or the smallest that would matter")
+    if not isinstance(source, str) or not source.strip():
+      raise ConfigError(f"{where}.source", source, "must say where the size comes from",
+                        "cite the paper and table, or say why this difference matters")
+    out[metric] = {"size": float(size), "source": source.strip()}
+  return out
 
 
 def _base_tree(base: Any) -> dict:

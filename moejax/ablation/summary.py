@@ -30,7 +30,7 @@ from typing import Callable, Iterable, Mapping, Optional, Sequence
 
 import numpy as np
 
-from moejax.ablation import curves, final_eval, legend, plots, stats, tables
+from moejax.ablation import curves, final_eval, legend, plots, power, stats, tables
 from moejax.ablation.budget import corpus_check, spread
 from moejax.ablation.columns import (BUDGET_KEYS, METRICS, NOTE_KEYS, VERDICT_METRICS,
                                      balance_loss_keys)
@@ -116,6 +116,9 @@ def summarise_results(results: Sequence[dict], *, label: Callable[[dict], str] =
                   "seeds": sorted(int(r.get("seed", 0)) for r in runs),
                   "budget": dict(runs[0].get("budget", {})), "metrics": metrics,
                   "notes": {note: runs[0][note] for _, note in NOTE_KEYS if runs[0].get(note)}}
+    walls = [r["wall_seconds"] for r in runs if _num(r.get("wall_seconds")) is not None]
+    if walls:  # what a seed of this arm costs (experiments.ablate --plan)
+      arms[name]["run_seconds"] = float(np.mean(walls))
   out = {"format": FORMAT, "labels": names, "baseline": baseline, "arms": arms,
          "comparisons": {}, "mdd": {}}
   corpora = {f"{name} seed {r.get('seed', 0)}": r.get("corpus")
@@ -242,6 +245,7 @@ def suite_summary(workdir: str) -> dict:
   out = summarise_results(results, baseline=baseline, order=order,
                           compare_to=suite.get("compare_to"))
   add_plot_data(out, results)
+  power.annotate(out, suite.get("effects") or {})
   if suite.get("compare_to"):
     out["compare_to"] = dict(suite["compare_to"])
   if suite.get("exempt"):

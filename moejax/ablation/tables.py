@@ -19,6 +19,7 @@ from typing import Mapping, Optional
 from moejax.ablation.columns import (ARM_COLUMNS, BUDGET_KEYS, METRICS, NOTE_KEYS,
                                      SPEEDUP_COLUMNS, VERDICT_METRICS, balance_loss_keys,
                                      metric_info, present, skip_constant_zero)
+from moejax.ablation import power
 from moejax.ablation.scale import get_scale
 from moejax.topology.accounting import human
 
@@ -135,8 +136,8 @@ def comparison_table(summary: Mapping) -> str:
       d = e["diff"]
       seeds = _interval(d) + f" ({d['n']}{'' if e['pairing'] == 'paired' else ', unpaired'})"
       docs = _interval(e.get("documents")) if key == "val_loss" else ""
-      verdict = e["verdict"]
-      verdict = verdict if verdict == "unresolved" else f"**{verdict}**"
+      verdict = power.verdict_text(e)
+      verdict = verdict if verdict.startswith("unresolved") else f"**{verdict}**"
       vs = f" {e.get('baseline', summary['baseline'])} |" if paired else ""
       lines.append(f"| {name} |{vs} {METRICS[key][0]} | {_signed(d['mean'])} | {seeds} | {docs} "
                    f"| {verdict} | {e.get('reason', '')} |")
