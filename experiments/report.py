@@ -54,6 +54,10 @@ _RESULTS = flags.DEFINE_string("results_dir", None, "Where to write the summarie
                                "(plots/ID/*.png). Default: none (nothing but --out is written).")
 _CHECK = flags.DEFINE_bool("check", False, "Only check that --out and its images are current; "
                            "write nothing.")
+_EFFECTS = flags.DEFINE_bool("effects", False, "With --results_dir: re-read every summary's "
+                             "effect sizes from its suite file (configs/ablations/NAME.py, "
+                             "suite.effects) and annotate its comparisons (bounded / seeds "
+                             "needed; moejax.ablation.power) from the committed intervals.")
 _NOTEBOOKS = flags.DEFINE_bool("notebooks", False, "Re-execute notebooks/*.ipynb in place "
                                "from the committed results (commit them with their outputs).")
 
@@ -88,6 +92,19 @@ def _new_summaries(args) -> tuple[dict, dict]:
   return pending, records
 
 
+def _annotate(summ: dict) -> bool:
+  """Annotates ``summ`` with its suite file's effects; whether it has any."""
+  from moejax.ablation import power, suite as suite_lib  # pylint: disable=g-import-not-at-top
+  path = os.path.join(ROOT, "configs", "ablations", f"{summ.get('suite')}.py")
+  if not os.path.exists(path):
+    return False
+  effects = suite_lib.suite_effects(suite_lib.load_suite_file(path))
+  if not effects:
+    return False
+  power.annotate(summ, effects)
+  return True
+
+
 def _notebooks() -> None:
   from moejax.ablation import notebooks  # pylint: disable=g-import-not-at-top
   for path in notebooks.refresh(ROOT):
@@ -105,10 +122,17 @@ def main(argv):
     _fail(f"--summaries={_SUMMARIES.value}: not a directory (the committed results/ folder)")
   from moejax.ablation import recheck  # pylint: disable=g-import-not-at-top
   pending, new_records = _new_summaries(argv[1:])
+  from_dirs = set(pending)
   summaries = report.load_summaries(_SUMMARIES.value)
   summaries.update(pending)
+  if _EFFECTS.value:
+    if not _RESULTS.value:
+      _fail("--effects rewrites the summaries: pass --results_dir (e.g. --results_dir results)")
+    for sid in summaries:
+      if _annotate(summaries[sid]):
+        pending.setdefault(sid, summaries[sid])
   records = recheck.load_records(_SUMMARIES.value)
-  for sid in pending:  # a re-run replaces the block's record, or drops one it no longer has
+  for sid in from_dirs:  # a re-run replaces the block's record, or drops one it no longer has
     records.pop(sid, None)
   records.update(new_records)
   if os.path.exists(_OUT.value):

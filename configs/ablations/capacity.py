@@ -40,5 +40,10 @@ def get_config():
       seeds=(0, 1, 2),
       baseline="cf1p25_aux",  # Switch's recommended setting
       reproduction=True,
+      effects=dict(
+          drop_rate=dict(size=0.01, source="Fedus et al. 2101.03961, Sec. 2.2: with the aux "
+                         "loss fewer than 1% of tokens are dropped at capacity factor 1.25"),
+          val_loss=dict(size=0.01, source="the smallest difference that matters here: 1% in "
+                        "perplexity (ln 1.01 nats per token)")),
       analysis=dict(comm_devices=8),
   )

@@ -46,5 +46,8 @@ def get_config():
       seeds=(0, 1, 2),
       baseline="topk",  # the causal top-k router
       reproduction=True,
+      effects=dict(probe_leak_gap=dict(
+          size=0.1, source="the published leak: an abnormal ~10% loss drop on a 2B causal model "
+          "when the expert-choice chunk shrank from 8192 to 512 tokens")),
       analysis=dict(comm_devices=8, causal_probe=True),
   )

@@ -225,6 +225,11 @@ def suite_from_dict(tree: Mapping[str, Any] | Any) -> Suite:
       scale=scale.name, effects=effects, **references))
 
 
+def suite_effects(tree: Mapping[str, Any] | Any) -> dict:
+  """The validated ``effects`` of a suite tree (``{}`` when it states none)."""
+  return _effects(_plain(tree).get("effects") or {})
+
+
 def _effects(tree: Mapping[str, Any]) -> dict:
   """``suite.effects`` validated: per verdict metric a size > 0 and the source of it."""
   from moejax.ablation.columns import VERDICT_METRICS  # pylint: disable=g-import-not-at-top

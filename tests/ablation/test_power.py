@@ -82,3 +82,19 @@ def test_plan_rows_from_a_pilot_summary():
   assert seconds == 70.0 and "wall time" in counts
   text = power.plan_table(suite, rows, (seconds, counts))
   assert f"{rows[0]['needed']} seeds resolve every effect with 80% power" in text
+
+
+def test_report_effects_annotates_committed_summaries_from_their_suite_files(tmp_path):
+  import json, shutil, subprocess, sys  # pylint: disable=g-import-not-at-top,multiple-imports
+  shutil.copy(f"{helpers.ROOT}/results/lossfree.json", tmp_path / "lossfree.json")
+  out = tmp_path / "R.md"
+  out.write_text("# R\n<!-- moejax:generated lossfree -->\n<!-- moejax:end lossfree -->\n")
+  proc = subprocess.run([sys.executable, "-m", "experiments.report", f"--out={out}",
+                         f"--summaries={tmp_path}", f"--results_dir={tmp_path}", "--effects"],
+                        cwd=helpers.ROOT, capture_output=True, text=True, check=False)
+  assert proc.returncode == 0, proc.stderr
+  summ = json.loads((tmp_path / "lossfree.json").read_text())
+  assert summ["effects"]["val_loss"]["size"] == 0.0063
+  entry = summ["comparisons"]["lossfree_u1e-2"]["max_vio_global"]
+  assert entry["effect"] == 0.68 and entry["bounded"] is True
+  assert "**no effect larger than 0.68**" in out.read_text()
