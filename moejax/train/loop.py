@@ -504,7 +504,9 @@ def _run(ctx: RunContext) -> int:
     _check_rows(host, step, ckpt, workdir)
     ckpt.poll()  # the checksums of a checkpoint orbax has committed since
     if ckpt_now:  # before the evaluation, so a non-finite state is never evaluated or saved
+      t_check = time.perf_counter()  # reads every array back: not step time
       _check_state(state.checkpoint_tree(), step, ckpt, workdir)
+      excluded += time.perf_counter() - t_check
     window.extend(host)
     if log_now:
       now = time.perf_counter()

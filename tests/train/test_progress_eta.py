@@ -131,3 +131,24 @@ def test_the_warm_up_window_after_compilation_leaves_the_rate_once_a_later_one_i
   p.add_time(2.0, 10)
   assert p.eta(30) == pytest.approx(70 * 0.2)
   assert p.train_seconds == pytest.approx(13.0)  # what the history records stays all of it
+
+
+def test_the_checkpoint_steps_finite_check_is_not_step_time(data_dir, tmp_path, monkeypatch):
+  """A checkpoint step reads the whole state back to check it is finite: its time stays out
+  of the window's tokens/s (and so of the MFU and the ETA), as the save's does."""
+  import time  # pylint: disable=g-import-not-at-top
+  from moejax.train import loop  # pylint: disable=g-import-not-at-top
+  real = loop._check_state  # pylint: disable=protected-access
+
+  def slow_check(*args):
+    time.sleep(2.0)
+    return real(*args)
+  monkeypatch.setattr(loop, "_check_state", slow_check)
+  from tests.train import helpers  # pylint: disable=g-import-not-at-top
+  cfg = helpers.experiment("tiny", data_dir, train__steps=5, train__log_every=5,
+                           train__checkpoint_every=5, train__eval_every=0)
+  workdir = str(tmp_path / "run")
+  loop.train(cfg, workdir, out=io.StringIO())
+  (row,) = metrics_log.read_metrics(workdir, "train")
+  # Steps 2-5 (4 x 8 x 32 targets) took far less than the 2 s of the check.
+  assert row["tokens_per_s"] > 4 * 8 * 32 / 2.0
