@@ -112,7 +112,7 @@ def _notebooks() -> None:
 
 
 def main(argv):
-  from moejax.ablation import images, report, summary  # pylint: disable=g-import-not-at-top
+  from moejax.ablation import claims, images, report, summary  # pylint: disable=g-import-not-at-top
   if _NOTEBOOKS.value:
     return _notebooks()
   if _CHECK.value and (len(argv) > 1 or _RESULTS.value):
@@ -158,6 +158,9 @@ def main(argv):
     for sid in shown:
       for path in images.write(sid, summaries[sid], images_dir):
         print(f"{sid}: drew {path}")
+    if claims.CLAIMS in report.block_ids(text):
+      for path in images.write(claims.CLAIMS, claims.pseudo_summary(summaries), images_dir):
+        print(f"{claims.CLAIMS}: drew {path}")
   try:
     new = report.render(text, summaries, base.replace(os.sep, "/"),
                         unplotted=() if _RESULTS.value else set(pending), records=records)
@@ -165,6 +168,8 @@ def main(argv):
     _fail(f"{_OUT.value}: {e}")
   bad = [p for sid in shown if _RESULTS.value or sid not in pending
          for p in images.problems(sid, summaries[sid], images_dir)]
+  if claims.CLAIMS in report.block_ids(text) and (_RESULTS.value or not pending):
+    bad += images.problems(claims.CLAIMS, claims.pseudo_summary(summaries), images_dir)
   if _CHECK.value:
     return _check(text, new, bad)
   with open(_OUT.value, "w", encoding="utf-8") as f:

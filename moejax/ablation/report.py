@@ -55,7 +55,7 @@ import os
 import re
 from typing import Collection, Mapping, Optional
 
-from moejax.ablation import freshness, images, recheck, tables, trend
+from moejax.ablation import claims, freshness, images, recheck, tables, trend
 
 BLOCK = re.compile(r"(<!-- moejax:generated (?P<id>[\w@.+-]+) -->\n)(?P<body>.*?)"
                    r"(<!-- moejax:end (?P=id) -->)", re.S)
@@ -179,12 +179,21 @@ def render(text: str, summaries: Mapping[str, Mapping], plots_base: str = "resul
   """
   code = freshness.current() if code is _NOW else code
   records = default_records() if records is _NOW else (records or {})
+  unplotted_claims = bool(unplotted)
   order = block_ids(text)
 
   def block(m):
     sid = m.group("id")
-    if sid == OVERVIEW:
-      body = overview([i for i in order if i != OVERVIEW and not i.startswith(trend.PREFIX)],
+    if sid == claims.CLAIMS:
+      body = claims.markdown(summaries, {i: block_state(summaries[i], records.get(i), code)[0]
+                                         for i in summaries})
+      if claims.rows(summaries):
+        body += ("\n*Plot: not drawn by this report run (it had no `--results_dir`).*\n"
+                 if unplotted_claims else
+                 f"\n![claims at a glance]({plots_base}/{claims.CLAIMS}/{claims.CLAIMS}.png)\n")
+    elif sid == OVERVIEW:
+      body = overview([i for i in order if i not in (OVERVIEW, claims.CLAIMS)
+                       and not i.startswith(trend.PREFIX)],
                       summaries, code, records)
     elif sid.startswith(trend.PREFIX):
       try:
