@@ -26,10 +26,11 @@ One token's walk through a routed (``kind='sparse'``) layer:
 4. topology plane: zero-computation and shared experts are added per token.
 
 Nothing is stored on the side and nothing is updated: ``state`` (the router
-bias) is read, never written. ``aux.router_load`` is the controller's
-input; the train step applies :func:`moejax.balance.controller.update_bias`
-once per optimizer step on the loads of the whole global batch, outside the
-differentiated function.
+bias, the ideas' state) is read, never written. ``aux.router_load`` is the
+controller's input, ``aux.observed`` the stateful ideas'; the train step
+applies :func:`moejax.balance.controller.update_bias` and
+:func:`moejax.routing.state.update` once per optimizer step on those of the
+whole global batch, outside the differentiated function.
 
 ``aux``: a :class:`~moejax.balance.aux.MoEAux` (the fields a kind does not
 fill are None): ``losses`` (weighted, with ``total``: what the trainer adds to the
@@ -63,6 +64,7 @@ from moejax.execution import placement as placement_lib
 from moejax.execution import scopes
 from moejax.routing import router as router_lib
 from moejax.routing import soft as soft_lib
+from moejax.routing import state as state_lib
 from moejax.routing.types import RouterState, RoutingContext, RoutingResult
 from moejax.topology import accounting as accounting_lib
 from moejax.topology import experts as experts_lib
@@ -93,8 +95,8 @@ def _init_sparse(key, d_model, cfg, dtype) -> Params:
 
 
 def init_router_state(cfg: MoEConfig) -> RouterState:
-  """Zero bias over every routed column (FFN and zero-computation experts)."""
-  return RouterState.zeros(cfg.num_routed)
+  """Zero bias over every routed column, and the first state of the config's stateful ideas."""
+  return RouterState.zeros(cfg.num_routed).replace(ideas=state_lib.init(cfg))
 
 
 def route_and_drop(params: Params, x: jax.Array, state: RouterState, cfg: MoEConfig, *,
@@ -149,13 +151,15 @@ def _sparse_layer(params, x, shared_x, state, cfg, *, token_ids, rng, train, axi
     aux = MoEAux.for_kind(
         "sparse",
         losses=losses.balance_losses(decision, cfg, batch_shape=batch_shape,
-                                     axis_names=axis_names, context=context),
+                                     axis_names=axis_names, context=context,
+                                     state=state.ideas),
         metrics=metrics.routing_metrics(decision, cfg, dropped=dropped, axis_names=axis_names),
         load=router_load[: cfg.num_experts],
         router_load=router_load,
         num_dropped=stats.psum(jnp.sum(dropped, dtype=jnp.int32), axis_names),
         routing=kept,
-        execution=extras)
+        execution=extras,
+        observed=state_lib.observe(decision, cfg, state.ideas, context))
   return y, aux
 
 

@@ -222,6 +222,22 @@ class Transformer(nnx.Module):
       if name in router_loads:
         ffn.apply_controller(router_loads[name])
 
+  def update_ideas(self, observed: dict[str, dict]) -> None:
+    """One update of every MoE layer's stateful ideas, in place.
+
+    ``observed``: ``{'layer_<i>': aux['moe'][name]['observed']}`` summed over
+    the whole global batch; layers without stateful ideas are left as they are.
+    """
+    for name, ffn in self.moe_ffns().items():
+      if name in observed:
+        ffn.update_ideas(observed[name])
+
+  def logged_state(self) -> dict:
+    """``{'state/<idea>/<field>': f32[]}``: each logged idea-state field, its mean over layers."""
+    per_layer = [ffn.logged_state() for ffn in self.moe_ffns().values()]
+    keys = sorted({k for d in per_layer for k in d})
+    return {k: jnp.mean(jnp.stack([d[k] for d in per_layer if k in d])) for k in keys}
+
 
 def param_count(model: nnx.Module, filter=nnx.Param) -> int:
   """Number of scalars in the model's ``filter`` state (shared weights once).

@@ -12,6 +12,7 @@ from moejax.balance.losses import (balance_losses, comm_balance_loss, device_bal
                                    entropy_loss, load_balance_loss, sequence_balance_loss,
                                    z_loss)
 from moejax.balance.rules import BalanceLoss, BiasRule, register_bias_rule, register_loss
+from moejax.balance import remoe  # noqa: F401  (registers 'remoe_l1')
 from moejax.balance.metrics import (MaxVioAccumulator, active_experts, coactivation,
                                     drop_rate, expert_load, load_entropy, max_vio,
                                     routing_metrics)

@@ -160,6 +160,9 @@ class MoEAux(_Declared):
     routing: the :class:`RoutingResult` after capacity, token-major; sparse only.
     execution: the executor's extras (empty on one device; expert-parallel:
       ``device_load`` f32[D] and ``comm``); sparse only.
+    observed: ``{idea: {name: f32}}`` what the config's stateful ideas observed
+      (sums over the batch, the same on every device; :mod:`moejax.routing.state`),
+      the input of their once-per-step update; sparse only.
   """
 
   losses: Optional[Mapping[str, jax.Array]] = aux_field(reduce="pmean")
@@ -169,6 +172,7 @@ class MoEAux(_Declared):
   num_dropped: Optional[jax.Array] = aux_field(("sparse",))
   routing: Optional[RoutingResult] = aux_field(("sparse",), ep=TOKENS)
   execution: Optional[Mapping[str, Any]] = aux_field(("sparse",))
+  observed: Optional[Mapping[str, Any]] = aux_field(("sparse",))
 
   @classmethod
   def for_kind(cls, kind: str, **fields) -> "MoEAux":

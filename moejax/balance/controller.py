@@ -19,6 +19,8 @@ load (:func:`moejax.balance.metrics.expert_load` with the data/expert axes).
 
 from __future__ import annotations
 
+import inspect
+
 import jax
 import jax.numpy as jnp
 
@@ -54,7 +56,11 @@ def update_bias(state: RouterState, load: jax.Array, cfg: BalanceConfig) -> Rout
   bias = jax.lax.stop_gradient(state.bias)
   mean = jnp.mean(load)
   # The rule is a registered BiasRule (moejax.balance.rules): sign, proportional, a plugin's.
-  delta = BIAS_RULES.get(cfg.bias_update).fn(load, mean, cfg.bias_rate)
+  fn = BIAS_RULES.get(cfg.bias_update).fn
+  # A stateful rule (one with a ``state`` parameter) reads its layer's idea state.
+  kw = ({"state": jax.tree.map(jax.lax.stop_gradient, dict(state.ideas))}
+        if "state" in inspect.signature(fn).parameters else {})
+  delta = fn(load, mean, cfg.bias_rate, **kw)
   if cfg.bias_freeze_step >= 0:
     delta = jnp.where(state.step >= cfg.bias_freeze_step, 0.0, delta)
   return state.replace(bias=(bias + delta).astype(state.bias.dtype), step=state.step + 1)

@@ -230,7 +230,8 @@ def comm_max_devices(cfg: MoEConfig, num_slots: int) -> int:
 def balance_losses(result: RoutingResult, cfg: MoEConfig, *,
                    batch_shape: tuple[int, int],
                    axis_names: AxisNames = (),
-                   context: Optional[RoutingContext] = None) -> dict[str, jax.Array]:
+                   context: Optional[RoutingContext] = None,
+                   state: Optional[dict] = None) -> dict[str, jax.Array]:
   """Every configured balance loss, each times its coefficient, plus ``total``.
 
   Keys (always all present, f32[] each, 0 where the coefficient is 0 and the
@@ -257,6 +258,9 @@ def balance_losses(result: RoutingResult, cfg: MoEConfig, *,
       train=False when None): the batch's token count, train or eval, and
       sums and means over the whole batch that are exact under expert
       parallelism. Others are called as before.
+    state: the layer's idea state ``{idea: {field: value}}``
+      (``RouterState.ideas``); a loss whose function has a ``state``
+      parameter reads it, without gradient.
   """
   if not isinstance(cfg, MoEConfig):
     raise TypeError(f"balance_losses: cfg must be a MoEConfig, got {type(cfg).__name__}")
@@ -278,9 +282,11 @@ def balance_losses(result: RoutingResult, cfg: MoEConfig, *,
     coef = loss.coefficient(b)
     if coef:
       kw = {}
-      if _takes_context(loss.fn):
+      if _takes(loss.fn, "context"):
         kw["context"] = context or RoutingContext.build(
             result.num_tokens, stats.axes(axis_names), batch_shape=batch_shape)
+      if _takes(loss.fn, "state"):
+        kw["state"] = jax.tree.map(jax.lax.stop_gradient, dict(state or {}))
       value = loss.fn(result, cfg, batch_shape=batch_shape, axis_names=axis_names, **kw)
       out[name] = coef * jnp.asarray(value, jnp.float32)
   out["total"] = sum(out.values())
@@ -288,5 +294,5 @@ def balance_losses(result: RoutingResult, cfg: MoEConfig, *,
 
 
 @functools.lru_cache(maxsize=None)
-def _takes_context(fn) -> bool:
-  return "context" in inspect.signature(fn).parameters
+def _takes(fn, name: str) -> bool:
+  return name in inspect.signature(fn).parameters

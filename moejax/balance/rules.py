@@ -27,7 +27,30 @@ A bias-controller rule is one function of the global load::
     def my_rule(load, mean, rate):               # f32[E_r], f32[], float
       return rate * jnp.tanh(mean - load)        # the bias change, f32[E_r]
 
-used with ``moe.balance.bias_update='my_rule'``. The shipped losses (whose
+used with ``moe.balance.bias_update='my_rule'``.
+
+Either may declare per-layer state (an EMA, an adaptive coefficient), an
+:class:`~moejax.routing.types.IdeaState` passed as ``state=`` to the
+decorator: initialised from the config, observed in every forward, updated
+once per optimizer step outside the gradient, checkpointed, logged as
+``state/<name>/<field>``, and read by a function that takes ``state``::
+
+    def _ema_init(cfg):
+      return {"ema": jnp.zeros((cfg.num_routed,), jnp.float32)}
+
+    def _ema_observe(result, cfg, *, state, context):
+      return {"load": context.sum(result.mask()), "tokens": context.num_tokens}
+
+    def _ema_update(own, seen, cfg):
+      return {"ema": 0.9 * own["ema"] + 0.1 * seen["load"] / seen["tokens"]}
+
+    @register_bias_rule("ema_sign", state=IdeaState(_ema_init, _ema_update, _ema_observe))
+    def ema_sign(load, mean, rate, state):
+      ema = state["ema_sign"]["ema"]
+      return rate * jnp.sign(jnp.mean(ema) - ema)
+
+(``tests/plugins/stateful_rule.py`` is this rule, resumed after a kill in
+``tests/train/test_idea_state_resume.py``.) The shipped losses (whose
 coefficients are their own BalanceConfig fields) and rules (``sign``,
 ``proportional``) are registered here the same way, so there is one path.
 """
@@ -35,13 +58,14 @@ coefficients are their own BalanceConfig fields) and rules (``sign``,
 from __future__ import annotations
 
 import dataclasses
-from typing import Callable
+from typing import Callable, Optional
 
 import jax.numpy as jnp
 
 from moejax.balance import losses as L
 from moejax.balance import stats
 from moejax.config.registry import BALANCE_LOSSES, BIAS_RULES
+from moejax.routing.types import IdeaState
 
 
 @dataclasses.dataclass(frozen=True)
@@ -50,11 +74,13 @@ class BalanceLoss:
 
   coef_field: the BalanceConfig field holding a shipped loss's coefficient;
   '' for a plugin loss, whose coefficient comes from ``balance.extra_losses``.
+  state: its per-layer :class:`~moejax.routing.types.IdeaState` (None: stateless).
   """
 
   name: str
   fn: Callable
   coef_field: str = ""
+  state: Optional[IdeaState] = None
 
   def coefficient(self, balance) -> float:
     if self.coef_field:
@@ -64,25 +90,33 @@ class BalanceLoss:
 
 @dataclasses.dataclass(frozen=True)
 class BiasRule:
-  """fn(load f32[E_r], mean f32[], rate) -> bias change f32[E_r]."""
+  """fn(load f32[E_r], mean f32[], rate) -> bias change f32[E_r] (``state=`` too if it takes it).
+
+  state: its per-layer :class:`~moejax.routing.types.IdeaState` (None: stateless).
+  """
 
   name: str
   fn: Callable
+  state: Optional[IdeaState] = None
 
 
-def register_loss(name: str, coef_field: str = ""):
-  """Decorator: registers ``fn`` as the balance loss ``name`` (a taken name is an error)."""
+def register_loss(name: str, coef_field: str = "", *, state: Optional[IdeaState] = None):
+  """Decorator: registers ``fn`` as the balance loss ``name`` (a taken name is an error).
+
+  ``state``: the per-layer state the loss declares (read by ``fn`` through
+  a ``state`` parameter as ``state[name][field]``).
+  """
   def deco(fn):
     # Recorded as coming from fn's module (a plugin's), not from this one.
-    BALANCE_LOSSES.register(BalanceLoss(name, fn, coef_field), module=fn.__module__)
+    BALANCE_LOSSES.register(BalanceLoss(name, fn, coef_field, state), module=fn.__module__)
     return fn
   return deco
 
 
-def register_bias_rule(name: str):
-  """Decorator: registers ``fn`` as the bias-controller rule ``name``."""
+def register_bias_rule(name: str, *, state: Optional[IdeaState] = None):
+  """Decorator: registers ``fn`` as the bias-controller rule ``name`` (``state``: as above)."""
   def deco(fn):
-    BIAS_RULES.register(BiasRule(name, fn), module=fn.__module__)
+    BIAS_RULES.register(BiasRule(name, fn, state), module=fn.__module__)
     return fn
   return deco
 

@@ -8,10 +8,10 @@ slots per token, E_r router outputs.
 - the params pytree from :func:`moejax.layer.init_moe_params`, every leaf an
   ``nnx.Param`` (so ``nnx.state(model, nnx.Param)`` and optimizers built with
   ``wrt=nnx.Param`` see them);
-- the :class:`~moejax.routing.types.RouterState`, every leaf a
-  :class:`RouterStateVar`. That is an ``nnx.Variable`` but *not* an
-  ``nnx.Param``: router state is never handed to the optimizer (MaxText issue
-  #2494 was a bias trained by the optimizer).
+- the :class:`~moejax.routing.types.RouterState` (with the stateful ideas'
+  state, ``ideas``), every leaf a :class:`RouterStateVar`. That is an
+  ``nnx.Variable`` but *not* an ``nnx.Param``: router state is never handed
+  to the optimizer (MaxText issue #2494 was a bias trained by the optimizer).
 
 The forward never writes the router state. The train step calls
 :meth:`MoEFFN.apply_controller` (through
@@ -40,6 +40,7 @@ from moejax import layer as layer_lib
 from moejax.balance import controller
 from moejax.balance.aux import MoEAux
 from moejax.nn import lora as lora_lib
+from moejax.routing import state as state_lib
 from moejax.config import MoEConfig, ParallelConfig
 
 
@@ -166,3 +167,21 @@ class MoEFFN(nnx.Module):
     new = controller.update_bias(values(self.router_state), router_load, self.cfg.balance)
     jax.tree.map(lambda var, value: var.set_value(value), self.router_state, new,
                  is_leaf=_is_var)
+
+  def update_ideas(self, observed: dict) -> None:
+    """One update of the stateful ideas' state (``RouterState.ideas``), in place.
+
+    ``observed``: ``{idea: {name: f32}}`` the layer's ``aux['observed']`` summed
+    over the whole step's batch (every micro-batch). No-op without a
+    stateful idea. The train step calls it once per optimizer step, outside
+    the gradient, like :meth:`apply_controller`.
+    """
+    if not self.router_state.ideas:
+      return
+    new = state_lib.update(self.cfg, values(self.router_state.ideas), observed)
+    jax.tree.map(lambda var, value: var.set_value(value), self.router_state.ideas, new,
+                 is_leaf=_is_var)
+
+  def logged_state(self) -> dict:
+    """``{'state/<idea>/<field>': f32[]}`` of this layer's logged idea state."""
+    return state_lib.logged(self.cfg, values(self.router_state.ideas))

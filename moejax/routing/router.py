@@ -20,6 +20,7 @@ import jax
 from moejax.config import MoEConfig
 from moejax.config.registry import LAYERS, ROUTERS
 from moejax.routing.logits import check_rng, jitter_input, needs_rng
+from moejax.routing import state as state_lib
 from moejax.routing.spec import RouterSpec
 from moejax.routing.types import RouterState, RoutingContext, RoutingResult
 
@@ -79,6 +80,8 @@ def route(params: dict, x: jax.Array, state: Optional[RouterState], cfg: MoEConf
     x = jitter_input(x, rc, k_jitter, train)
   bias = state.bias if rc.use_bias else None
   kw = {"context": context} if spec.reads_context else {}
+  if state_lib.takes_state(type(spec).route):  # a stateful router reads its layer's state
+    kw["state"] = state_lib.read(state.ideas if state is not None else {})
   return spec.route(params, x, bias, cfg, token_ids=token_ids, rng=k_noise, train=train, **kw)
 
 

@@ -86,6 +86,7 @@ import jax
 import jax.numpy as jnp
 
 from moejax.config.registry import ROUTERS
+from moejax.routing.types import IdeaState
 
 # Switch Transformer (Fedus et al. §2.4): truncated normal, variance 0.1 / d
 # (their scale s = 0.1, ten times below the usual fan-in init). A small init
@@ -127,6 +128,10 @@ class RouterSpec:
     its context). False refuses expert parallelism before any compute.
   - ``isolates_shared``: DeepSeekMoE shared-expert isolation (routing
     ``m K - K_s`` of a fixed K) is defined for it.
+
+  ``state``: the router's per-layer :class:`~moejax.routing.types.IdeaState`
+  (None: stateless); a ``route`` with a ``state`` parameter reads it as
+  ``state[name][field]``.
   """
 
   name: ClassVar[str] = ""
@@ -143,6 +148,7 @@ class RouterSpec:
   batch_wide: ClassVar[bool] = False
   expert_parallel: ClassVar[bool] = True
   isolates_shared: ClassVar[bool] = False
+  state: ClassVar[Optional[IdeaState]] = None
 
   @property
   def reads_context(self) -> bool:

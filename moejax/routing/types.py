@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Optional
+from typing import Callable, Optional
 
 import jax
 import jax.numpy as jnp
@@ -70,10 +70,14 @@ class RouterState:
   Attributes:
     bias: f32[E_r] selection bias of aux-loss-free balancing (zeros when unused).
     step: int32[] number of controller updates applied (for freeze schedules).
+    ideas: ``{idea name: {field: array}}``, the state the config's stateful
+      ideas declare (:class:`IdeaState`); empty without one, so the stored
+      tree of a run without stateful ideas is the bias and step alone.
   """
 
   bias: jax.Array
   step: jax.Array
+  ideas: dict = dataclasses.field(default_factory=dict)
 
   @classmethod
   def zeros(cls, num_experts: int) -> "RouterState":
@@ -177,3 +181,35 @@ class RoutingContext:
     for a in self.axis_names:  # row-major over the axes, as the batch is split
       idx = idx * jax.lax.axis_size(a) + jax.lax.axis_index(a)
     return idx * self.local_tokens
+
+
+@dataclasses.dataclass(frozen=True)
+class IdeaState:
+  """The per-layer state a router, balance loss or bias rule declares; its three functions.
+
+  An idea carrying one (``RouterSpec.state``, ``register_loss(..., state=)``,
+  ``register_bias_rule(..., state=)``) gets, in every MoE layer, the fields
+  ``init`` returns, kept under the idea's name in ``RouterState.ideas``:
+
+  - ``init(cfg) -> {field: value}``: the first values, from the layer's
+    MoEConfig (a coefficient, an EMA, a counter);
+  - ``observe(result, cfg, *, state, context) -> {name: f32}``: what one
+    forward saw, from the router's decision before capacity. Each value is a
+    *sum over the batch's tokens* (``context.sum``; ``context.num_tokens``
+    for a count of tokens), so micro-batches add up and expert parallelism
+    gives the whole batch's: a per-token quantity (a target k) stays per
+    token whatever the batch, sequence length or device count. None: nothing;
+  - ``update(state, observed, cfg) -> {field: value}``: the next values, run
+    once per optimizer step outside the gradient (as the bias controller),
+    on the observations summed over the whole step's batch.
+
+  ``logged``: the fields logged as ``state/<idea>/<field>`` (their mean over
+  MoE layers); None logs every scalar field. Routers and losses whose
+  function takes a ``state`` parameter read ``{idea: {field: value}}`` of
+  their layer (read only, without gradient); bias rules likewise.
+  """
+
+  init: Callable
+  update: Callable
+  observe: Optional[Callable] = None
+  logged: Optional[tuple[str, ...]] = None

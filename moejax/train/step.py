@@ -7,7 +7,7 @@ pytrees (``nnx.split(model, nnx.Param, RouterStateVar, ...)``):
 
 - ``params``: every ``nnx.Param``; the only thing the optimizer sees;
 - ``router_state``: the MoE layers' ``RouterStateVar`` leaves (selection
-  bias, controller step). The forward only reads them; after the optimizer
+  bias, controller step, the stateful ideas' state). The forward only reads them; after the optimizer
   update the step applies every layer's bias controller to the router loads
   of the whole batch (:meth:`moejax.model.Transformer.apply_controllers`),
   so the bias never flows through the optimizer or the gradient;
@@ -202,6 +202,12 @@ def router_loads(aux: dict) -> dict[str, jax.Array]:
           if "router_load" in layer}
 
 
+def observations(aux: dict) -> dict[str, dict]:
+  """``{'layer_<i>': {idea: {name: f32}}}`` what each layer's stateful ideas observed."""
+  return {name: layer["observed"] for name, layer in aux["moe"].items()
+          if layer.get("observed")}
+
+
 def make_train_step(graphdef, cfg: ExperimentConfig,
                     tx: optax.GradientTransformation) -> Callable:
   """A jitted ``step(state, batch) -> (state, metrics)``; metrics are f32[] scalars,
@@ -210,8 +216,10 @@ def make_train_step(graphdef, cfg: ExperimentConfig,
   One step: the gradient of the batch's objective (over ``train.microbatches``
   micro-batches, summed), one optimizer update of the params, then one
   bias-controller update of every MoE layer's router state from the router
-  loads of the whole batch, outside the differentiated function (so remat
-  or accumulation cannot move the bias twice).
+  loads of the whole batch, and one update of its stateful ideas' state
+  from their observations of the whole batch, outside the differentiated
+  function (so remat or accumulation cannot move either twice). The idea
+  state this step's forward read is logged as ``state/<idea>/<field>``.
 
   The objective is the token-weighted cross-entropy of the whole batch (sum
   of per-token losses / scored tokens) plus the mean over micro-batches of
@@ -229,9 +237,9 @@ def make_train_step(graphdef, cfg: ExperimentConfig,
     _, ce_sum, _ = masked_cross_entropy(logits, batch["targets"], batch["mask"])
     ce = ce_sum / n_tokens
     loss = ce + aux["loss"] / m
-    return loss, (ce, aux["loss"], router_loads(aux), {**routing_summary(aux),
-                                                       **balance_loss_summary(aux, balance),
-                                                       **layer_loads(aux)})
+    return loss, (ce, aux["loss"], (router_loads(aux), observations(aux)),
+                  {**routing_summary(aux), **balance_loss_summary(aux, balance),
+                   **layer_loads(aux)})
 
   grad_fn = jax.value_and_grad(objective, has_aux=True)
 
@@ -240,8 +248,8 @@ def make_train_step(graphdef, cfg: ExperimentConfig,
     n_tokens = jnp.maximum(jnp.sum(batch["mask"].astype(jnp.float32)), 1.0)
     args = (state.router_state, state.other)
     if m == 1:
-      (loss, (ce, aux_loss, loads, summary)), grads = grad_fn(state.params, *args, batch,
-                                                              key, n_tokens)
+      (loss, (ce, aux_loss, (loads, observed), summary)), grads = grad_fn(
+          state.params, *args, batch, key, n_tokens)
     else:
       micro = jax.tree.map(lambda a: a.reshape((m, a.shape[0] // m) + a.shape[1:]), batch)
 
@@ -253,7 +261,7 @@ def make_train_step(graphdef, cfg: ExperimentConfig,
       zero = jax.eval_shape(grad_fn, state.params, *args, jax.tree.map(lambda a: a[0], micro),
                             key, n_tokens)
       zero = jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), zero)
-      ((loss, (ce, aux_loss, loads, summary)), grads), _ = jax.lax.scan(
+      ((loss, (ce, aux_loss, (loads, observed), summary)), grads), _ = jax.lax.scan(
           body, zero, (jnp.arange(m), micro))
       aux_loss = aux_loss / m                     # the mean over micro-batches
       summary = jax.tree.map(lambda v: v / m, summary)
@@ -265,11 +273,13 @@ def make_train_step(graphdef, cfg: ExperimentConfig,
     updates, opt_state = tx.update(grads, state.opt_state, state.params)
     params = optax.apply_updates(state.params, updates)
     model = nnx.merge(graphdef, state.params, state.router_state, state.other)
+    idea_state = model.logged_state()  # what this step's forward read
     model.apply_controllers(loads)
+    model.update_ideas(observed)
     _, _, router_state, _ = split_model(model)
     metrics = {"loss": loss, "ce": ce, "aux_loss": aux_loss,
                "grad_norm": optax.tree.norm(grads),
-               "learning_rate": schedule_lr(state.step), **summary}
+               "learning_rate": schedule_lr(state.step), **summary, **idea_state}
     new = state.replace(step=state.step + 1, params=params, router_state=router_state,
                         opt_state=opt_state)
     return new, jax.tree.map(lambda x: jnp.asarray(x, jnp.float32), metrics)
