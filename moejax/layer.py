@@ -69,6 +69,7 @@ from moejax.routing.types import RouterState, RoutingContext, RoutingResult
 from moejax.topology import accounting as accounting_lib
 from moejax.topology import experts as experts_lib
 from moejax.topology import peer as peer_lib
+from moejax.topology import roles as roles_lib
 from moejax.topology import zero_compute as zero_lib
 
 Params = dict[str, Any]
@@ -373,6 +374,13 @@ class LayerKind:
   def init(self, key: jax.Array, d_model: int, cfg: MoEConfig, dtype) -> Params:
     raise NotImplementedError
 
+  def param_roles(self, params: Params) -> dict:
+    """What each subtree of ``init``'s params is to an optimizer
+    (:mod:`moejax.topology.roles`; a role stands for its whole subtree). The
+    default, for a kind that declares nothing: every parameter element-wise
+    (never orthogonalised)."""
+    return roles_lib.roles_like(params, {}, roles_lib.elementwise(self.name))
+
   def apply(self, params, x, shared_x, state, cfg, **kw) -> tuple[jax.Array, Any]:
     raise NotImplementedError
 
@@ -403,6 +411,16 @@ class SparseKind(LayerKind):
 
   def init(self, key, d_model, cfg, dtype):
     return _init_sparse(key, d_model, cfg, dtype)
+
+  def param_roles(self, params):
+    """Routers and the constant experts' gates and vectors element-wise; the expert stack
+    per expert; the shared experts as one dense FFN."""
+    out = roles_lib.roles_like(params, {"router": roles_lib.elementwise("router")},
+                               roles_lib.elementwise("zero_compute"))
+    out["experts"] = experts_lib.expert_roles(params["experts"])
+    if "shared" in params:
+      out["shared"] = experts_lib.shared_roles(params["shared"])
+    return out
 
   def apply(self, params, x, shared_x, state, cfg, *, token_ids, rng, train, axis_names,
             batch_shape, executor, width_mask):
@@ -438,6 +456,11 @@ class SoftKind(LayerKind):
     return {"router": soft_lib.init_soft_params(k_router, d_model, cfg),
             "experts": experts_lib.init_experts(k_experts, d_model, cfg, dtype)}
 
+  def param_roles(self, params):
+    """The slot embeddings (phi) and their scale element-wise; the expert stack per expert."""
+    return {"router": roles_lib.elementwise("soft_moe"),
+            "experts": experts_lib.expert_roles(params["experts"])}
+
   def apply(self, params, x, shared_x, state, cfg, *, axis_names, batch_shape, **_):
     return _soft_layer(params, x, cfg, batch_shape, axis_names)
 
@@ -463,6 +486,9 @@ class PeerKind(LayerKind):
   def init(self, key, d_model, cfg, dtype):
     _, k_experts, _, _ = jax.random.split(key, 4)
     return {"peer": peer_lib.init_peer(k_experts, d_model, cfg)}
+
+  def param_roles(self, params):
+    return {"peer": peer_lib.peer_roles(params["peer"])}
 
   def apply(self, params, x, shared_x, state, cfg, *, axis_names, **_):
     return _peer_layer(params, x, cfg, axis_names)

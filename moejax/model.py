@@ -40,7 +40,7 @@ calls it once per optimizer step, outside the gradient).
 from __future__ import annotations
 
 import dataclasses
-from typing import Optional, Sequence
+from typing import Any, Optional, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -53,10 +53,11 @@ from moejax.nn.mod import MoDBlock
 from moejax.nn.moe_block import ExpertParallel, MoEFFN, RouterStateVar
 from moejax.nn.scmoe import shortcut_input
 from moejax.topology import accounting
+from moejax.topology import roles as roles_lib
 
 __all__ = ["Transformer", "Block", "RouterStateVar", "ExpertParallel", "dense_equivalent",
            "dense_twin",
-           "active_ffn_params", "param_count", "check_buildable"]
+           "active_ffn_params", "param_count", "check_buildable", "param_role_tree"]
 
 _DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 
@@ -92,6 +93,10 @@ class Block(nnx.Module):
     else:
       self.ffn = DenseFFN(d, cfg.dense_ff_width, cfg.dense_activation, dtype=dtype,
                           rngs=rngs)
+
+  def param_roles(self) -> dict:
+    """The two RMSNorm scales are element-wise (attention and FFN declare their own)."""
+    return {"attn_norm": roles_lib.elementwise("norm"), "ffn_norm": roles_lib.elementwise("norm")}
 
   def __call__(self, x: jax.Array, positions: jax.Array, token_ids: jax.Array, *,
                train: bool = False, rng: Optional[jax.Array] = None,
@@ -194,6 +199,12 @@ class Transformer(nnx.Module):
       logits = self.lm_head(x)
     return logits, aux
 
+  def param_roles(self) -> dict:
+    """The embedding and the LM head are element-wise (AdamW): a row per token is a lookup,
+    not a hidden matrix (Jordan et al. 2024 and Liu et al. 2025 keep both on AdamW)."""
+    return {"embed": roles_lib.elementwise("embedding"), "lm_head": roles_lib.elementwise("head"),
+            "final_norm": roles_lib.elementwise("norm")}
+
   def _run(self, block, x, *args, **kw):
     """``block(x, ...)``, rematerialised in the backward pass when ``cfg.remat``."""
     if not self.cfg.remat:
@@ -237,6 +248,43 @@ class Transformer(nnx.Module):
     per_layer = [ffn.logged_state() for ffn in self.moe_ffns().values()]
     keys = sorted({k for d in per_layer for k in d})
     return {k: jnp.mean(jnp.stack([d[k] for d in per_layer if k in d])) for k in keys}
+
+
+def param_role_tree(model: nnx.Module) -> Any:
+  """The optimizer role (:class:`moejax.topology.roles.ParamRole`) of every ``nnx.Param``.
+
+  A pure dict shaped like ``nnx.to_pure_dict(nnx.state(model, nnx.Param))``
+  (what the optimizer sees). Every module that owns parameters declares
+  their roles (its ``param_roles()``: a dict mirroring its own parameter
+  subtree, a role standing for the whole subtree under its key); the
+  declaration nearest a parameter wins, and a parameter nobody declared is
+  element-wise. Works on an abstract model (``nnx.eval_shape``).
+  """
+  declared: dict[tuple, roles_lib.ParamRole] = {}
+  for path, module in nnx.iter_modules(model):
+    fn = getattr(module, "param_roles", None)
+    if callable(fn):
+      declared.update(_flatten_roles(fn(), tuple(path)))
+  undeclared = roles_lib.elementwise("undeclared")
+
+  def role(path, _):
+    keys = tuple(getattr(k, "key", getattr(k, "idx", k)) for k in path)
+    for n in range(len(keys), 0, -1):
+      if keys[:n] in declared:
+        return declared[keys[:n]]
+    return undeclared
+  params = nnx.to_pure_dict(nnx.state(model, nnx.Param))
+  return jax.tree_util.tree_map_with_path(role, params)
+
+
+def _flatten_roles(tree: dict, prefix: tuple) -> dict:
+  out = {}
+  for key, value in tree.items():
+    if isinstance(value, roles_lib.ParamRole):
+      out[prefix + (key,)] = value
+    else:
+      out.update(_flatten_roles(value, prefix + (key,)))
+  return out
 
 
 def param_count(model: nnx.Module, filter=nnx.Param) -> int:

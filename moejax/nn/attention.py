@@ -28,6 +28,8 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from moejax.topology import roles
+
 
 class KVCache(NamedTuple):
   """One attention layer's cache.
@@ -90,6 +92,11 @@ class CausalSelfAttention(nnx.Module):
     self.k_proj = lin(d_model, n_kv_heads * head_dim)
     self.v_proj = lin(d_model, n_kv_heads * head_dim)
     self.o_proj = lin(n_heads * head_dim, d_model)
+
+  def param_roles(self) -> dict:
+    """The four projections are hidden matrices [in, out]; their biases element-wise."""
+    proj = {"kernel": roles.matrix("attention"), "bias": roles.elementwise("bias")}
+    return {name: proj for name in ("q_proj", "k_proj", "v_proj", "o_proj")}
 
   def _qkv(self, x: jax.Array, positions: jax.Array):
     """q [B, S, N, H], k and v [B, S, M, H]; q and k rotated by position."""

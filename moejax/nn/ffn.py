@@ -9,6 +9,8 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from moejax.topology import roles
+
 
 class DenseFFN(nnx.Module):
   """SwiGLU: w_down(silu(w_gate x) * w_up x) (Shazeer 2002.05202); GELU: w_down(gelu(w_up x)).
@@ -26,6 +28,10 @@ class DenseFFN(nnx.Module):
       self.w_gate = lin(d_model, width)
     self.w_up = lin(d_model, width)
     self.w_down = lin(width, d_model)
+
+  def param_roles(self) -> dict:
+    """Every projection is a hidden matrix [in, out]."""
+    return {name: {"kernel": roles.matrix("dense")} for name in ("w_gate", "w_up", "w_down")}
 
   def __call__(self, x: jax.Array) -> jax.Array:
     """x[B, S, d] -> [B, S, d]."""

@@ -35,6 +35,8 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from moejax.topology import roles
+
 # Expert / shared-expert matrices that get adapters (the shared expert's gate
 # [d, 1] is a scalar gate, not a projection, and is left alone).
 ADAPTED_KEYS = ("w_gate", "w_up", "w_down")
@@ -56,6 +58,11 @@ class LoRALinear(nnx.LoRALinear):
     if base.use_bias:
       self.bias = base.bias
     self.lora_scale = float(scale)
+
+  def param_roles(self) -> dict:
+    """The adapters A [in, r] and B [r, out] are element-wise (AdamW), as in every LoRA recipe;
+    the base kernel keeps the role its owner declared."""
+    return {"lora": roles.elementwise("adapter")}
 
   def __call__(self, x: jax.Array, out_sharding=None) -> jax.Array:
     y = nnx.Linear.__call__(self, x, out_sharding=out_sharding)

@@ -27,6 +27,8 @@ import jax.numpy as jnp
 import optax
 from flax import nnx
 
+from moejax.topology import roles
+
 
 def capacity_tokens(seq_len: int, capacity: float) -> int:
   """k tokens per sequence a MoD block processes (at least 1)."""
@@ -68,6 +70,10 @@ class MoDBlock(nnx.Module):
     # would make the selection depend on rounding.
     self.router = nnx.Linear(d_model, 1, use_bias=False, dtype=jnp.float32,
                              param_dtype=jnp.float32, rngs=rngs)
+
+  def param_roles(self) -> dict:
+    """The scalar router [d, 1] is a router: element-wise, like the MoE routers."""
+    return {"router": roles.elementwise("mod_router")}
 
   def __call__(self, x: jax.Array, positions: jax.Array, token_ids: jax.Array, *,
                train: bool = False, rng: Optional[jax.Array] = None,

@@ -40,6 +40,7 @@ from moejax import layer as layer_lib
 from moejax.balance import controller
 from moejax.balance.aux import MoEAux
 from moejax.nn import lora as lora_lib
+from moejax.topology import roles
 from moejax.routing import state as state_lib
 from moejax.config import MoEConfig, ParallelConfig
 
@@ -118,6 +119,12 @@ class MoEFFN(nnx.Module):
     self.router_state = nnx.data(
         jax.tree.map(RouterStateVar, layer_lib.init_router_state(cfg)))
     self.adapters, self.adapter_scale = None, 0.0
+
+  def param_roles(self) -> dict:
+    """The layer kind declares its params (:meth:`moejax.layer.LayerKind.param_roles`);
+    LoRA adapters are element-wise."""
+    return {"params": self.cfg.layer.param_roles(dict(self.params)),
+            "adapters": roles.elementwise("adapter")}
 
   def attach_adapters(self, adapters: dict, scale: float) -> None:
     """Adds LoRA adapters ``{sub: {matrix: {'a', 'b'}}}`` (LoRAParam leaves); see the class doc."""

@@ -35,6 +35,7 @@ import jax
 import jax.numpy as jnp
 
 from moejax.config import ConfigError, MoEConfig
+from moejax.topology import roles
 
 Params = dict[str, Any]
 
@@ -147,6 +148,12 @@ def experts_dense(params: Params, x_ecd: jax.Array, activation: str,
 
 
 # ---------------------------------------------------------------------------
+def expert_roles(params: Params) -> dict:
+  """Optimizer roles of :func:`init_experts`' weights: each a stack of E expert matrices
+  ([E, d, f] and [E, f, d]), orthogonalised per expert, never as one matrix."""
+  return {name: roles.stack("experts") for name in params}
+
+
 # Shared (always-on) experts.
 
 def shared_width(cfg: MoEConfig) -> int:
@@ -188,6 +195,13 @@ def init_shared(key: jax.Array, d_model: int, cfg: MoEConfig,
   if cfg.topology.shared_expert_gate:
     params["w_shared_gate"] = _fan_in_init(k_sg, (d_model, 1), jnp.float32)
   return jax.tree.map(lambda a: a.astype(dtype), params)
+
+
+def shared_roles(params: Params) -> dict:
+  """Optimizer roles of :func:`init_shared`' weights: the K_s shared experts are one dense
+  FFN (its [d, K_s f_s] and [K_s f_s, d] matrices); the Qwen-style gate is element-wise."""
+  return roles.roles_like(params, {"w_shared_gate": roles.elementwise("shared_gate")},
+                          roles.matrix("dense"))
 
 
 def apply_shared(params: Params, x: jax.Array) -> jax.Array:

@@ -37,6 +37,7 @@ import jax
 import jax.numpy as jnp
 
 from moejax.config import ConfigError, MoEConfig
+from moejax.topology import roles
 
 Params = dict[str, Any]
 
@@ -88,6 +89,15 @@ def init_peer(key: jax.Array, d_model: int, cfg: MoEConfig, dtype=jnp.float32) -
   if cfg.topology.activation == "swiglu":
     params["u_gate"] = _trunc_normal(k_g, (big_n, d_model), d_model ** -0.5)
   return jax.tree.map(lambda a: a.astype(dtype), params)
+
+
+def peer_roles(params: Params) -> dict:
+  """Optimizer roles of :func:`init_peer`' weights: the H query networks [H, d, D] are a
+  stack of matrices; the sub-keys, the singleton experts' vectors (u, v, u_gate: one row
+  per expert, embeddings looked up by key) and the query norm are element-wise."""
+  declared = {"w_q": roles.stack("peer_query"), "q_norm": roles.elementwise("norm"),
+              "sub_keys": roles.elementwise("peer_keys")}
+  return roles.roles_like(params, declared, roles.elementwise("peer_embedding"))
 
 
 def peer_queries(params: Params, x: jax.Array) -> jax.Array:
