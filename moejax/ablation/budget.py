@@ -96,6 +96,14 @@ class ArmBudget:
   trainable: Optional[int] = None
   source_tokens: Optional[int] = None
   source_flops: Optional[float] = None
+  # What the router declares (RouterSpec.slots: expected and maximal FFN experts per token,
+  # per MoE layer) and the routed experts' share of active / flops_per_token, which the
+  # budget of what ran scales by realised / declared (moejax.ablation.realised). None for a
+  # model without routed experts (dense, Soft MoE, PEER).
+  slots: Optional[float] = None
+  slots_max: Optional[float] = None
+  routed_active: Optional[float] = None
+  routed_flops: Optional[float] = None
 
   @property
   def total_tokens(self) -> int:
@@ -151,7 +159,19 @@ def arm_budget(exp: ExperimentConfig, label: str = "this run",
                    flops_per_token=float(b.flops_per_token), tokens=int(tokens),
                    optimizer=optimizer_string(exp), trainable=trainable,
                    source_tokens=None if src is None else int(src.tokens),
-                   source_flops=None if src is None else float(src.flops))
+                   source_flops=None if src is None else float(src.flops),
+                   **_declared_slots(exp, b))
+
+
+def _declared_slots(exp: ExperimentConfig, b) -> dict:
+  """The ArmBudget fields of what the router declares (empty without routed experts)."""
+  moe = exp.model.moe
+  routed = b.breakdown.get("routed_experts")
+  if moe is None or routed is None or not moe.layer.routed:
+    return {}
+  slots, slots_max = moe.router.slots(moe)
+  return dict(slots=float(slots), slots_max=float(slots_max),
+              routed_active=float(routed.active), routed_flops=float(routed.flops))
 
 
 def spread(values: Sequence[float]) -> float:
@@ -258,25 +278,53 @@ def table(budgets: Mapping[str, ArmBudget], fixed: Mapping[str, float] = (),
   extra = ["source_tokens", mark("total_tokens"), mark("compute")] if sourced else []
   optimizers = list(dict.fromkeys(b.optimizer for b in budgets.values()))
   keys = {o: chr(ord("A") + i) for i, o in enumerate(optimizers)}
-  head = ["arm", mark("total"), mark("active"), "active_max", mark("flops_per_token"),
-          mark("tokens"), "train_FLOPs"] + extra + ([mark("optimizer")]
-                                                    if len(optimizers) > 1 else [])
+  declared = any(b.slots is not None for b in budgets.values())
+  head = (["arm", mark("total"), mark("active"), "active_max", mark("flops_per_token"),
+           mark("tokens"), "train_FLOPs"] + (["slots"] if declared else []) + extra
+          + ([mark("optimizer")] if len(optimizers) > 1 else []))
   rows = [head]
   for n, b in budgets.items():
     more = ([human(b.source_tokens or 0), human(b.total_tokens), human(b.compute)]
             if sourced else [])
     rows.append([n, human(b.total), human(b.active), human(b.active_max),
-                 human(b.flops_per_token), human(b.tokens), human(b.train_flops)] + more
+                 human(b.flops_per_token), human(b.tokens), human(b.train_flops)]
+                + ([slots_cell(b)] if declared else []) + more
                 + ([keys[b.optimizer]] if len(optimizers) > 1 else []))
-  lines = []
-  for block in _column_blocks(rows, width):
-    lines += ([""] if lines else []) + _aligned(block)
+  lines = text_table(rows, width)
   if len(optimizers) == 1:
-    lines += _wrapped(f"{mark('optimizer')} (every arm): {optimizers[0]}", width)
+    lines += wrapped(f"{mark('optimizer')} (every arm): {optimizers[0]}", width)
   else:
     for o in optimizers:
-      lines += _wrapped(f"{mark('optimizer')} {keys[o]}: {o}", width)
+      lines += wrapped(f"{mark('optimizer')} {keys[o]}: {o}", width)
+  if declared:
+    lines += wrapped("slots: FFN experts per token per MoE layer as the routers declare "
+                     "them (RouterSpec.slots), expected/max; active counts the expected (top-p "
+                     "its maximum k, expert choice its capacity, a plugin its own word); what "
+                     "ran is compared after training", width)
   return "\n".join(lines)
+
+
+def slots_cell(b: ArmBudget) -> str:
+  """'expected/max' declared slots ('2/2'; '-' without routed experts)."""
+  if b.slots is None:
+    return "-"
+  return f"{b.slots:.3g}/{b.slots_max:.3g}"
+
+
+def from_dict(d: Mapping) -> ArmBudget:
+  """The ArmBudget of a budget.json / result.json entry (derived keys dropped, older
+  files' missing fields at their defaults)."""
+  names = {f.name for f in dataclasses.fields(ArmBudget)}
+  return ArmBudget(**{k: v for k, v in d.items() if k in names})
+
+
+def text_table(rows: list[list[str]], width: int = TABLE_WIDTH) -> list[str]:
+  """Aligned lines of ``rows`` (the first is the header), in blocks of whole columns that
+  fit ``width``, each block led by the first column."""
+  lines: list[str] = []
+  for block in _column_blocks(rows, width):
+    lines += ([""] if lines else []) + _aligned(block)
+  return lines
 
 
 def _column_blocks(rows: list[list[str]], width: int) -> list[list[list[str]]]:
@@ -300,5 +348,5 @@ def _aligned(rows: list[list[str]]) -> list[str]:
   return lines
 
 
-def _wrapped(text: str, width: int) -> list[str]:
+def wrapped(text: str, width: int) -> list[str]:
   return textwrap.wrap(text, width, subsequent_indent="    ", break_on_hyphens=False)

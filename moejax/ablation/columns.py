@@ -25,6 +25,10 @@ METRICS = {
     "specialisation_mi_norm": ("spec. MI/H", "I(expert; domain) / H(domain)", 0),
     "active_experts_mean": ("active experts mean", "FFN experts per token", 0),
     "active_experts_var": ("active experts var", "(experts per token)^2", 0),
+    # The budget of what ran (moejax.ablation.realised): over every training step / on the
+    # final validation pass; shown in its own table beside the declared slots.
+    "active_experts_train": ("realised experts, train", "FFN experts per token, all steps", 0),
+    "active_experts_val": ("realised experts, val", "FFN experts per token, validation", 0),
     "soft_dispatch_entropy": ("Soft MoE dispatch entropy", "entropy / log S", 0),
     "soft_combine_entropy": ("Soft MoE combine entropy", "entropy / log slots", 0),
     "peer_experts_touched": ("PEER experts touched", "share of experts per batch", 0),

@@ -54,6 +54,7 @@ from moejax.ablation import analysis as analysis_lib
 from moejax.ablation import budget as budget_lib
 from moejax.ablation import final_eval
 from moejax.ablation import provenance
+from moejax.ablation import realised
 from moejax.ablation import recheck
 from moejax.ablation import scale as scale_lib
 from moejax.ablation import sources as sources_lib
@@ -357,6 +358,8 @@ def run_suite(suite: Suite, workdir: str, *, out: TextIO = sys.stdout,
     if lead:
       summary_lib.write_summary(workdir, suite_name=suite.name)
   processes.sync("moejax_ablate_summary")  # the others print the summary process 0 wrote
+  for line in realised.report(b, results.values(), suite.fixed, suite.exempt, suite.baseline):
+    say(line)
   _report_suite(workdir, say)
   return results
 
@@ -399,6 +402,8 @@ def _train_runs(suite, workdir, b, plan, train_fn, analyse_runs, say, out, corpu
     summary = train_fn(exp, path, out, eta, hook,
                        recheck.first_steps_probe(path) if seed == suite.seeds[0] else None)
     t_trained, c_trained = time.perf_counter(), time.process_time()
+    # Before anything of the run's result: a router that used more experts than it declares.
+    rows = realised.check_run(exp, b[arm.name], path, rel)
     res = {"suite": suite.name, "arm": arm.name, "seed": seed, "run": rel, "scale": suite.scale,
            "budget": b[arm.name].as_dict(), "train_summary": summary,
            **train_metrics(path)}
@@ -406,6 +411,7 @@ def _train_runs(suite, workdir, b, plan, train_fn, analyse_runs, say, out, corpu
     # a custom train_fn) the same evaluation of the final checkpoint.
     ev = hook.result or final_eval.final_evaluation(exp, path)
     res.update(_final_metrics(ev, path, write=processes.is_lead()))
+    res.update(realised.from_evaluation(rows, ev))
     if exp.finetune.enabled and seed in source_results and arm.experiment.finetune.source \
         == sources_lib.SUITE_SOURCE:
       res.update(sources_lib.finetune_metrics(exp, ev, source_results[seed]))

@@ -31,6 +31,7 @@ from typing import Callable, Iterable, Mapping, Optional, Sequence
 import numpy as np
 
 from moejax.ablation import curves, final_eval, legend, plots, power, stats, tables
+from moejax.ablation import realised
 from moejax.ablation.budget import corpus_check, spread
 from moejax.ablation.columns import (BUDGET_KEYS, METRICS, NOTE_KEYS, VERDICT_METRICS,
                                      balance_loss_keys)
@@ -256,7 +257,8 @@ def suite_summary(workdir: str) -> dict:
               "scale": suite.get("scale", results[0].get("scale", "s")),
               "suite_seeds": suite.get("seeds", sorted({r.get("seed", 0) for r in results})),
               "provenance": _collect_provenance(results),
-              "budget_flags": budget_mismatches(out, exempt=suite.get("exempt"))})
+              "budget_flags": budget_mismatches(out, exempt=suite.get("exempt"))
+              + realised.summary_flags(out, suite.get("fixed") or {}, suite.get("exempt"))})
   return out
 
 

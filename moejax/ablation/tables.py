@@ -20,6 +20,7 @@ from moejax.ablation.columns import (ARM_COLUMNS, BUDGET_KEYS, METRICS, NOTE_KEY
                                      SPEEDUP_COLUMNS, VERDICT_METRICS, balance_loss_keys,
                                      metric_info, present, skip_constant_zero)
 from moejax.ablation import power
+from moejax.ablation import realised
 from moejax.ablation.scale import get_scale
 from moejax.topology.accounting import human
 
@@ -210,8 +211,8 @@ def notes(summary: Mapping) -> list[str]:
 def section_markdown(summary: Mapping) -> str:
   """The generated part of one RESULTS.md section (and of summary.md)."""
   parts = ["\n".join(provenance_lines(summary)), arms_table(summary)]
-  for extra in (balance_loss_table(summary), speedup_table(summary), comparison_table(summary),
-                mdd_line(summary)):
+  for extra in (realised.markdown(summary), balance_loss_table(summary), speedup_table(summary),
+                comparison_table(summary), mdd_line(summary)):
     if extra:
       parts.append(extra)
   n = notes(summary)

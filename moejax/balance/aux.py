@@ -102,6 +102,9 @@ class LayerMetrics(_Declared):
     max_vio: MaxVio_batch of the load (PEER: of the retrievals per expert).
     load_entropy: entropy of the load / log E, in [0, 1].
     active_mean / active_var: FFN experts computed per token (kept copies).
+    active_over_max: share of tokens whose decision holds more FFN experts
+      than the router declares at most (``RouterSpec.slots``); 0 for a router
+      that keeps its word (the ablation runner fails a run where it is not).
     zero_compute_fraction: share of valid slots on zero-computation experts.
     coactivation: f32[E, E] tokens routed to both experts.
     drop_rate: share of the FFN copies capacity removed (None when
@@ -118,6 +121,8 @@ class LayerMetrics(_Declared):
                                                   summary=True)
   active_var: Optional[jax.Array] = metric_field(("sparse",), log="active_experts_var",
                                                  summary=True)
+  active_over_max: Optional[jax.Array] = metric_field(("sparse",),
+                                                      log="active_experts_over_max")
   zero_compute_fraction: Optional[jax.Array] = metric_field(("sparse",))
   coactivation: Optional[jax.Array] = metric_field(("sparse",))
   drop_rate: Optional[jax.Array] = metric_field(("sparse",), log="drop_rate", summary=True)

@@ -155,8 +155,9 @@ def routing_metrics(result: RoutingResult, cfg: MoEConfig, *,
   global batch), ``load_entropy``, ``coactivation`` f32[E, E],
   ``zero_compute_fraction`` (share of valid slots on zero-computation
   experts), ``active_mean`` / ``active_var`` (FFN experts computed per
-  token), and ``drop_rate`` (FFN copies) when ``dropped`` is given. Scalars
-  are f32[].
+  token), ``active_over_max`` (share of tokens the router gave more FFN
+  experts than its declared maximum, ``RouterSpec.slots``), and
+  ``drop_rate`` (FFN copies) when ``dropped`` is given. Scalars are f32[].
   """
   if not isinstance(cfg, MoEConfig):
     raise TypeError(f"routing_metrics: cfg must be a MoEConfig, got {type(cfg).__name__}")
@@ -169,6 +170,10 @@ def routing_metrics(result: RoutingResult, cfg: MoEConfig, *,
                        f"valid shape {result.valid.shape}")
     kept = result.replace(valid=result.valid & ~dropped)
   _, mean, var = active_experts(kept, e, axis_names)
+  # What the router asked for, against what it declares (the budget counts the declaration).
+  asked = jnp.sum(stats.counted_slots(result, e), axis=-1, dtype=jnp.float32)   # [T]
+  over = stats.psum(jnp.sum(asked > cfg.router.slots(cfg)[1], dtype=jnp.float32), axis_names)
+  n_tokens = stats.psum(jnp.asarray(asked.shape[0], jnp.float32), axis_names)
   n_valid = stats.psum(jnp.sum(result.valid, dtype=jnp.float32), axis_names)
   n_zero = stats.psum(jnp.sum(result.valid & (result.expert_ids >= e), dtype=jnp.float32),
                       axis_names)
@@ -178,6 +183,7 @@ def routing_metrics(result: RoutingResult, cfg: MoEConfig, *,
       load_entropy=load_entropy(load),
       active_mean=mean,
       active_var=var,
+      active_over_max=over / jnp.maximum(n_tokens, 1.0),
       zero_compute_fraction=jnp.where(n_valid > 0, n_zero / jnp.maximum(n_valid, 1.0), 0.0),
       coactivation=coactivation(result, e, axis_names),
       drop_rate=(None if dropped is None

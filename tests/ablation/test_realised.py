@@ -1,0 +1,151 @@
+"""The budget of what ran (moejax.ablation.realised), on hand-made rows, budgets and results."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import numpy as np
+import pytest
+
+from moejax.ablation import budget as budget_lib
+from moejax.ablation import realised, summary as summary_lib, tables
+from moejax.balance import metrics as M
+from tests.balance.helpers import make_result, uniform_probs
+from tests.configs import moe_config
+from tests.plugins import overreach_router  # noqa: F401  (registers 'overreach')
+
+_OPT = "adamw lr=0.001 warmup=10 cosine->x0.1 b1=0.9 b2=0.95 eps=1e-08 wd=0.1 clip=1 steps=6"
+# A top-k arm (declares 2 of 2 slots) and a top-p arm of the same model (top-p declares its
+# maximum k, 2, so its budget is the same); the routed experts are 12288 of the 27040 active
+# parameters per token and 24576 of the 61950 FLOPs.
+TOPK = budget_lib.ArmBudget(total=47_520, active=27_040.0, active_max=27_040.0,
+                            flops_per_token=61_950.0, tokens=512, optimizer=_OPT, slots=2.0,
+                            slots_max=2.0, routed_active=12_288.0, routed_flops=24_576.0)
+TOPP = dataclasses.replace(TOPK)
+
+
+def test_the_training_mean_weights_each_logged_window_by_its_steps():
+  rows = [{"step": 6, "active_experts_mean": 1.0}, {"step": 3, "active_experts_mean": 2.0},
+          {"step": 7, "active_experts_mean": 4.0}, {"step": 8, "loss": 1.0}]
+  assert realised.step_mean(rows, "active_experts_mean") == pytest.approx((3 * 2 + 3 + 4) / 7)
+  assert realised.step_mean(rows, "absent") is None
+  # Validation: per layer the kept copies over the targets counted, mean over layers.
+  assert realised.val_active({"layer_0": np.array([3.0, 1.0]),
+                              "layer_1": np.array([1.0, 1.0])}, 2.0) == 1.5
+  assert realised.run_metrics(rows, {}, 0.0) == {"active_experts_train": pytest.approx(13 / 7)}
+
+
+def test_a_router_over_its_declared_maximum_fails_in_one_line():
+  rows = [{"step": 2, "active_experts_mean": 2.0, "active_experts_over_max": 0.0},
+          {"step": 4, "active_experts_mean": 2.0, "active_experts_over_max": 0.25}]
+  line = realised.over_max_error("overreach", 1.0, rows, "over/seed_0")
+  assert "\n" not in line
+  assert line.startswith(
+      "run over/seed_0: router 'overreach' declares at most 1 FFN expert per token "
+      "(RouterSpec.slots) but used more (25% of tokens over it in the steps logged at step 4; "
+      "2 per token on average over training), so its budget counted fewer experts than ran; "
+      "no result.json was written. Fix: return from the router's slots() the most experts")
+  # A router that keeps its word, or nothing to check against.
+  assert realised.over_max_error("topk", 2.0, [dict(r, active_experts_over_max=0.0)
+                                                for r in rows], "r") == ""
+  assert realised.over_max_error("soft", None, rows, "r") == ""
+  # Logs without the share (written before it existed): the mean alone can still exceed it.
+  old = [{"step": 4, "active_experts_mean": 2.5}]
+  assert "2.5 per token on average" in realised.over_max_error("x", 2.0, old, "r")
+  assert realised.over_max_error("x", 3.0, old, "r") == ""
+
+
+def test_the_layer_logs_the_share_of_tokens_over_the_declared_maximum():
+  probs = uniform_probs(4, 4)
+  valid = [[True, True], [True, False], [True, True], [True, False]]
+  result = make_result([[0, 1], [2, 0], [3, 1], [1, 0]], probs, valid=valid)
+  over = lambda kind: float(M.routing_metrics(
+      result, moe_config(num_experts=4, routing=dict(kind=kind, top_k=2))).active_over_max)
+  assert over("topk") == 0.0        # declares 2 at most: no token has more
+  assert over("overreach") == 0.5   # declares 1 at most: two tokens of four have 2
+
+
+def test_declared_slots_and_realised_columns_side_by_side():
+  real = {"topk": realised.Realised(train=2.0, val=2.0),
+          "topp": realised.Realised(train=1.4, val=1.5, variable=True)}
+  text = realised.table({"topk": TOPK, "topp": TOPP}, real)
+  lines = text.splitlines()
+  assert max(len(line) for line in lines) <= 100
+  assert lines[:4] == [
+      "arm          k  slots  train  val  train/slots  active  FLOPs/token",
+      "-" * 67,
+      "topk     fixed    2/2      2    2        +0.0%  27.04K       61.95K",
+      "topp  variable    2/2    1.4  1.5       -30.0%  23.35K       54.58K"]
+  assert "Arms are compared on realised compute" in " ".join(lines[4:])
+  # Top-k's realised compute is its declared one; top-p's scales the routed share by 1.4/2.
+  assert realised.realised_budget(TOPK, 2.0) == (TOPK.active, TOPK.flops_per_token)
+  assert realised.realised_budget(TOPP, 1.4) == pytest.approx(
+      (27_040 - 0.3 * 12_288, 61_950 - 0.3 * 24_576))
+  # The budget table printed before training shows the declared slots.
+  assert budget_lib.table({"topk": TOPK}).splitlines()[0].endswith("train_FLOPs  slots")
+
+
+def test_an_arm_budget_records_the_routers_declaration():
+  from tests.ablation import helpers
+  from moejax.ablation import suite as suite_lib
+  tree = helpers.tiny_suite(2)
+  tree["arms"]["topp"] = dict(model=dict(moe=dict(
+      routing=dict(kind="top_p", use_bias=False, options=dict(top_p=0.5)),
+      balance=dict(bias_update="none"))))
+  tree["fixed"] = dict(tokens=0.0)
+  suite = suite_lib.suite_from_dict(tree)
+  exp = suite.arm("aux").experiment
+  b = budget_lib.arm_budget(exp)
+  moe = exp.model.moe
+  assert (b.slots, b.slots_max) == (2.0, 2.0) == (moe.routing.top_k, moe.routing.top_k)
+  routed = budget_lib.model_budget(exp.model, exp.data.seq_len).breakdown["routed_experts"]
+  assert (b.routed_active, b.routed_flops) == (routed.active, routed.flops)
+  topp = budget_lib.arm_budget(suite.arm("topp").experiment)
+  assert (topp.slots, topp.slots_max) == (2.0, 2.0)   # top-p declares its maximum k
+  assert budget_lib.from_dict(b.as_dict()) == b
+
+
+def _write_results(tmp_path, train: dict, fixed: dict) -> str:
+  root = tmp_path / "suite"
+  for arm, experts in train.items():
+    for seed in (0, 1):
+      run = root / arm / f"seed_{seed}"
+      run.mkdir(parents=True)
+      res = {"suite": "s", "arm": arm, "seed": seed, "run": f"{arm}/seed_{seed}",
+             "budget": TOPK.as_dict(), "val_loss": 3.0 + seed,
+             "active_experts_train": experts, "active_experts_val": experts,
+             "active_experts_var": 0.0 if experts == 2.0 else 0.2}
+      (run / "result.json").write_text(json.dumps(res))
+  (root / "suite.json").write_text(json.dumps({
+      "name": "s", "fixed": fixed, "baseline": "topk", "arm_order": list(train)}))
+  return str(root)
+
+
+def test_the_summary_flags_arms_whose_realised_compute_differs(tmp_path):
+  fixed = {"active": 0.0, "flops_per_token": 0.0, "tokens": 0.0}
+  summ = summary_lib.suite_summary(_write_results(tmp_path, {"topk": 2.0, "topp": 1.4}, fixed))
+  flag = ("realised active experts differ: arm topp 1.4 vs baseline topk 2 per token (-30%); "
+          "realised active/token -13.6%, FLOPs/token -11.9% (tolerance active 0%, "
+          "flops_per_token 0%)")
+  assert summ["budget_flags"] == [flag]  # the declared budgets are equal: only what ran differs
+  assert summ["arms"]["topp"]["metrics"]["active_experts_train"]["interval"]["mean"] == 1.4
+  md = tables.section_markdown(summ)
+  assert f"- ! budget: {flag}" in md
+  assert "| topk | fixed | 2/2 | 2 | 2 | +0.0% | 27.04K | 61.95K |" in md
+  assert "| topp | variable | 2/2 | 1.4 | 1.4 | -30.0% | 23.35K | 54.58K |" in md
+  # Within the suite's tolerance: no flag, the check's note instead.
+  loose = {"active": 0.2, "flops_per_token": 0.2}
+  assert summary_lib.suite_summary(_write_results(
+      tmp_path / "b", {"topk": 2.0, "topp": 1.9}, loose))["budget_flags"] == []
+  notes, flags = realised.check({"topk": TOPK, "topp": TOPP},
+                                {"topk": realised.Realised(2.0), "topp": realised.Realised(1.4)},
+                                loose, baseline="topk")
+  assert flags == [] and notes[0] == "realised active/token: spread 13.63% (tolerance 20.00%)"
+  # A quantity the suite does not hold fixed is not compared; an exempt arm is left out.
+  assert realised.check({"topk": TOPK, "topp": TOPP}, {"topk": realised.Realised(2.0),
+                                                      "topp": realised.Realised(1.0)},
+                        {"tokens": 0.0}) == ([], [])
+  assert realised.check({"topk": TOPK, "topp": TOPP}, {"topk": realised.Realised(2.0),
+                                                      "topp": realised.Realised(1.0)},
+                        {"active": 0.0}, exempt={"topp": ["active"]}) == ([], [])
