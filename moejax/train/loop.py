@@ -503,10 +503,8 @@ def _run(ctx: RunContext) -> int:
     pending = []
     _check_rows(host, step, ckpt, workdir)
     ckpt.poll()  # the checksums of a checkpoint orbax has committed since
-    if ckpt_now:  # before the evaluation, so a non-finite state is never evaluated or saved
-      t_check = time.perf_counter()  # reads every array back: not step time
-      _check_state(state.checkpoint_tree(), step, ckpt, workdir)
-      excluded += time.perf_counter() - t_check
+    if ckpt_now:  # before evaluating or saving a non-finite state; its seconds: not step time
+      excluded += _check_state(state.checkpoint_tree(), step, ckpt, workdir)
     window.extend(host)
     if log_now:
       now = time.perf_counter()
@@ -590,10 +588,10 @@ def _check_rows(rows: list[dict], step: int, ckpt, workdir: str) -> None:
       f"{_last_good(ckpt, workdir, at)}")
 
 
-def _check_state(tree, step: int, ckpt, workdir: str) -> None:
-  bad = guard.nonfinite_leaves(tree)
+def _check_state(tree, step: int, ckpt, workdir: str) -> float:  # seconds (reads every array)
+  t0, bad = time.perf_counter(), guard.nonfinite_leaves(tree)
   if not bad:
-    return
+    return time.perf_counter() - t0
   raise guard.NonFiniteError(
       f"the train state after step {step} is not finite ({guard.describe(bad)}), though every "
       f"loss and gradient norm up to it was: stopping without saving it; "

@@ -137,13 +137,13 @@ def test_the_checkpoint_steps_finite_check_is_not_step_time(data_dir, tmp_path, 
   """A checkpoint step reads the whole state back to check it is finite: its time stays out
   of the window's tokens/s (and so of the MFU and the ETA), as the save's does."""
   import time  # pylint: disable=g-import-not-at-top
-  from moejax.train import loop  # pylint: disable=g-import-not-at-top
-  real = loop._check_state  # pylint: disable=protected-access
+  from moejax.train import guard, loop  # pylint: disable=g-import-not-at-top
+  real = guard.nonfinite_leaves
 
-  def slow_check(*args):
+  def slow_check(tree):
     time.sleep(2.0)
-    return real(*args)
-  monkeypatch.setattr(loop, "_check_state", slow_check)
+    return real(tree)
+  monkeypatch.setattr(guard, "nonfinite_leaves", slow_check)
   from tests.train import helpers  # pylint: disable=g-import-not-at-top
   cfg = helpers.experiment("tiny", data_dir, train__steps=5, train__log_every=5,
                            train__checkpoint_every=5, train__eval_every=0)

@@ -223,7 +223,7 @@ def test_binary_on_a_full_tmpfs_and_a_read_only_checkpoint_dir(tmp_path, data_di
   assert ckpt_lib.checkpoint_steps(workdir) == [30, 40]
 
 
-@pytest.mark.slow  # ~5 min: twenty binary runs, each filling its own 2 MiB tmpfs
+@pytest.mark.slow  # minutes: twenty binary runs, each filling its own 2 MiB tmpfs
 def test_binary_on_a_full_tmpfs_prints_only_its_error_line_twenty_times(tmp_path, data_dir,
                                                                        compilation_cache):
   """The disk fills at whatever point of a save the run has reached: a timing the injected
