@@ -15,7 +15,7 @@ setup(
         "jax>=0.10.0",
         "jaxlib>=0.10.0",
         "flax>=0.12.0",
-        "optax>=0.2.5",
+        "optax>=0.2.8",
         "orbax-checkpoint>=0.11.0",
         "tensorflow-datasets>=4.9.9",
         "absl-py>=2.1.0",

@@ -29,8 +29,8 @@ import os
 import sys
 from typing import Any, Callable, Iterable, Mapping, Optional
 
-from moejax.config.registry import (BALANCE_LOSSES, BIAS_RULES, EXECUTORS, LAYERS, ROUTERS,
-                                    module_file)
+from moejax.config.registry import (BALANCE_LOSSES, BIAS_RULES, EXECUTORS, LAYERS,
+                                    OPTIMIZERS, ROUTERS, module_file)
 
 PLUGINS_FILE = "plugins.json"
 
@@ -69,6 +69,7 @@ IDEA_FIELDS: tuple[tuple[Any, str, Callable[[Any], list]], ...] = (
     (BALANCE_LOSSES, "model.moe.balance.extra_losses", _loss_names),
     (BIAS_RULES, "model.moe.balance.bias_update", _one),
     (EXECUTORS, "parallel.dispatch_unit", _one),
+    (OPTIMIZERS, "train.optimizer", _one),
 )
 
 

@@ -201,6 +201,12 @@ LAYERS = Registry("layer kind", "moe.kind", ("moejax.layer",),
                   "a layer kind of your own is registered with moejax.layer.register_kind("
                   "MyKind()) in a module your config file imports")
 
+# Training: optimizers (moejax.train.optimizers.OptimizerSpec objects), chosen by
+# train.optimizer with their own options in train.optimizer_options.
+OPTIMIZERS = Registry("optimizer", "train.optimizer", ("moejax.train.optimizers",),
+                      "an optimizer of your own is registered with moejax.train.optimizers."
+                      "register(MyOptimizer()) in a module your config file imports")
+
 # Topology plane.
 ACTIVATIONS = ("swiglu", "gelu")
 
@@ -214,6 +220,7 @@ GMM_BACKEND_MODULES = {
     "blocked": "moejax.execution.blocked",
     "pallas_tpu": "moejax.execution.pallas_tpu",
     "pallas_gpu": "moejax.execution.pallas_gpu",
+    "whole_group": "moejax.execution.whole_group",
 }
 GMM_BACKENDS = tuple(GMM_BACKEND_MODULES)
 AUTO_BACKEND = "auto"
@@ -242,22 +249,25 @@ MOD_GATES = ("sigmoid", "raw")
 
 # Option classes of every registered idea, searched when a key is unknown for
 # the kind in use (a field of another router's options names that router).
-def _owners_of(key: str) -> list[tuple[str, Any]]:
+def _owners_of(key: str, registry: Registry) -> list[tuple[str, Any]]:
   out = []
-  for name in ROUTERS.names():
-    opts = ROUTERS.get(name).Options
+  for name in registry.names():
+    opts = registry.get(name).Options
     for f in dataclasses.fields(opts):
       if f.name == key:
         out.append((name, f.default))
   return out
 
 
-def options_from_dict(cls, data: Any, path: str):
+def options_from_dict(cls, data: Any, path: str, registry: Registry = ROUTERS,
+                      kind_field: str = "routing.kind"):
   """An idea's options dataclass from a mapping.
 
   A key of another kind's options is refused naming that kind, unless it has
   that kind's default value (then it was not set: switching ``routing.kind``
   on the command line leaves the old kind's defaults in the tree).
+  ``registry`` / ``kind_field``: the ideas whose options these are (routers
+  by default; optimizers: ``OPTIMIZERS``, ``'train.optimizer'``).
   """
   if hasattr(data, "to_dict"):
     data = data.to_dict()
@@ -267,13 +277,13 @@ def options_from_dict(cls, data: Any, path: str):
     if key in own:
       kept[key] = tuple(value) if isinstance(value, list) else value
       continue
-    owners = _owners_of(key)
+    owners = _owners_of(key, registry)
     if owners and all(value == default for _, default in owners):
       continue
     where = f"{path}.{key}"
     if owners:
       kinds = ", ".join(repr(n) for n, _ in owners)
-      raise ConfigError(where, value, f"is an option of routing.kind={kinds}, not of this "
+      raise ConfigError(where, value, f"is an option of {kind_field}={kinds}, not of this "
                         f"kind ({cls.__name__})",
                         f"remove {key} or set the kind that reads it")
     close = difflib.get_close_matches(key, sorted(own), n=1)

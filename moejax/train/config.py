@@ -19,6 +19,7 @@ from moejax.balance import capacity as capacity_lib
 from moejax.config import (ConfigError, ModelConfig, ParallelConfig, check_count, check_experts,
                            check_fraction, check_number, check_positive, from_dict,
                            resolve_route_limit, to_dict, unwrap_optional)
+from moejax.config import registry as reg
 from moejax.config.finetune import FinetuneConfig, resolve_model
 from moejax.data import DataConfig, check_vocab_size
 from moejax.execution import executor as executor_lib
@@ -38,6 +39,14 @@ class TrainConfig:
       (params with >= 2 dims: projections, experts, embeddings); norms scales
       and biases are not decayed, as in most LM recipes.
     b1 / b2 / eps: Adam moments.
+    optimizer: a registered optimizer (:data:`moejax.config.registry.OPTIMIZERS`;
+      shipped: ``adamw``, and ``muon`` on the hidden matrices with AdamW on
+      the rest, :mod:`moejax.train.optimizers`). The learning rate, schedule,
+      clipping and the AdamW fields above apply to every one.
+    optimizer_options: the optimizer's own options, an instance of its
+      spec's ``Options`` (Muon's momentum, Newton-Schulz steps, RMS scale);
+      None at construction means its defaults, and the built config holds
+      the instance, so ``config.json`` and ``--print_config`` show it.
     grad_clip: clip the global gradient norm to this (0: no clipping).
     seed: model initialisation and router noise.
     log_every: steps between metric lines (train metrics are averaged over
@@ -87,9 +96,41 @@ class TrainConfig:
   microbatches: int = 1
   peak_tflops: Optional[float] = None
   profile_steps: Optional[tuple] = None
+  optimizer: str = "adamw"
+  optimizer_options: Any = None
+
+  @property
+  def optimizer_spec(self):
+    """The registered OptimizerSpec of ``optimizer``."""
+    return reg.OPTIMIZERS.get(self.optimizer, "train.optimizer")
+
+  @property
+  def opts(self):
+    """The optimizer's options (an instance of its spec's ``Options``)."""
+    return self.optimizer_options
+
+  @classmethod
+  def build_field(cls, name: str, value: Any, data: Mapping[str, Any], where: str):
+    """``optimizer_options`` from a mapping, typed by ``optimizer`` (from_dict's hook)."""
+    if name == "optimizer_options" and (isinstance(value, Mapping) or hasattr(value, "to_dict")):
+      spec = reg.OPTIMIZERS.get(data.get("optimizer", cls.optimizer), "train.optimizer")
+      return reg.options_from_dict(spec.Options, value, where, reg.OPTIMIZERS,
+                                   "train.optimizer")
+    return None
 
   def __post_init__(self):
     p = "train"
+    spec = self.optimizer_spec
+    if self.optimizer_options is None:
+      # Normalised at construction (like finetune's tuples), so every built
+      # config, config.json and a resumed run's stored config agree.
+      object.__setattr__(self, "optimizer_options", spec.Options())
+    elif type(self.optimizer_options) is not spec.Options:
+      raise ConfigError(f"{p}.optimizer_options", self.optimizer_options,
+                        f"are not the options of train.optimizer={self.optimizer!r} "
+                        f"({spec.Options.__module__}.{spec.Options.__name__})",
+                        f"pass {spec.Options.__name__}(...) or optimizer_options=None for "
+                        "its defaults")
     for name in ("steps", "log_every", "keep_checkpoints", "microbatches"):
       check_count(f"{p}.{name}", getattr(self, name), minimum=1)
     for name in ("warmup_steps", "seed", "eval_every", "checkpoint_every"):

@@ -1,4 +1,5 @@
-"""The optimizer: AdamW with linear warmup, cosine decay and global-norm clipping.
+"""The optimizer: ``train.optimizer`` (AdamW by default, or Muon; :mod:`moejax.train.optimizers`)
+on the warmup + cosine schedule, with global-norm clipping and frozen parameters masked out.
 
 It is built for the ``nnx.Param`` pytree only. Router state (the
 aux-loss-free bias) is a separate pytree that the model's controller updates
@@ -27,9 +28,13 @@ import jax
 from jax.tree_util import keystr
 import jax.numpy as jnp
 import optax
+from flax import nnx
 
 from moejax.config import ModelConfig
 from moejax.config.finetune import FinetuneConfig, component
+from moejax.model import Transformer, param_role_tree
+from moejax.nn import adapters as adapters_lib
+from moejax.train import optimizers
 from moejax.train.config import TrainConfig
 
 # Where the freeze switch lives in a ModelConfig. The router params live in
@@ -40,16 +45,35 @@ from moejax.train.config import TrainConfig
 _FREEZE_FIELD = ("moe", "routing", "freeze")
 
 
+decay_mask = optimizers.decay_mask
+
+
 def learning_rate_schedule(cfg: TrainConfig) -> optax.Schedule:
   """0 -> peak linearly over warmup_steps, then cosine to peak * min_lr_ratio at steps."""
-  return optax.warmup_cosine_decay_schedule(
-      init_value=0.0, peak_value=cfg.learning_rate, warmup_steps=cfg.warmup_steps,
-      decay_steps=cfg.steps, end_value=cfg.learning_rate * cfg.min_lr_ratio)
+  return optimizers.schedule(cfg)
 
 
-def decay_mask(params: Any) -> Any:
-  """True for leaves that get weight decay: matrices (ndim >= 2), not scales or biases."""
-  return jax.tree.map(lambda p: p.ndim >= 2, params)
+def role_lookup(model: ModelConfig, finetune: Optional[FinetuneConfig] = None):
+  """``keys -> ParamRole`` of the params of ``model`` (with ``finetune``'s LoRA adapters):
+  what each component declares (:func:`moejax.model.param_role_tree`), read off an
+  abstract model (no array is allocated)."""
+  def build():
+    m = Transformer(model, rngs=nnx.Rngs(0))
+    if finetune is not None and finetune.lora:
+      adapters_lib.attach(m, finetune.lora, finetune.lora_rank, finetune.lora_scale,
+                          jax.random.key(0))
+    return m
+  tree = param_role_tree(nnx.eval_shape(build))
+  table = {optimizers.path_keys(path): role
+           for path, role in jax.tree_util.tree_leaves_with_path(tree)}
+
+  def role_at(keys: tuple):
+    if keys not in table:
+      raise KeyError(f"no parameter at {'/'.join(map(str, keys))} in the model the optimizer "
+                     "was built for. Fix: build the optimizer with the run's model and "
+                     "finetune configs")
+    return table[keys]
+  return role_at
 
 
 def router_frozen(model: Optional[ModelConfig]) -> bool:
@@ -104,18 +128,22 @@ def frozen_gradients(model: Optional[ModelConfig],
 
 def make_optimizer(cfg: TrainConfig, model: Optional[ModelConfig] = None,
                    finetune: Optional[FinetuneConfig] = None) -> optax.GradientTransformation:
-  """clip_by_global_norm (if grad_clip > 0), then AdamW on the schedule.
+  """clip_by_global_norm (if grad_clip > 0), then ``train.optimizer`` on the schedule.
 
   ``model`` / ``finetune``: the run's model and fine-tuning configs; frozen
   parameters (see the module docstring) are masked out of the whole chain
   (no update, no weight decay, no moments). The optimizer state has the
   masked structure then, so restoring a run needs the same configs here.
+  An optimizer that reads the parameters' roles (Muon) needs ``model``.
   """
-  adamw = optax.adamw(learning_rate_schedule(cfg), b1=cfg.b1, b2=cfg.b2, eps=cfg.eps,
-                      weight_decay=cfg.weight_decay, mask=decay_mask)
-  tx = adamw
+  spec = cfg.optimizer_spec
+  role_at = None
+  if spec.needs_roles and model is not None:
+    role_at = role_lookup(model, finetune)
+  rule = spec.transform(cfg, role_at)
+  tx = rule
   if cfg.grad_clip > 0:
-    tx = optax.chain(optax.clip_by_global_norm(cfg.grad_clip), adamw)
+    tx = optax.chain(optax.clip_by_global_norm(cfg.grad_clip), rule)
   frozen = frozen_components(model, finetune)
   if frozen:
     tx = optax.multi_transform({"train": tx, "frozen": optax.set_to_zero()},
