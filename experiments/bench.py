@@ -166,7 +166,9 @@ def layer_suite(shapes, variants_filter=None) -> dict:
     torch_fns = bench_lib.torch_layer_fns(prob, _TORCH_THREADS.value, tuple(_HF_IMPLS.value))
     torch_note = torch_fns.pop("_skipped", None)
     fns.update({n: fn for n, fn in torch_fns.items() if keep(n.split("/")[0])})
-    print(f"{shape}: T={t} d={d} E={e} K={k} f={f}, {len(fns)} runs", flush=True)
+    auto = bench_lib.auto_decision(t, d, e, k, f)
+    print(f"{shape}: T={t} d={d} E={e} K={k} f={f}, {len(fns)} runs; auto runs "
+          f"{auto['backend']} ({auto['line']})", flush=True)
     timed = time_round_robin(_forced_failures(fns), _REPEATS.value, _SLOW_S.value,
                              _SLOW_REPEATS.value)
     table = bench_lib.split_modes(timed)
@@ -186,7 +188,7 @@ def layer_suite(shapes, variants_filter=None) -> dict:
         "fwd_gflop": bench_lib.layer_fwd_flops(prob) / 1e9, "capacity_factor": _CF.value,
         "gshard_group": _GSHARD_GROUP.value, "tiles": opts,
         "torch_threads": _TORCH_THREADS.value if torch_fns else None,
-        "torch_skipped": torch_note,
+        "torch_skipped": torch_note, "auto": auto,
         "variants": table, "skipped": skipped}
   out["conditions_after"] = {"load_avg_1_5_15": list(os.getloadavg())}
   return out
@@ -208,6 +210,8 @@ def print_layer_table(res: dict) -> None:
           f"(dense width {s['dense_width']}, {s['fwd_gflop']:.1f} GFLOP forward)")
     print("(x dense: JAX variants vs dense, torch variants vs torch_dense; cpu: the same "
           "ratio in process CPU time)")
+    if s.get("auto"):
+      print(f"auto here runs {s['auto']['backend']}: {s['auto']['line']}")
     print(f"{'variant':<22}{'fwd s':>10}{'x dense':>9}{'fwd+bwd s':>11}{'x dense':>9}"
           f"{'cpu x':>8}{'runs':>6}")
     for name, row in s["variants"].items():

@@ -23,10 +23,13 @@ from absl import logging
 
 from moejax.execution import gmm as gmm_lib
 from moejax.execution import grouped_ffn
+from moejax.execution import shape_choice
 from moejax.routing.types import RoutingResult
 
-# The two layer shapes of docs/execution.md (T = 8192, d = 512 by default).
-SHAPES = {"fine": dict(num_experts=64, k=8, f=256), "coarse": dict(num_experts=8, k=2, f=1024)}
+# The two layer shapes of docs/execution.md (T = 8192, d = 512 by default), and two
+# more for ``auto``'s shape rule (--shapes): groups of M / E = 512 and 8192 rows.
+SHAPES = {"fine": dict(num_experts=64, k=8, f=256), "coarse": dict(num_experts=8, k=2, f=1024),
+          "e32k2": dict(num_experts=32, k=2, f=1024), "e8k8": dict(num_experts=8, k=8, f=256)}
 
 
 THP_ENABLED = "/sys/kernel/mm/transparent_hugepage/enabled"
@@ -49,6 +52,21 @@ def conditions() -> dict:
   except OSError:
     out["transparent_hugepage"] = None
   return out
+
+
+def auto_rule(platform: Optional[str] = None) -> shape_choice.ShapeRule:
+  """The shape rule ``backend='auto'`` resolves to on ``platform`` (default: JAX's)."""
+  backend = gmm_lib.resolve_backend("auto", platform)
+  large = gmm_lib.get_backend(backend).auto_large_groups
+  return shape_choice.ShapeRule(backend, *large)
+
+
+def auto_decision(t: int, d: int, e: int, k: int, f: int) -> dict:
+  """What ``auto`` runs at this layer shape here: {'backend', 'rule', 'line'}."""
+  rule = auto_rule()
+  backend = rule.pick(t * k, e)
+  line = shape_choice.Decision(rule, t, k, e, d, f, backend).line()
+  return {"backend": backend, "rule": rule.describe(), "line": line}
 
 
 def native_backends() -> tuple[list[str], dict[str, str]]:

@@ -333,14 +333,34 @@ class ExecutionConfig:
     (``"auto on cpu"``; :meth:`moejax.train.config.ExperimentConfig.for_platform`,
     which the binaries and the trainer apply), so ``--print_config`` and
     ``config.json`` say where the backend came from (leave empty).
+  large_group_backend / large_group_rows: the shape rule. A call whose
+    balanced group (token copies / experts) has at least
+    ``large_group_rows`` rows runs ``large_group_backend`` instead of
+    ``backend`` (:mod:`moejax.execution.shape_choice`). Empty / 0: every
+    call runs ``backend``. Resolving ``auto`` fills both in from the chosen
+    backend's ``auto_large_groups`` (``blocked`` on CPU: ``whole_group``
+    for large groups), so the resolved config records the rule and its
+    threshold.
   """
 
   backend: str = reg.AUTO_BACKEND
   interpret: bool = False
   derived_from: str = ""
+  large_group_backend: str = ""
+  large_group_rows: int = 0
 
   def __post_init__(self):
     check_choice("moe.execution.backend", self.backend, reg.EXPERT_BACKENDS)
+    check_count("moe.execution.large_group_rows", self.large_group_rows, minimum=0)
+    if self.large_group_backend:
+      check_choice("moe.execution.large_group_backend", self.large_group_backend,
+                   reg.GMM_BACKENDS)
+    if bool(self.large_group_backend) != (self.large_group_rows > 0):
+      raise ConfigError("moe.execution.large_group_rows", self.large_group_rows,
+                        f"goes with large_group_backend={self.large_group_backend!r}: "
+                        "a shape rule needs both",
+                        "set both (e.g. large_group_backend='whole_group', "
+                        "large_group_rows=2048) or neither")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -46,6 +46,7 @@ from moejax.execution import dedup as dedup_lib
 from moejax.execution import grouped_ffn
 from moejax.execution import permute as permute_lib
 from moejax.execution import placement as placement_lib
+from moejax.execution import shape_choice
 from moejax.execution import transport as transport_lib
 from moejax.execution.mesh import EXPERT, FSDP
 from moejax.execution.registry import register_dispatch
@@ -55,7 +56,8 @@ from moejax.routing.types import RoutingResult
 def local_experts(params: dict, rows: jax.Array, slot: jax.Array, filled: jax.Array,
                   num_slots: int, *, activation: str, backend: str,
                   width_mask: Optional[jax.Array] = None,
-                  weights: Optional[jax.Array] = None) -> jax.Array:
+                  weights: Optional[jax.Array] = None,
+                  rule: Optional[shape_choice.ShapeRule] = None) -> jax.Array:
   """ys[R, d] = sum_k weights[r, k] FFN_{slot[r, k]}(rows[r]) over filled slots (grouped matmul).
 
   ``slot`` / ``filled`` / ``weights`` are [R, Kc] (a deduplicating dispatch:
@@ -71,7 +73,7 @@ def local_experts(params: dict, rows: jax.Array, slot: jax.Array, filled: jax.Ar
   w = filled.astype(jnp.float32) if weights is None else weights
   return grouped_ffn.routed_ffn(params, rows, slot.astype(jnp.int32), filled, w,
                                 num_experts=num_slots, activation=activation,
-                                backend=backend, width_mask=width_mask)
+                                backend=backend, width_mask=width_mask, rule=rule)
 
 
 def _physical_ids(result: RoutingResult, sent: jax.Array, plc: placement_lib.Placement):
@@ -138,6 +140,7 @@ class ExpertParallelExecutor:
   has_fsdp: bool
   transport: transport_lib.Transport
   buckets: int = 8               # ParallelConfig.capacity_buckets
+  rule: Optional[shape_choice.ShapeRule] = None  # the local backend per shard shape
 
   @classmethod
   def options(cls, pcfg: ParallelConfig, node_of: np.ndarray) -> dict[str, Any]:
@@ -167,7 +170,7 @@ class ExpertParallelExecutor:
     phys = _physical_ids(result, sent, plc)
     weights = jnp.where(result.valid, result.weights, 0)
     ffn = functools.partial(local_experts, experts, num_slots=s, activation=self.activation,
-                            backend=self.backend, width_mask=width_mask)
+                            backend=self.backend, width_mask=width_mask, rule=self.rule)
     me = jax.lax.axis_index(EXPERT)
     row_bytes = x.shape[-1] * x.dtype.itemsize
     y, bytes_local, dispatched, lost = self._exchange(x, phys, weights, sent, ffn, cap, me,

@@ -37,6 +37,7 @@ from moejax.config import MoEConfig
 from moejax.execution import gmm as gmm_lib
 from moejax.execution import grouped_ffn
 from moejax.execution import scopes
+from moejax.execution import shape_choice
 from moejax.routing.types import RoutingResult
 from moejax.topology import experts as experts_lib
 
@@ -93,12 +94,14 @@ class LocalExecutor:
   activation: str
   backend: str = "blocked"
   interpret: bool = False
+  rule: Optional[shape_choice.ShapeRule] = None  # picks the backend per call shape
 
   def __call__(self, experts, x, result, *, width_mask=None, capacity=None):
     del capacity  # dropped slots are already invalid; the grouped matmul skips them
     y = grouped_ffn.routed_experts(
         experts, x, result, num_experts=self.num_experts, activation=self.activation,
-        backend=self.backend, width_mask=width_mask, interpret=self.interpret)
+        backend=self.backend, width_mask=width_mask, interpret=self.interpret,
+        rule=self.rule)
     return y, {}
 
 
@@ -106,9 +109,11 @@ def resolve_execution(cfg: MoEConfig, platform: Optional[str] = None) -> MoEConf
   """``cfg`` with ``execution.backend='auto'`` resolved for ``platform`` (default: JAX's).
 
   The new config names the chosen backend and records ``derived_from="auto
-  on <platform>"``; a config naming its backend, or of a layer kind that
-  reads no backend (Soft MoE, PEER: its ``honoured`` table), is returned
-  unchanged.
+  on <platform>"`` and the shape rule of the chosen backend
+  (``Backend.auto_large_groups`` as ``large_group_backend`` /
+  ``large_group_rows``, unless the config set its own); a config naming its
+  backend, or of a layer kind that reads no backend (Soft MoE, PEER: its
+  ``honoured`` table), is returned unchanged.
   """
   ex, honoured = cfg.execution, cfg.layer.honoured.get("execution")
   if honoured is not None and "backend" not in honoured:
@@ -117,14 +122,20 @@ def resolve_execution(cfg: MoEConfig, platform: Optional[str] = None) -> MoEConf
   chosen = gmm_lib.resolve_backend(ex.backend, platform)
   if chosen == ex.backend:
     return cfg
-  return dataclasses.replace(cfg, execution=dataclasses.replace(
-      ex, backend=chosen, derived_from=f"{ex.backend} on {platform}"))
+  new = dataclasses.replace(ex, backend=chosen, derived_from=f"{ex.backend} on {platform}")
+  large = () if chosen not in gmm_lib.BACKENDS else gmm_lib.get_backend(chosen).auto_large_groups
+  if large and not ex.large_group_backend:
+    new = dataclasses.replace(new, large_group_backend=large[0], large_group_rows=large[1])
+  return dataclasses.replace(cfg, execution=new)
 
 
 def local_executor(cfg: MoEConfig) -> Executor:
-  """The single-device executor ``cfg.execution`` names (``auto``: resolved for JAX's platform)."""
-  t, ex = cfg.topology, cfg.execution
+  """The single-device executor ``cfg.execution`` names (``auto``: resolved for JAX's
+  platform, with its shape rule)."""
+  t = cfg.topology
+  ex = resolve_execution(cfg).execution
   backend = gmm_lib.resolve_backend(ex.backend)
   if backend == "reference":
     return ReferenceExecutor(cfg.num_experts, t.activation)
-  return LocalExecutor(cfg.num_experts, t.activation, backend, ex.interpret)
+  return LocalExecutor(cfg.num_experts, t.activation, backend, ex.interpret,
+                       shape_choice.ShapeRule.from_execution(ex, backend))

@@ -128,6 +128,10 @@ class Backend:
       **options) -> [T, d]: the whole routed FFN in one loop (the
       ``blocked`` backend's :func:`moejax.execution.fused.blocked_ffn`);
       ``routed_ffn(fused=True)`` uses it when present.
+    auto_large_groups: (backend, rows) or (): when ``auto`` resolves to this
+      backend, calls whose balanced group (token copies / experts) has at
+      least ``rows`` rows run ``backend`` instead: the shape rule the
+      resolved config records (:mod:`moejax.execution.shape_choice`).
   """
 
   name: str
@@ -143,6 +147,7 @@ class Backend:
   scatter_gmm: Optional[Callable[..., jax.Array]] = None
   gather_tgmm: Optional[Callable[..., jax.Array]] = None
   fused_ffn: Optional[Callable[..., jax.Array]] = None
+  auto_large_groups: tuple = ()
 
   @property
   def folds_permute(self) -> bool:

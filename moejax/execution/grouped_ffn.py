@@ -46,6 +46,7 @@ from moejax.execution import folded_gmm
 from moejax.execution import gmm as gmm_lib
 from moejax.execution import permute as permute_lib
 from moejax.execution import scopes
+from moejax.execution import shape_choice
 from moejax.routing.types import RoutingResult
 
 ACTIVATION_KEYS = {"swiglu": ("w_gate", "w_up", "w_down"),
@@ -136,6 +137,7 @@ def routed_ffn(expert_params: Mapping[str, jax.Array], x: jax.Array,
                width_mask: Optional[jax.Array] = None,
                interpret: bool = False, gather_backend: str = "xla",
                fused: bool = True, fold_permute: bool = True,
+               rule: Optional[shape_choice.ShapeRule] = None,
                **options) -> jax.Array:
   """y[T, d] = sum_{k: valid, id < E} weights[t, k] FFN_{id[t, k]}(x[t]), dropless.
 
@@ -166,9 +168,16 @@ def routed_ffn(expert_params: Mapping[str, jax.Array], x: jax.Array,
       ``folds_permute`` (default); False keeps permute -> three ``gmm``
       calls -> unpermute (for comparison). A Pallas ``gather_backend`` always
       gets its explicit permute: the folded loads are XLA gathers.
+    rule: the shape rule (:class:`moejax.execution.shape_choice.ShapeRule`)
+      that picks the backend for this call's shape instead of ``backend``
+      (its own ``backend`` for small groups); each distinct decision is
+      reported once.
     **options: backend tiling knobs (``tile_m``, ``tile_small`` for blocked,
       ``tiling`` for the Pallas kernels).
   """
+  if rule is not None:
+    backend = shape_choice.choose(rule, x.shape[0], expert_ids.shape[-1], num_experts,
+                                  x.shape[-1], expert_params["w_up"].shape[-1])
   if backend == "reference":
     raise ValueError("backend='reference' is the layer's own per-expert loop "
                      "(moejax.layer with cfg.execution.backend='reference'). Fix: pick one of "

@@ -62,10 +62,12 @@ from jax.sharding import Mesh, PartitionSpec as P
 
 from moejax.config import MoEConfig, ParallelConfig, check_experts, check_route_limit
 from moejax.execution import dispatch as dispatch_lib
+from moejax.execution import executor as executor_lib
 from moejax.execution import gmm as gmm_lib
 from moejax.execution import mesh as mesh_lib
 from moejax.execution import placement as placement_lib
 from moejax.execution import registry
+from moejax.execution import shape_choice
 from moejax.execution import transport
 from moejax.execution.mesh import EXPERT, FSDP
 
@@ -124,6 +126,13 @@ def gmm_backend_for(cfg: MoEConfig, platform: Optional[str] = None) -> str:
   """
   backend = gmm_lib.resolve_backend(cfg.execution.backend, platform)
   return "ragged_dot" if backend == "reference" else backend
+
+
+def shape_rule_for(cfg: MoEConfig, platform: Optional[str] = None) -> shape_choice.ShapeRule:
+  """The local experts' shape rule on ``platform``: :func:`gmm_backend_for`, with
+  the large-group backend of ``cfg.execution`` (``auto``: the one it resolves to)."""
+  ex = executor_lib.resolve_execution(cfg, platform).execution
+  return shape_choice.ShapeRule.from_execution(ex, gmm_backend_for(cfg, platform))
 
 
 def device_index(axes) -> jax.Array:
@@ -216,6 +225,7 @@ def prepare(params: dict, cfg: MoEConfig, mesh: Mesh, pcfg: ParallelConfig, batc
   executor = executor_cls.from_config(
       pcfg, node_of, num_experts=cfg.num_experts, activation=cfg.topology.activation,
       placement=plc, backend=gmm_backend_for(cfg, mesh.devices.flat[0].platform), axes=axes,
-      has_fsdp=has_fsdp, transport=transport_obj)
+      has_fsdp=has_fsdp, transport=transport_obj,
+      rule=shape_rule_for(cfg, mesh.devices.flat[0].platform))
   return Prepared(params, mesh_lib.param_specs(params, mesh), mesh_lib.batch_spec(mesh),
                   width_mask, executor)
