@@ -191,19 +191,19 @@ def table(budgets: Mapping[str, ArmBudget], realised: Mapping[str, Realised],
   """Declared slots beside the realised experts per token and the realised compute, no
   line wider than ``width``, the convention under it."""
   rows = [["arm", "k", "slots", "train", "val", "train/slots", "active", "FLOPs/token"]]
-  for n, b in budgets.items():
-    r = realised.get(n, Realised())
-    rb = realised_budget(b, r.train)
-    fixed_k = b.slots is not None and b.slots == b.slots_max and not r.variable
-    rows.append([n, "-" if b.slots is None else ("fixed" if fixed_k else "variable"),
-                 budget_lib.slots_cell(b), _cell(r.train), _cell(r.val),
-                 "n/a" if rb is None else f"{100 * (r.train / b.slots - 1):+.1f}%",
-                 "n/a" if rb is None else human(rb[0]), "n/a" if rb is None else human(rb[1])])
+  rows += [[n] + _cells(b, realised.get(n, Realised())) for n, b in budgets.items()]
   return "\n".join(budget_lib.text_table(rows, width) + budget_lib.wrapped(CONVENTION, width))
 
 
-def _cell(v: Optional[float]) -> str:
-  return "n/a" if v is None else f"{v:.3g}"
+def _cells(b: ArmBudget, r: Realised) -> list[str]:
+  """k, declared slots, realised train / val, train vs declared, realised active and FLOPs."""
+  rb = realised_budget(b, r.train)
+  fixed_k = b.slots is not None and b.slots == b.slots_max and not r.variable
+  number = lambda v: "n/a" if v is None else f"{v:.3g}"
+  return ["-" if b.slots is None else ("fixed" if fixed_k else "variable"),
+          budget_lib.slots_cell(b), number(r.train), number(r.val),
+          "n/a" if rb is None else f"{100 * (r.train / b.slots - 1):+.1f}%",
+          "n/a" if rb is None else human(rb[0]), "n/a" if rb is None else human(rb[1])]
 
 
 def from_results(results: Iterable[Mapping], label=lambda r: r["arm"]) -> dict[str, Realised]:
@@ -253,13 +253,22 @@ def check_run(exp, b: ArmBudget, run_path: str, run: str) -> list[dict]:
   return rows
 
 
-def from_evaluation(rows: Sequence[Mapping], ev) -> dict:
+def from_evaluation(rows: Sequence[Mapping], ev, model_cfg) -> dict:
   """:func:`run_metrics` of a run's training rows and its final evaluation
   (:class:`moejax.ablation.final_eval.FinalEval`): its loads were counted on every valid
-  target with a domain label, which its per-domain counts add up to."""
+  target with a domain label, which its per-domain counts add up to.
+
+  The layers of mixture-of-depths blocks are left out of the validation count: only the
+  tokens their block selected reach them, and the accounting already scales them by its
+  capacity (their training count is per token they processed).
+  """
   targets = (float(np.sum(ev.domain_count)) if ev.domain_count is not None
              else float(ev.metrics.get("tokens", 0.0)))
-  return run_metrics(rows, ev.loads, targets)
+  def every_token(name: str) -> bool:  # layer_<i>
+    i = name.rsplit("_", 1)[-1]
+    return not (i.isdigit() and model_cfg.is_mod_layer(int(i)))
+  loads = {n: v for n, v in ev.loads.items() if every_token(n)}
+  return run_metrics(rows, loads, targets)
 
 
 def report(budgets: Mapping[str, ArmBudget], results: Iterable[Mapping],
@@ -292,12 +301,5 @@ def markdown(summary: Mapping) -> str:
       b = budget_lib.from_dict(a.get("budget") or {})
     except TypeError:
       continue
-    r = real[n]
-    rb = realised_budget(b, r.train)
-    fixed_k = b.slots is not None and b.slots == b.slots_max and not r.variable
-    lines.append("| " + " | ".join([
-        n, "-" if b.slots is None else ("fixed" if fixed_k else "variable"),
-        budget_lib.slots_cell(b), _cell(r.train), _cell(r.val),
-        "n/a" if rb is None else f"{100 * (r.train / b.slots - 1):+.1f}%",
-        "n/a" if rb is None else human(rb[0]), "n/a" if rb is None else human(rb[1])]) + " |")
+    lines.append("| " + " | ".join([n] + _cells(b, real[n])) + " |")
   return "\n".join(lines + ["", CONVENTION])

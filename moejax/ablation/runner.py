@@ -411,7 +411,7 @@ def _train_runs(suite, workdir, b, plan, train_fn, analyse_runs, say, out, corpu
     # a custom train_fn) the same evaluation of the final checkpoint.
     ev = hook.result or final_eval.final_evaluation(exp, path)
     res.update(_final_metrics(ev, path, write=processes.is_lead()))
-    res.update(realised.from_evaluation(rows, ev))
+    res.update(realised.from_evaluation(rows, ev, exp.model))
     if exp.finetune.enabled and seed in source_results and arm.experiment.finetune.source \
         == sources_lib.SUITE_SOURCE:
       res.update(sources_lib.finetune_metrics(exp, ev, source_results[seed]))

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import types
 
 import numpy as np
 import pytest
@@ -34,6 +35,15 @@ def test_the_training_mean_weights_each_logged_window_by_its_steps():
   assert realised.val_active({"layer_0": np.array([3.0, 1.0]),
                               "layer_1": np.array([1.0, 1.0])}, 2.0) == 1.5
   assert realised.run_metrics(rows, {}, 0.0) == {"active_experts_train": pytest.approx(13 / 7)}
+  # From a final evaluation: the targets its loads counted are its per-domain counts; the
+  # layer of a mixture-of-depths block (only the tokens it selected reach it) is left out.
+  ev = types.SimpleNamespace(loads={"layer_0": np.array([3.0, 1.0]),
+                                    "layer_1": np.array([1.0, 0.0])},
+                             domain_count=np.array([1.0, 1.0]), metrics={"tokens": 5.0})
+  mod_odd = types.SimpleNamespace(is_mod_layer=lambda i: i % 2 == 1)
+  assert realised.from_evaluation(rows, ev, mod_odd)["active_experts_val"] == 2.0
+  no_mod = types.SimpleNamespace(is_mod_layer=lambda i: False)
+  assert realised.from_evaluation(rows, ev, no_mod)["active_experts_val"] == 1.25
 
 
 def test_a_router_over_its_declared_maximum_fails_in_one_line():
@@ -149,3 +159,20 @@ def test_the_summary_flags_arms_whose_realised_compute_differs(tmp_path):
   assert realised.check({"topk": TOPK, "topp": TOPP}, {"topk": realised.Realised(2.0),
                                                       "topp": realised.Realised(1.0)},
                         {"active": 0.0}, exempt={"topp": ["active"]}) == ([], [])
+
+
+def test_a_suite_records_and_prints_what_ran(tiny_suite_dir):
+  """The shared tiny suite (tests/ablation/conftest.py): dropless top-2 computes exactly the
+  2 experts it declares, in training and on the validation pass."""
+  workdir, printed, results = tiny_suite_dir
+  for res in results.values():
+    assert res["active_experts_train"] == 2.0 and res["active_experts_val"] == 2.0
+    assert res["active_experts_over_max"] == 0.0
+    assert (res["budget"]["slots"], res["budget"]["slots_max"]) == (2.0, 2.0)
+  lines = printed.splitlines()
+  at = lines.index("budget of what ran (realised FFN experts per token, mean over seeds):")
+  assert lines[at + 3].split()[:6] == ["aux", "fixed", "2/2", "2", "2", "+0.0%"]
+  assert "  ok  realised active/token: spread 0.00% (tolerance 0.00%)" in lines
+  assert max(len(line) for line in lines[at:at + 12]) <= 100
+  with open(f"{workdir}/summary.json", encoding="utf-8") as f:
+    assert json.load(f)["budget_flags"] == []
