@@ -56,8 +56,8 @@ def select_relu(logits: jax.Array, cfg: MoEConfig) -> RoutingResult:
   """ReLU decision from logits f[T, E]: every expert a slot, valid where the gate is > 0.
 
   Gates are ReLU(logits) (times ``routed_scaling_factor``), unnormalised,
-  as in the paper. ``probs`` are softmax(logits), what load-balance losses
-  and metrics read.
+  as in the paper, so ``moe.routing.gating`` does not apply. ``probs`` are
+  softmax(logits), what load-balance losses and metrics read.
   """
   t, e = logits.shape
   gates = jax.nn.relu(logits.astype(jnp.float32))
@@ -128,6 +128,11 @@ class ReMoE(RouterSpec):
                         "routing.kind='remoe' gets its sparsity from its adaptive L1 penalty, "
                         "which is not in the objective",
                         f"add ('{L1_LOSS}', 1.0) to moe.balance.extra_losses")
+    if cfg.routing.score_fn != "softmax":
+      raise ConfigError("moe.routing.score_fn", cfg.routing.score_fn,
+                        "ReMoE's gates are ReLU(logits) and its probabilities (what balance "
+                        "losses and metrics read) softmax(logits); no other score is read",
+                        "leave moe.routing.score_fn='softmax'")
     if cfg.num_zero_compute:
       raise ConfigError("moe.topology.zero_experts", cfg.num_zero_compute,
                         "ReMoE's target k counts FFN experts; zero-computation experts are "

@@ -72,6 +72,9 @@ def test_the_penalty_is_required_and_zero_computation_experts_refused():
   with pytest.raises(ConfigError, match="moe.topology.zero_experts=1"):
     moe_config(num_experts=4, zero_experts=1, routing=dict(kind="remoe"),
                balance=dict(extra_losses=L1))
+  with pytest.raises(ConfigError, match="moe.routing.score_fn='sigmoid': ReMoE's gates"):
+    moe_config(num_experts=4, routing=dict(kind="remoe", score_fn="sigmoid"),
+               balance=dict(extra_losses=L1))
   with pytest.raises(ConfigError, match="moe.routing.options.alpha=1.0"):
     _cfg(alpha=1.0)
 
