@@ -49,9 +49,10 @@ once per optimizer step outside the gradient, checkpointed, logged as
       ema = state["ema_sign"]["ema"]
       return rate * jnp.sign(jnp.mean(ema) - ema)
 
-(``tests/plugins/stateful_rule.py`` is this rule with an update counter
-added; ``tests/train/test_idea_state_resume.py`` kills its run and resumes
-it.) The shipped losses (whose
+(``tests/balance/test_stateful_rule.py`` runs it as written;
+``tests/plugins/stateful_rule.py`` is it with an update counter added, and
+``tests/train/test_idea_state_resume.py`` kills its run and resumes it.)
+The shipped losses (whose
 coefficients are their own BalanceConfig fields) and rules (``sign``,
 ``proportional``) are registered here the same way, so there is one path.
 """
