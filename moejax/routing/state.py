@@ -133,6 +133,12 @@ def logged(cfg, ideas: Mapping) -> dict[str, jax.Array]:
     keys = st.logged if st.logged is not None else tuple(k for k, v in fields.items()
                                                          if jnp.ndim(v) == 0)
     for k in keys:
+      if k not in fields or jnp.ndim(fields[k]) != 0:
+        what = "is not one of its fields" if k not in fields else (
+            f"has shape {jnp.shape(fields[k])}")
+        raise ValueError(f"stateful idea {name!r}: logged field {k!r} {what}; a logged "
+                         f"field is a scalar of its state ({sorted(fields)}). Fix: list "
+                         "scalar fields in IdeaState.logged, or leave it None")
       out[f"{STATE_LOG_PREFIX}{name}/{k}"] = jnp.asarray(fields[k], jnp.float32)
   return out
 

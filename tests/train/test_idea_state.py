@@ -128,3 +128,18 @@ def test_a_config_without_stateful_ideas_stores_the_tree_it_did_before(tmp_path)
            jax.tree_util.tree_leaves_with_path(state.router_state)}
   assert paths and all(p.endswith(("['bias']", "['step']")) for p in paths), sorted(paths)
   assert _ideas(state.router_state) == [None, None]
+
+
+def test_a_logged_field_must_be_a_scalar_of_the_state():
+  from moejax.routing import state as state_lib  # pylint: disable=g-import-not-at-top
+  from tests.configs import moe_config  # pylint: disable=g-import-not-at-top
+  vec = IdeaState(lambda cfg: {"ema": jnp.zeros((4,))}, lambda own, seen, cfg: own,
+                  logged=("ema",))
+  register_loss("vector_state", state=vec)(lambda result, cfg, *, batch_shape, axis_names: 0.0)
+  try:
+    cfg = moe_config(num_experts=4, balance=dict(extra_losses=(("vector_state", 1.0),)))
+    with pytest.raises(ValueError, match=r"'vector_state': logged field 'ema' has shape "
+                                         r"\(4,\); a logged field is a scalar"):
+      state_lib.logged(cfg, state_lib.init(cfg))
+  finally:
+    BALANCE_LOSSES.unregister("vector_state")
