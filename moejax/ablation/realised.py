@@ -241,16 +241,15 @@ def summary_flags(summary: Mapping, fixed: Mapping[str, float],
   return check(budgets, from_summary(summary), fixed, exempt, summary.get("baseline"))[1]
 
 
-def check_run(exp, b: ArmBudget, run_path: str, run: str) -> list[dict]:
+def check_run(exp, b: ArmBudget, run_path: str, run: str) -> None:
   """Raises RealisedBudgetError (one line) when the run's router used more FFN experts per
-  token than it declares at most (:func:`over_max_error`); returns the training rows."""
+  token than it declares at most (:func:`over_max_error`), from its training log."""
   from moejax.train import metrics_log  # pylint: disable=g-import-not-at-top
   rows = metrics_log.read_metrics(run_path, "train")
   moe = exp.model.moe
   error = over_max_error(moe.routing.kind if moe is not None else "", b.slots_max, rows, run)
   if error:
     raise RealisedBudgetError(error)
-  return rows
 
 
 def from_evaluation(rows: Sequence[Mapping], ev, model_cfg) -> dict:

@@ -402,8 +402,10 @@ def _train_runs(suite, workdir, b, plan, train_fn, analyse_runs, say, out, corpu
     summary = train_fn(exp, path, out, eta, hook,
                        recheck.first_steps_probe(path) if seed == suite.seeds[0] else None)
     t_trained, c_trained = time.perf_counter(), time.process_time()
-    # Before anything of the run's result: a router that used more experts than it declares.
-    rows = realised.check_run(exp, b[arm.name], path, rel)
+    # Before anything of the run's result: a router that used more experts than it declares
+    # (process 0 reads the log and decides for every process).
+    processes.decided_by_lead(lambda: realised.check_run(exp, b[arm.name], path, rel))
+    rows = metrics_log.read_metrics(path, "train")
     res = {"suite": suite.name, "arm": arm.name, "seed": seed, "run": rel, "scale": suite.scale,
            "budget": b[arm.name].as_dict(), "train_summary": summary,
            **train_metrics(path)}
