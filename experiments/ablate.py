@@ -6,7 +6,11 @@ Prints every arm's budget (total params, active params/token, FLOPs/token,
 training tokens, optimizer), refuses to run (exit 1, nothing written or
 trained) when the arms differ beyond the suite's tolerance on what it holds
 fixed, then trains every arm and seed in ``DIR/<arm>[/seed_<s>]`` and writes
-``DIR/summary.md``, ``summary.csv`` and ``plots/``. Rerunning the same command
+``DIR/summary.md``, ``summary.csv`` and ``plots/``. After training it prints
+the budget of what ran: each router's declared slots beside the FFN experts
+per token it realised, the arms compared on that realised compute
+(moejax.ablation.realised); a run whose router used more experts than it
+declares at most fails at its end (exit 1, one line). Rerunning the same command
 after a kill resumes: finished arms are skipped, a half-trained arm resumes
 from its checkpoint. SIGTERM / SIGINT stop the run in training after its
 step with a checkpoint (exit status 143 / 130, moejax.train.preempt); the
