@@ -21,8 +21,10 @@ optimizer: global-norm clipping before it, frozen parameters masked out.
   selection bias is router state, never a parameter, so no optimizer sees it.
 
 Muon's update of an [A, B] matrix (Liu et al. 2025, "Muon is Scalable for
-LLM Training", arXiv 2502.16982, eq. 3-4): momentum M = mu M + G (Nesterov:
-the update reads mu M + G), O = NewtonSchulz(M) ~ U V^T, and
+LLM Training", arXiv 2502.16982, eq. 3-4): momentum M of the gradients G
+(Nesterov: the update reads mu M + G; optax keeps M as a bias-corrected
+average, which Newton-Schulz's normalisation makes the same direction),
+O = NewtonSchulz(M) ~ U V^T, and
 
     W <- W - lr (0.2 sqrt(max(A, B)) O + wd W)
 
