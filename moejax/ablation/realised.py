@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import textwrap
 from typing import Iterable, Mapping, Optional, Sequence
 
 import numpy as np
@@ -279,7 +280,9 @@ def report(budgets: Mapping[str, ArmBudget], results: Iterable[Mapping],
     return []
   real = from_results(results)
   notes, flags = check(budgets, real, fixed, exempt, baseline)
-  wrap = lambda line, lead: budget_lib.wrapped(lead + line, budget_lib.TABLE_WIDTH)
+  # As the budget check's lines are printed (moejax.ablation.runner.check_suite).
+  wrap = lambda line, lead: textwrap.wrap(line, budget_lib.TABLE_WIDTH, initial_indent=lead,
+                                          subsequent_indent=" " * 6, break_on_hyphens=False)
   return (["budget of what ran (realised FFN experts per token, mean over seeds):",
            table(budgets, real)] + [w for n in notes for w in wrap(n, "  ok  ")]
           + [w for f in flags for w in wrap(f, "  !   ")])

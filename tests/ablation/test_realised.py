@@ -92,6 +92,16 @@ def test_declared_slots_and_realised_columns_side_by_side():
   assert realised.realised_budget(TOPK, 2.0) == (TOPK.active, TOPK.flops_per_token)
   assert realised.realised_budget(TOPP, 1.4) == pytest.approx(
       (27_040 - 0.3 * 12_288, 61_950 - 0.3 * 24_576))
+  # What experiments.ablate prints after training: the table, then the check's lines.
+  results = [dict(arm="topk", active_experts_train=2.0, active_experts_val=2.0),
+             dict(arm="topp", active_experts_train=1.4, active_experts_val=1.5,
+                  active_experts_var=0.3)]
+  printed = realised.report({"topk": TOPK, "topp": TOPP}, results,
+                            {"active": 0.0, "flops_per_token": 0.0}, baseline="topk")
+  assert printed[1] == text and printed[2:] == [
+      "  !   realised active experts differ: arm topp 1.4 vs baseline topk 2 per token (-30%); "
+      "realised", "      active/token -13.6%, FLOPs/token -11.9% (tolerance active 0%, "
+      "flops_per_token 0%)"]
   # The budget table printed before training shows the declared slots.
   assert budget_lib.table({"topk": TOPK}).splitlines()[0].endswith("train_FLOPs  slots")
 
