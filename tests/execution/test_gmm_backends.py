@@ -22,6 +22,9 @@ BACKENDS = {
     "blocked": {"tile_m": 8, "tile_small": 3},  # 8-row tiles, remainders in 3s
     "pallas_tpu": {"interpret": True, "tiling": (8, 16, 16)},
     "pallas_gpu": {"interpret": True, "tiling": (64, 64, 64)},
+    # Buckets of 4x the balanced group: every case fits one (the [G, C]
+    # slots); test_shape_choice.py covers the tiled fallback.
+    "whole_group": {"bucket_factors": (4.0,)},
 }
 # Pallas GPU interpretation simulates every warpgroup thread: its operands
 # need wgmma-sized tiles (64), so it gets its own, larger shapes.

@@ -61,6 +61,11 @@ CONFIGS = {
     "blocked_permute": dict(backend="blocked", fused=False, fold_permute=False, tile_m=4),
     "ragged_dot": dict(backend="ragged_dot"),
     "pallas_tpu": dict(backend="pallas_tpu", interpret=True, tiling=(8, 128, 128)),
+    # One batched matmul per weight over [E, C] slots (a bucket of 4x the
+    # balanced group holds every group), and its tiled fallback (a bucket of
+    # a quarter of it holds none).
+    "whole_group": dict(backend="whole_group", bucket_factors=(4.0,)),
+    "whole_group_fallback": dict(backend="whole_group", bucket_factors=(0.25,), tile_m=4),
 }
 
 

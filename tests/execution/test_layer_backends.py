@@ -61,6 +61,20 @@ def test_blocked_layer_equals_reference_layer(name):
     np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5, err_msg=str(path))
 
 
+@pytest.mark.parametrize("name", ["mixtral", "top_p_zero_compute", "gelu_heterogeneous",
+                                  "switch_capacity"])
+def test_whole_group_layer_equals_reference_layer(name):
+  ref_cfg = make("reference", **CASES[name])
+  params = L.init_moe_params(jax.random.PRNGKey(0), D, ref_cfg)
+  x = jax.random.normal(jax.random.PRNGKey(1), (2, 9, D))
+  ids = jax.random.randint(jax.random.PRNGKey(2), (2, 9), 0, 256)
+  y0, g0 = _layer_and_grads(ref_cfg)(params, x, ids)
+  y1, g1 = _layer_and_grads(make("whole_group", **CASES[name]))(params, x, ids)
+  np.testing.assert_allclose(y1, y0, rtol=1e-5, atol=1e-5)
+  for (path, a), b in zip(jax.tree_util.tree_leaves_with_path(g1), jax.tree.leaves(g0)):
+    np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5, err_msg=str(path))
+
+
 def test_ragged_dot_layer_equals_reference_layer():
   case = CASES["deepseek_v3"]
   params = L.init_moe_params(jax.random.PRNGKey(0), D, make("reference", **case))
