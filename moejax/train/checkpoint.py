@@ -51,6 +51,7 @@ import orbax.checkpoint as ocp
 from moejax.config import plugins as plugins_lib
 from moejax.config import to_dict
 from moejax.train import damage, integrity, writable
+from moejax.train import write_errors
 from moejax.train.config import ExperimentConfig, diff, experiment_to_json
 
 CONFIG_FILE = "config.json"

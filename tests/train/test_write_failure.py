@@ -9,6 +9,7 @@ under a subprocess timeout so that a hang fails instead of hanging CI.
 
 from __future__ import annotations
 
+import asyncio
 import errno
 import io
 import os
@@ -248,3 +249,20 @@ def test_binary_on_a_full_tmpfs_prints_only_its_error_line_twenty_times(tmp_path
     assert full.stderr.startswith(f"error: WriteFailed: cannot write {workdir}"), \
         (attempt, full.stderr[-3000:])
     assert full.stderr.count("\n") == 1 and "ENOSPC" in full.stderr, (attempt, full.stderr)
+
+
+def test_an_orbax_loops_unretrieved_write_error_is_the_trainers_and_others_still_print():
+  """The handler of the event loops made while a Checkpointer is open: a write failure
+  (and a cancellation) is dropped, the trainer reports it; any other error still prints."""
+  loop = ckpt_lib._DrainingPolicy().new_event_loop()  # pylint: disable=protected-access
+  printed = []
+  loop.default_exception_handler = printed.append
+  try:
+    loop.call_exception_handler({"message": "Task exception was never retrieved",
+                                 "exception": ValueError(TENSORSTORE)})
+    loop.call_exception_handler({"message": "cancelled", "exception": asyncio.CancelledError()})
+    other = {"message": "Task exception was never retrieved", "exception": KeyError("x")}
+    loop.call_exception_handler(other)
+  finally:
+    loop.close()
+  assert printed == [other]
