@@ -237,11 +237,11 @@ class Transformer(nnx.Module):
     """One update of every MoE layer's stateful ideas, in place.
 
     ``observed``: ``{'layer_<i>': aux['moe'][name]['observed']}`` summed over
-    the whole global batch; layers without stateful ideas are left as they are.
+    the whole global batch (a layer whose ideas observe nothing may be
+    absent); layers without stateful ideas are left as they are.
     """
     for name, ffn in self.moe_ffns().items():
-      if name in observed:
-        ffn.update_ideas(observed[name])
+      ffn.update_ideas(observed.get(name, {}))
 
   def logged_state(self) -> dict:
     """``{'state/<idea>/<field>': f32[]}``: each logged idea-state field, its mean over layers."""

@@ -50,7 +50,7 @@ import orbax.checkpoint as ocp
 
 from moejax.config import plugins as plugins_lib
 from moejax.config import to_dict
-from moejax.train import damage, integrity, writable
+from moejax.train import damage, idea_restore, integrity, writable
 from moejax.train import write_errors
 from moejax.train.config import ExperimentConfig, diff, experiment_to_json
 
@@ -379,6 +379,7 @@ class Checkpointer:
   def __init__(self, workdir: str, keep: int, read_only: bool = False,
                resumed: Optional["Restored"] = None):
     self.resumed = resumed
+    self.grafted: set[str] = set()  # idea-state paths the last restore added (idea_restore)
     self._pending: dict[int, dict] = {}  # step -> checksum record, until orbax commits it
     options = ocp.CheckpointManagerOptions(max_to_keep=keep, create=not read_only,
                                            read_only=read_only,
@@ -398,7 +399,9 @@ class Checkpointer:
     with draining_event_loops():  # damaged metadata: its reads end here too
       meta = self.manager.item_metadata(step)["state"]
     want, have = _shapes(abstract_state), _shapes(meta)
-    bad = sorted((k for k in set(want) | set(have) if want.get(k) != have.get(k)),
+    new_ideas = idea_restore.absent(want, have)  # restored from their initial values
+    bad = sorted((k for k in set(want) | set(have)
+                  if want.get(k) != have.get(k) and k not in new_ideas),
                  key=lambda k: (not k.startswith("params"), k))  # params first: the clearest
     if bad:
       lines = [f"{k}: checkpoint {have.get(k, '<absent>')} vs model {want.get(k, '<absent>')}"
@@ -430,18 +433,26 @@ class Checkpointer:
         integrity.write(self.step_dir(step), content)
     self._pending = {}
 
-  def restore(self, step: int, abstract_state: Any) -> tuple[Any, dict]:
+  def restore(self, step: int, abstract_state: Any, fill=None) -> tuple[Any, dict]:
     """(state tree, data state) at ``step``, placed by ``abstract_state``'s shardings.
 
     A leaf without a sharding goes to this process's first device: orbax
     refuses to guess one for a checkpoint written on other devices (another
     process count or mesh), and the leaf's saved sharding names devices that
-    may not exist here.
+    may not exist here. Idea state the checkpoint predates comes from ``fill``
+    (:func:`moejax.train.idea_restore.initial`).
     """
     with draining_event_loops():  # a damaged checkpoint's reads end here (see above)
+      new_ideas = idea_restore.absent(
+          _shapes(abstract_state), _shapes(self.manager.item_metadata(step)["state"]))
       out = self.manager.restore(step, args=ocp.args.Composite(
-          state=ocp.args.StandardRestore(_placed(abstract_state)), data=ocp.args.JsonRestore()))
-    return out["state"], dict(out["data"])
+          state=ocp.args.StandardRestore(_placed(idea_restore.without(abstract_state,
+                                                                      new_ideas))),
+          data=ocp.args.JsonRestore()))
+    state = idea_restore.graft(out["state"], abstract_state, new_ideas, fill,
+                               f"checkpoint {step}")
+    self.grafted = new_ideas  # not in the checkpoint, so not in its checksums either
+    return state, dict(out["data"])
 
   def wait(self) -> None:
     self.manager.wait_until_finished()
@@ -484,7 +495,8 @@ class Restored:
   integrity: str = ""
 
 
-def restore_latest(workdir: str, steps, abstract_state: Any) -> Restored:
+def restore_latest(workdir: str, steps, abstract_state: Any,
+                   cfg: Optional[ExperimentConfig] = None) -> Restored:
   """The newest of ``steps`` that restores, is finite and matches its checksums; reads only.
 
   A checkpoint whose metadata or arrays cannot be read (a truncated file,
@@ -492,11 +504,14 @@ def restore_latest(workdir: str, steps, abstract_state: Any) -> Restored:
   differ from its ``checksums.json`` is skipped, newest first (one without
   the file is accepted, unverified: :mod:`moejax.train.integrity`);
   the caller moves the skipped ones aside (:func:`move_aside`) before it
-  writes. Raises WorkdirError when the checkpoint arrays have other shapes
+  writes. Idea state a checkpoint predates starts from ``cfg``'s initial
+  values (:mod:`moejax.train.idea_restore`). Raises WorkdirError
+  when the checkpoint arrays have other shapes
   than the model (another model), or when no checkpoint can be used.
   """
   from moejax.train import guard  # pylint: disable=g-import-not-at-top
   ckpt = Checkpointer(workdir, max(len(steps), 1), read_only=True)
+  fill = idea_restore.initial(cfg) if cfg is not None else None
   skipped = []
   try:
     for step in sorted(steps, reverse=True):
@@ -512,7 +527,7 @@ def restore_latest(workdir: str, steps, abstract_state: Any) -> Restored:
         skipped.append((step, f"damaged, {data_problem}"))
         continue
       try:
-        tree, data_state = ckpt.restore(step, abstract_state)
+        tree, data_state = ckpt.restore(step, abstract_state, fill)
       except Exception as e:
         skipped.append((step, f"damaged, {damage.restore_error(e)}"))
         continue
@@ -520,7 +535,8 @@ def restore_latest(workdir: str, steps, abstract_state: Any) -> Restored:
       if bad:
         skipped.append((step, f"not finite ({guard.describe(bad)})"))
         continue
-      verdict = integrity.verify_step(ckpt.step_dir(step), tree, data_state)
+      verdict = integrity.verify_step(ckpt.step_dir(step),
+                                      idea_restore.without(tree, ckpt.grafted), data_state)
       if verdict.mismatches:
         skipped.append((step, verdict.note))
         continue

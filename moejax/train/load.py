@@ -37,7 +37,7 @@ from moejax import chatter
 from moejax.config import ConfigError
 from moejax.config import plugins as plugins_lib
 from moejax.train import checkpoint as ckpt_lib
-from moejax.train import damage, integrity
+from moejax.train import damage, idea_restore, integrity
 from moejax.train import step as step_lib
 from moejax.train.config import ExperimentConfig, experiment_from_dict
 from moejax.train.optim import make_optimizer
@@ -87,10 +87,11 @@ def model_at(cfg: ExperimentConfig, workdir: str, step: Optional[int] = None):
       if problem:
         raise _damaged(step_dir, step, steps, f"damaged: {problem}")
       try:
-        tree, data_state = ckpt.restore(step, abstract.checkpoint_tree())
+        tree, data_state = ckpt.restore(step, abstract.checkpoint_tree(),
+                                        idea_restore.initial(cfg))
       except Exception as e:  # orbax / TensorStore: the part named, not their reprs
         raise _damaged(step_dir, step, steps, f"damaged: {damage.restore_error(e)}") from None
-      _verify(step_dir, step, steps, tree, data_state)
+      _verify(step_dir, step, steps, idea_restore.without(tree, ckpt.grafted), data_state)
     finally:
       ckpt.close()
   return nnx.merge(graphdef, tree["params"], tree["router_state"], tree["other"]), step

@@ -263,7 +263,7 @@ def train(cfg: ExperimentConfig, workdir: str, *, out: TextIO = sys.stdout,
       layout.shardings(abstract_tree))
   restored = None
   if plan.step is not None:
-    restored = ckpt_lib.restore_latest(workdir, plan.steps, abstract_tree)
+    restored = ckpt_lib.restore_latest(workdir, plan.steps, abstract_tree, cfg)
     if restored.step >= tc.steps:
       say(f"{workdir}: finished at step {restored.step} (train.steps={tc.steps}); nothing to do "
           "(to train on: raise --config.train.steps and pass --extend)")

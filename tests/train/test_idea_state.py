@@ -143,3 +143,39 @@ def test_a_logged_field_must_be_a_scalar_of_the_state():
       state_lib.logged(cfg, state_lib.init(cfg))
   finally:
     BALANCE_LOSSES.unregister("vector_state")
+
+
+def test_a_checkpoint_from_before_the_idea_had_state_resumes_from_its_initial_value(tmp_path):
+  # A plugin rule trained without state, then given a counter (no observe) starting at 7.
+  from moejax.balance import register_bias_rule  # pylint: disable=g-import-not-at-top
+  from moejax.config.registry import BIAS_RULES  # pylint: disable=g-import-not-at-top
+
+  def rule(load, mean, rate):
+    return rate * jnp.sign(mean - load)
+
+  overrides = dict(model__moe__balance__bias_update="grows_state")
+  register_bias_rule("grows_state")(rule)
+  try:
+    cfg, _, _, old = _setup(tmp_path / "cfg", **overrides)
+    with ckpt_lib.Checkpointer(str(tmp_path / "run"), keep=1) as ckpt:
+      ckpt.save(0, old.checkpoint_tree(), {"position": 0})
+      ckpt.wait()
+  finally:
+    BIAS_RULES.unregister("grows_state")
+  counter = IdeaState(lambda cfg: {"n": jnp.asarray(7, jnp.int32)},
+                      lambda own, seen, cfg: {"n": own["n"] + 1})
+  register_bias_rule("grows_state", state=counter)(rule)
+  try:
+    cfg, tx, graphdef, _ = _setup(tmp_path / "cfg", **overrides)
+    _, abstract = step_lib.abstract_state(cfg, tx)
+    got = ckpt_lib.restore_latest(str(tmp_path / "run"), [0], abstract.checkpoint_tree(), cfg)
+    assert got.verified and got.step == 0
+    state = step_lib.TrainState(**got.tree)
+    for a, b in zip(jax.tree.leaves(state.params), jax.tree.leaves(old.params)):
+      np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    assert [int(i["grows_state"]["n"]) for i in _ideas(state.router_state)] == [7, 7]
+    state, m = step_lib.make_train_step(graphdef, cfg, tx)(state, _batch(0))
+    assert float(m["state/grows_state/n"]) == 7.0  # what the forward read
+    assert [int(i["grows_state"]["n"]) for i in _ideas(state.router_state)] == [8, 8]
+  finally:
+    BIAS_RULES.unregister("grows_state")
