@@ -65,6 +65,9 @@ DAMAGED_DIR = "damaged_checkpoints"
 BACKEND_FIELD = "model.moe.execution.backend"          # see moejax.execution.gmm
 BACKEND_INTERPRET_FIELD = "model.moe.execution.interpret"
 BACKEND_ORIGIN_FIELD = "model.moe.execution.derived_from"  # "auto on cpu" (ExperimentConfig.for_platform)
+# auto's shape rule (moejax.execution.shape_choice): which backend runs each shape.
+BACKEND_RULE_FIELDS = ("model.moe.execution.large_group_backend",
+                       "model.moe.execution.large_group_rows")
 RESUME_FREE_FIELDS = (
     "data.data_dir", "data.download",                  # where the data lives, how it is fetched
     "train.log_every", "train.progress",               # logging
@@ -73,7 +76,7 @@ RESUME_FREE_FIELDS = (
     "train.nan_at_step",                               # test hook: can only stop a run
     "train.peak_tflops", "train.profile_steps",        # observation: MFU's peak, a trace
     BACKEND_FIELD, BACKEND_INTERPRET_FIELD,            # execution backend: identical parameters
-    BACKEND_ORIGIN_FIELD,
+    BACKEND_ORIGIN_FIELD, *BACKEND_RULE_FIELDS,
     "parallel",                                        # device layout: same state shapes and values
 )
 # The one field that may change with an explicit extension (it grows only).

@@ -18,6 +18,7 @@ import sys
 
 import pytest
 
+from moejax.execution import tiling
 from moejax.train import checkpoint as ckpt_lib
 from moejax.train import loop, metrics_log
 from tests.train import helpers
@@ -115,7 +116,11 @@ def test_a_run_stored_before_auto_resumes_with_auto(tiny_copy, data_dir, stored)
   assert plan.step == 30 and not plan.finished
   moved = [f"model.moe.execution.backend: {stored!r} -> 'blocked'"] if stored != "blocked" else []
   execution = [c for c in plan.changes if c.startswith("model.moe.execution")]
-  assert execution == moved + ["model.moe.execution.derived_from: '' -> 'auto on cpu'"]
+  # auto's shape rule (moejax.execution.shape_choice) is recorded too, and is no change
+  # of the run either.
+  rule = ["model.moe.execution.large_group_backend: '' -> 'whole_group'",
+          f"model.moe.execution.large_group_rows: 0 -> {tiling.WHOLE_GROUP_MIN_ROWS}"]
+  assert execution == moved + ["model.moe.execution.derived_from: '' -> 'auto on cpu'"] + rule
 
 
 def _damage(workdir, step, which):
