@@ -285,7 +285,7 @@ def options_from_dict(cls, data: Any, path: str, registry: Registry = ROUTERS,
       kinds = ", ".join(repr(n) for n, _ in owners)
       raise ConfigError(where, value, f"is an option of {kind_field}={kinds}, not of this "
                         f"kind ({cls.__name__})",
-                        f"remove {key} or set the kind that reads it")
+                        f"remove {key} or set {kind_field}={owners[0][0]!r}")
     close = difflib.get_close_matches(key, sorted(own), n=1)
     raise ConfigError(where, value, f"unknown option for {cls.__name__}",
                       f"did you mean {close[0]!r}?" if close else

@@ -118,6 +118,27 @@ class TrainConfig:
                                    "train.optimizer")
     return None
 
+  def config_dict_extras(self) -> dict:
+    """Keys a config file's tree holds besides this config's own: every registered
+    optimizer's options with their defaults, so ``--config.train.optimizer=muon
+    --config.train.optimizer_options.ns_steps=3`` works on a file that names AdamW
+    (building the config drops the other optimizers' defaults). A name two optimizers
+    give different defaults is left out."""
+    defaults: dict[str, Any] = {}
+    tree: dict[str, Any] = {}
+    clash = set()
+    for name in reg.OPTIMIZERS.names():
+      if name == self.optimizer:
+        continue
+      opts = reg.OPTIMIZERS.get(name).Options()
+      for key, value in _to_config_dict_tree(opts).items():
+        default = getattr(opts, key)
+        if key in defaults and defaults[key] != default:
+          clash.add(key)
+        defaults.setdefault(key, default)
+        tree.setdefault(key, value)
+    return {"optimizer_options": {k: v for k, v in tree.items() if k not in clash}}
+
   def __post_init__(self):
     p = "train"
     spec = self.optimizer_spec
@@ -325,6 +346,9 @@ def _to_config_dict_tree(obj) -> dict:
                      else config_dict.placeholder(tp))
     else:
       out[f.name] = value
+  extras = getattr(obj, "config_dict_extras", None)
+  for key, extra in (extras() if callable(extras) else {}).items():
+    out[key] = {**extra, **out[key]}
   return out
 
 

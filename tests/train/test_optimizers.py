@@ -23,7 +23,8 @@ from moejax.topology import roles
 from moejax.train import checkpoint as ckpt_lib
 from moejax.train import loop, metrics_log, optimizers
 from moejax.train import step as step_lib
-from moejax.train.config import TrainConfig, experiment_from_dict, experiment_to_json
+from moejax.train.config import (TrainConfig, experiment_config_dict, experiment_from_dict,
+                                 experiment_to_json)
 from moejax.train.optim import make_optimizer, role_lookup
 from tests.train import helpers
 
@@ -223,6 +224,23 @@ def test_optimizer_and_its_options_are_config_built_checked_and_printed():
     assert "\n" not in str(e.value)
   with pytest.raises(ConfigError, match="optimizer_options"):
     TrainConfig(optimizer="muon", optimizer_options=optimizers.AdamWOptions())
+
+
+def test_a_config_file_naming_adamw_takes_muon_options_on_the_command_line():
+  tree = experiment_config_dict(train=dict(steps=10, warmup_steps=1))
+  assert experiment_from_dict(tree).train.opts == optimizers.AdamWOptions()
+  tree.train.optimizer = "muon"
+  tree.train.optimizer_options.ns_steps = 3
+  tree.train.optimizer_options.learning_rate = 0.02
+  assert experiment_from_dict(tree).train.opts == optimizers.MuonOptions(ns_steps=3,
+                                                                         learning_rate=0.02)
+  # Muon's option without Muon: one line naming the optimizer that reads it.
+  tree.train.optimizer = "adamw"
+  tree.train.optimizer_options.learning_rate = None
+  with pytest.raises(ConfigError, match=r"train.optimizer_options.ns_steps=3: is an option of "
+                     r"train.optimizer='muon'.*Fix: remove ns_steps or set "
+                     r"train.optimizer='muon'"):
+    experiment_from_dict(tree)
 
 
 def test_adamw_default_is_the_chain_it_always_was():
