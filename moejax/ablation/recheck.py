@@ -27,7 +27,8 @@ What N steps cannot reach keeps the file rule, narrowed to it: the arms'
 configs (the schedule's tail, bias freeze steps and evaluation cadence are
 config fields, compared field by field; fields added later do not count),
 the learning-rate schedule's values over every step, and the code of the
-final evaluation, the analyses and the statistics (:data:`UNREACHED`), plus
+final evaluation and the analyses (hashed as the runs ran it) and of the
+statistics (hashed as the report that summarised them ran it; :data:`UNREACHED`), plus
 fine-tuning code for suites whose arms fine-tune from the suite's source
 (those arms are not re-trained; their source is). :func:`freshness` turns a
 record and the checkout into the block's status line.
@@ -57,10 +58,15 @@ SOURCE_ARM = "(source)"
 _KEYS = ("loss", "max_vio_batch")
 _LOAD_PREFIX = "load/"
 # Code that the first steps do not run: a change here is judged by the file rule.
-UNREACHED = ("moejax/evaluate/", "moejax/ablation/final_eval.py", "moejax/ablation/analysis.py",
-             "moejax/ablation/stats.py", "moejax/ablation/summary.py",
-             "moejax/ablation/speedup.py", "moejax/ablation/columns.py",
-             "moejax/ablation/budget.py", "moejax/ablation/merge.py")
+# Run time: its results are in each result.json.
+RUN_UNREACHED = ("moejax/evaluate/", "moejax/ablation/final_eval.py",
+                 "moejax/ablation/analysis.py", "moejax/ablation/budget.py",
+                 "moejax/ablation/merge.py")
+# Summary time: the statistics, recomputed when `experiments.report ID=DIR` summarises.
+SUMMARY_CODE = ("moejax/ablation/stats.py", "moejax/ablation/summary.py",
+                "moejax/ablation/speedup.py", "moejax/ablation/columns.py",
+                "moejax/ablation/power.py")
+UNREACHED = RUN_UNREACHED + SUMMARY_CODE
 FINETUNE_CODE = ("moejax/finetune/",)
 # The x86 features that select XLA:CPU's vector code (lower targets: fewer of them).
 _ISA = ("sse4_1", "sse4_2", "avx", "avx2", "fma", "f16c", "avx512f", "avx512dq", "avx512bw",
@@ -213,6 +219,9 @@ def make_record(sid: str, suite_dir: str, summary: Mapping) -> Optional[dict]:
     hashes = first.get("unreached_files") if hashes is None else hashes
     arms[arm] = {"metrics": {k: [r[k] for r in first["rows"]] for k in first["rows"][0]},
                  "config": flat_config(experiment), "lr": lr_digest(_experiment(experiment))}
+  if hashes is not None:  # the statistics are this report's: hash them as they are now
+    hashes = {**{p: h for p, h in hashes.items()
+                 if not any(p.startswith(c) for c in SUMMARY_CODE)}, **file_hashes(SUMMARY_CODE)}
   prov = summary.get("provenance") or {}
   scope = unreached_scope(fine_tunes)
   return {"format": FORMAT, "id": sid, "suite": summary.get("suite"), "seed": seed,
