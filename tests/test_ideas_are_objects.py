@@ -1,10 +1,11 @@
-"""No module compares a router or layer kind with a string: it asks the registered object.
+"""No module compares a router, layer kind or optimizer with a string: it asks the idea.
 
 docs/design.md, "Ideas are objects": outside the registries, code reads a
 capability (``cfg.router.supports_bias``, ``cfg.layer.causal``), never
 ``routing.kind == "hash"``. The check walks every comparison in
 ``moejax/`` and ``experiments/``: one whose literal names a registered router
-or layer kind while the other side mentions a ``kind`` is refused.
+or layer kind while the other side mentions a ``kind``, or an optimizer while
+the other side mentions an ``optimizer``, is refused.
 """
 
 import ast
@@ -12,7 +13,7 @@ import pathlib
 
 import pytest
 
-from moejax.config.registry import LAYERS, ROUTERS
+from moejax.config.registry import LAYERS, OPTIMIZERS, ROUTERS
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 # The registries themselves hold the names.
@@ -34,7 +35,8 @@ def _literals(node):
 
 def kind_comparisons(path: pathlib.Path) -> list[str]:
   """'line: source' of each comparison of a kind with a registered kind's name."""
-  names = set(ROUTERS.names()) | set(LAYERS.names())
+  kinds = set(ROUTERS.names()) | set(LAYERS.names())
+  optimizers = set(OPTIMIZERS.names())
   text = path.read_text(encoding="utf-8")
   out = []
   for node in ast.walk(ast.parse(text)):
@@ -42,9 +44,10 @@ def kind_comparisons(path: pathlib.Path) -> list[str]:
       continue
     sides = [node.left, *node.comparators]
     for i, side in enumerate(sides):
-      hits = set(_literals(side)) & names
-      others = " ".join(ast.unparse(s) for j, s in enumerate(sides) if j != i)
-      if hits and "kind" in others.lower():
+      literals = set(_literals(side))
+      others = " ".join(ast.unparse(s) for j, s in enumerate(sides) if j != i).lower()
+      if (literals & kinds and "kind" in others) or (literals & optimizers
+                                                     and "optimizer" in others):
         out.append(f"{node.lineno}: {ast.unparse(node)}")
   return out
 
