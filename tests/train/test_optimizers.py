@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import io
 import json
 import os
@@ -16,6 +17,7 @@ import pytest
 from flax import nnx
 
 from moejax.config import ConfigError, ModelConfig, from_dict
+from moejax.config.finetune import FinetuneConfig
 from moejax.config.registry import OPTIMIZERS
 from moejax.model import Transformer, param_role_tree
 from moejax.nn import adapters as adapters_lib
@@ -195,6 +197,22 @@ def test_frozen_router_gets_no_muon_or_adamw_update():
   assert not np.any(np.asarray(ffn["router"]["w"]))
   assert np.all(np.isfinite(np.asarray(ffn["experts"]["w_up"])))
   assert np.any(np.asarray(ffn["experts"]["w_up"]))
+
+
+@pytest.mark.parametrize("lora", [("attention",), ("attention", "experts")])
+def test_muon_under_lora_trains_adapters_with_adamw_and_leaves_base_weights(lora):
+  cfg = helpers.experiment("tiny", train__optimizer="muon", train__warmup_steps=0)
+  cfg = dataclasses.replace(cfg, finetune=FinetuneConfig(source="/a/run", lora=lora,
+                                                         lora_rank=2)).resolved()
+  tx = make_optimizer(cfg.train, cfg.model, cfg.finetune)
+  _, state = step_lib.abstract_state(cfg, tx)
+  params = jax.tree.map(lambda s: jnp.ones(s.shape, s.dtype), state.params)
+  updates = _one_update(tx, params, jax.tree.map(lambda p: jnp.full_like(p, 0.3), params))
+  block = updates["blocks"][0]
+  assert not np.any(np.asarray(block["attn"]["q_proj"]["kernel"]))  # a LoRA target's base
+  assert np.all(np.asarray(block["attn"]["q_proj"]["lora"]["lora_a"]) < 0)  # AdamW's step
+  experts = np.asarray(block["ffn"]["params"]["experts"]["w_up"])
+  assert np.any(experts) != ("experts" in lora)  # Muon's unless adapted
 
 
 def test_optimizer_and_its_options_are_config_built_checked_and_printed():
