@@ -260,13 +260,9 @@ def load_records(results_dir: str) -> dict[str, dict]:
 
 
 def write_record(record: Mapping, path: str) -> str:
+  from moejax.ablation.summary import write_json  # pylint: disable=g-import-not-at-top
   os.makedirs(os.path.dirname(path), exist_ok=True)
-  tmp = path + ".tmp"
-  with open(tmp, "w", encoding="utf-8") as f:
-    json.dump(record, f, indent=1, sort_keys=True)
-    f.write("\n")
-  os.replace(tmp, path)
-  return path
+  return write_json(record, path)
 
 
 # --- Comparing -----------------------------------------------------------------
