@@ -62,6 +62,7 @@ from moejax.execution import executor as executor_lib
 from moejax.execution import parallel as parallel_lib
 from moejax.execution import placement as placement_lib
 from moejax.execution import scopes
+from moejax.routing import replay as replay_lib
 from moejax.routing import router as router_lib
 from moejax.routing import soft as soft_lib
 from moejax.routing import state as state_lib
@@ -101,15 +102,20 @@ def init_router_state(cfg: MoEConfig) -> RouterState:
 
 
 def route_and_drop(params: Params, x: jax.Array, state: RouterState, cfg: MoEConfig, *,
-                   token_ids, rng, train: bool, context: Optional[RoutingContext] = None):
+                   token_ids, rng, train: bool, context: Optional[RoutingContext] = None,
+                   replay: Optional[replay_lib.RoutingReplay] = None):
   """(decision, kept, dropped bool[T, K], capacity or None): the router, then capacity.
 
   ``decision`` is the router's result; ``kept`` the same with the dropped
   copies made invalid (``decision`` itself when the layer is dropless).
   ``context``: the batch x belongs to (default: x alone, on one device).
+  ``replay``: a recorded selection [T, K] that replaces the router's, gated
+  by the router (:func:`moejax.routing.replay.apply_replay`).
   """
   decision = router_lib.route(params["router"], x, state, cfg, token_ids=token_ids, rng=rng,
                               train=train, context=context)
+  if replay is not None:
+    decision = replay_lib.apply_replay(decision, replay, cfg)
   cf = cfg.balance.capacity_factor
   if cf is None:
     return decision, decision, jnp.zeros_like(decision.valid), None
@@ -135,12 +141,13 @@ def token_local_experts(params: Params, x: jax.Array, shared_x: jax.Array,
 
 
 def _sparse_layer(params, x, shared_x, state, cfg, *, token_ids, rng, train, axis_names,
-                  batch_shape, executor, width_mask):
+                  batch_shape, executor, width_mask, replay=None):
   # The batch the router decides on: this call's tokens, split over axis_names.
   context = RoutingContext.build(x.shape[0], axis_names, batch_shape=batch_shape, train=train)
   with jax.named_scope(scopes.ROUTE):
     decision, kept, dropped, cap = route_and_drop(params, x, state, cfg, token_ids=token_ids,
-                                                  rng=rng, train=train, context=context)
+                                                  rng=rng, train=train, context=context,
+                                                  replay=replay)
   if width_mask is None and cfg.topology.expert_widths is not None:
     width_mask = experts_lib.width_mask(cfg)
   # The executor's phases (dispatch, expert FFN, all-to-all, combine) carry their own scopes.
@@ -159,6 +166,7 @@ def _sparse_layer(params, x, shared_x, state, cfg, *, token_ids, rng, train, axi
         router_load=router_load,
         num_dropped=stats.psum(jnp.sum(dropped, dtype=jnp.int32), axis_names),
         routing=kept,
+        selection=replay_lib.RoutingReplay.of(decision),
         execution=extras,
         observed=state_lib.observe(decision, cfg, state.ideas, context))
   return y, aux
@@ -204,7 +212,8 @@ def moe_layer(params: Params, x: jax.Array, state: Optional[RouterState],
               axis_names: Sequence[str] = (),
               executor: Optional[executor_lib.Executor] = None,
               shared_x: Optional[jax.Array] = None,
-              width_mask: Optional[jax.Array] = None) -> tuple[jax.Array, MoEAux]:
+              width_mask: Optional[jax.Array] = None,
+              replay: Optional[replay_lib.RoutingReplay] = None) -> tuple[jax.Array, MoEAux]:
   """Applies one MoE layer.
 
   Args:
@@ -225,9 +234,14 @@ def moe_layer(params: Params, x: jax.Array, state: Optional[RouterState],
       current block's representation while x is the previous block's).
     width_mask: f32[E, f] hidden-unit mask of heterogeneous experts in the
       executor's expert order (default: from ``cfg``).
+    replay: a recorded selection (:class:`~moejax.routing.replay.RoutingReplay`,
+      [B, S, K] or [T, K], e.g. an earlier forward's ``aux.selection``) used
+      instead of the router's, with weights from the router's current scores;
+      routed layers only.
 
   Returns:
-    ``(y, aux)``: y has x's shape and dtype; aux as the module docstring says.
+    ``(y, aux)``: y has x's shape and dtype; aux as the module docstring says
+    (``aux.selection``: the decision's selection before capacity, [T, K]).
   """
   if state is None:
     state = init_router_state(cfg)
@@ -248,17 +262,30 @@ def moe_layer(params: Params, x: jax.Array, state: Optional[RouterState],
   axis_names = tuple(axis_names)
   cfg.check_resolved("moe_layer")
   sx = x2 if shared_x is None else shared_x.reshape(-1, shape[-1])
+  kw = {}
+  if replay is not None:
+    kw["replay"] = _layer_replay(replay, shape[:-1], cfg)
   y, aux = cfg.layer.apply(params, x2, sx, state, cfg, token_ids=ids, rng=rng, train=train,
                            axis_names=axis_names, batch_shape=batch_shape, executor=executor,
-                           width_mask=width_mask)
+                           width_mask=width_mask, **kw)
   return y.reshape(shape).astype(x.dtype), aux
+
+
+def _layer_replay(replay, token_shape, cfg: MoEConfig) -> replay_lib.RoutingReplay:
+  """The replay of a routed layer, checked against its tokens and flattened to [T, K]."""
+  if not cfg.layer.routed:
+    raise ValueError(f"moe_layer: replay given to a moe.kind={cfg.kind!r} layer, which has no "
+                     "token routing to replay. Fix: replay routed (moe.kind='sparse') layers only")
+  replay_lib.check_replay(replay, tuple(token_shape), cfg, where="moe_layer")
+  return replay.reshape(-1)
 
 
 def ep_moe_layer(params: Params, x: jax.Array, state: Optional[RouterState], cfg: MoEConfig,
                  mesh: Mesh, pcfg: ParallelConfig = ParallelConfig(), *,
                  token_ids: Optional[jax.Array] = None, rng: Optional[jax.Array] = None,
                  train: bool = False, shared_x: Optional[jax.Array] = None,
-                 placement: Optional[placement_lib.Placement] = None
+                 placement: Optional[placement_lib.Placement] = None,
+                 replay: Optional[replay_lib.RoutingReplay] = None
                  ) -> tuple[jax.Array, MoEAux]:
   """:func:`moe_layer` with expert parallelism; call it inside ``jax.jit``.
 
@@ -282,6 +309,7 @@ def ep_moe_layer(params: Params, x: jax.Array, state: Optional[RouterState], cfg
     pcfg: dispatch path, routing limits, nodes; its expert axis must match
       the mesh's.
     shared_x / token_ids / rng / train: as :func:`moe_layer`.
+    replay: as :func:`moe_layer`, [B, S, K] (split over devices like x).
     placement: optional expert placement (replicas of hot experts).
 
   Returns:
@@ -299,6 +327,8 @@ def ep_moe_layer(params: Params, x: jax.Array, state: Optional[RouterState], cfg
                                                                    x.shape)):
     if arr is not None and tuple(arr.shape) != tuple(want):
       raise ValueError(f"ep_moe_layer: {name} has shape {arr.shape}; expected {want}")
+  if replay is not None:
+    _layer_replay(replay, x.shape[:2], cfg)  # refused before any compute
   mask = experts_lib.width_mask(cfg) if cfg.topology.expert_widths is not None else None
   prep = parallel_lib.prepare(params, cfg, mesh, pcfg, x.shape[0], x.shape[-1],
                               width_mask=mask, placement=placement)
@@ -306,7 +336,8 @@ def ep_moe_layer(params: Params, x: jax.Array, state: Optional[RouterState], cfg
   args = {"params": prep.params, "x": x, "state": state}
   in_specs = {"params": prep.param_specs, "x": tok, "state": P()}
   for name, arr, spec in (("token_ids", token_ids, tok), ("shared_x", shared_x, tok),
-                          ("rng", rng, P()), ("width_mask", prep.width_mask, P("expert"))):
+                          ("rng", rng, P()), ("width_mask", prep.width_mask, P("expert")),
+                          ("replay", replay, tok)):
     if arr is not None:
       args[name], in_specs[name] = arr, spec
 
@@ -316,7 +347,8 @@ def ep_moe_layer(params: Params, x: jax.Array, state: Optional[RouterState], cfg
       key = jax.random.fold_in(key, parallel_lib.device_index(ex.axes))
     y, aux = moe_layer(a["params"], a["x"], a["state"], cfg, token_ids=a.get("token_ids"),
                        rng=key, train=train, axis_names=ex.axes, executor=ex,
-                       shared_x=a.get("shared_x"), width_mask=a.get("width_mask"))
+                       shared_x=a.get("shared_x"), width_mask=a.get("width_mask"),
+                       replay=a.get("replay"))
     return y, aux.reduce_on_exit(lambda v: stats.pmean(v, ex.axes))
 
   out_specs = (tok, MoEAux.out_specs(tok, cfg.kind))
@@ -423,11 +455,11 @@ class SparseKind(LayerKind):
     return out
 
   def apply(self, params, x, shared_x, state, cfg, *, token_ids, rng, train, axis_names,
-            batch_shape, executor, width_mask):
+            batch_shape, executor, width_mask, replay=None):
     return _sparse_layer(params, x, shared_x, state, cfg, token_ids=token_ids, rng=rng,
                          train=train, axis_names=axis_names, batch_shape=batch_shape,
                          executor=executor or executor_lib.local_executor(cfg),
-                         width_mask=width_mask)
+                         width_mask=width_mask, replay=replay)
 
 
 class SoftKind(LayerKind):

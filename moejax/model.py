@@ -52,6 +52,7 @@ from moejax.nn.ffn import DenseFFN, ffn_params
 from moejax.nn.mod import MoDBlock
 from moejax.nn.moe_block import ExpertParallel, MoEFFN, RouterStateVar
 from moejax.nn.scmoe import shortcut_input
+from moejax.routing import replay as replay_lib
 from moejax.topology import accounting
 from moejax.topology import roles as roles_lib
 
@@ -101,14 +102,15 @@ class Block(nnx.Module):
   def __call__(self, x: jax.Array, positions: jax.Array, token_ids: jax.Array, *,
                train: bool = False, rng: Optional[jax.Array] = None,
                axis_names: Sequence[str] = (), shortcut: Optional[jax.Array] = None,
-               return_tap: bool = False):
-    """return_tap: also return h, the normalized FFN input (the next ScMoE block's shortcut)."""
+               return_tap: bool = False, replay=None):
+    """return_tap: also return h, the normalized FFN input (the next ScMoE block's shortcut).
+    replay: the MoE layer's recorded selection (:class:`~moejax.routing.replay.RoutingReplay`)."""
     x = x + self.attn(self.attn_norm(x), positions)
     h = self.ffn_norm(x)
     if self.is_moe:
       routed_x = shortcut_input(h, shortcut) if self.scmoe else None
       out, aux = self.ffn(h, token_ids, train=train, rng=rng, axis_names=axis_names,
-                          routed_x=routed_x)
+                          routed_x=routed_x, replay=replay)
     else:
       out, aux = self.ffn(h), None
     return (x + out, aux, h) if return_tap else (x + out, aux)
@@ -160,11 +162,16 @@ class Transformer(nnx.Module):
 
   def __call__(self, tokens: jax.Array, *, train: bool = False,
                rng: Optional[jax.Array] = None,
-               axis_names: Sequence[str] = ()) -> tuple[jax.Array, dict]:
+               axis_names: Sequence[str] = (),
+               replay: Optional[dict] = None) -> tuple[jax.Array, dict]:
     """tokens int[B, S] -> (logits f32[B, S, V], aux); see the module docstring.
 
     rng: key for router noise / jitter (training); layer i uses fold_in(rng, i).
     axis_names: mesh axes to reduce global MoE statistics over under shard_map.
+    replay: ``{'layer_<i>': RoutingReplay [B, S, K]}`` for every routed MoE
+      layer (routing replay, :mod:`moejax.routing.replay`; what
+      ``aux['moe'][name]['selection']`` holds after a forward): each layer
+      uses the recorded experts, weighted by its router's current scores.
     """
     if tokens.ndim != 2 or not jnp.issubdtype(tokens.dtype, jnp.integer):
       raise ValueError(f"Transformer: tokens must be int[B, S], got {tokens.dtype}"
@@ -174,9 +181,13 @@ class Transformer(nnx.Module):
     x = self.embed(tokens)
     aux = {"loss": jnp.zeros((), jnp.float32), "moe": {}, "mod": {}}
     tap = None  # ScMoE: the previous block's normalized FFN input
+    if replay is not None:
+      replay_lib.check_layers(replay, self.replay_layers(), "Transformer(replay=)")
     for i, block in enumerate(self.blocks):
       key = None if rng is None else jax.random.fold_in(rng, i)
       kw = dict(train=train, rng=key, axis_names=axis_names)
+      if replay is not None and f"layer_{i}" in replay:
+        kw["replay"] = replay[f"layer_{i}"]
       if isinstance(block, MoDBlock):
         x, moe_aux, mod_aux = self._run(block, x, positions, tokens, **kw)
         aux["mod"][f"layer_{i}"] = mod_aux
@@ -211,6 +222,16 @@ class Transformer(nnx.Module):
       return block(x, *args, **kw)
     # Static flags stay Python values; arrays pass through remat's arguments.
     return nnx.remat(lambda blk, x_, *a: blk(x_, *a, **kw))(block, x, *args)
+
+  def replay_layers(self) -> tuple[str, ...]:
+    """Names of the MoE layers a routing replay covers: routed, not inside a MoD block."""
+    for i, b in enumerate(self.blocks):
+      if isinstance(b, MoDBlock) and b.block.is_moe:
+        raise ValueError(f"routing replay: layer_{i} is an MoE layer inside a mixture-of-depths "
+                         "block, whose routed tokens are a per-forward choice. Fix: replay "
+                         "models without mixture-of-depths MoE blocks")
+    return tuple(f"layer_{i}" for i, b in enumerate(self.blocks)
+                 if isinstance(b, Block) and b.is_moe and b.ffn.cfg.layer.routed)
 
   def moe_ffns(self) -> dict[str, MoEFFN]:
     """``{'layer_<i>': MoEFFN}`` of every MoE block (the keys of ``aux['moe']``)."""

@@ -77,8 +77,8 @@ def test_for_kind_rejects_missing_and_undeclared_fields():
 def test_out_specs_derive_from_the_type():
   tok = P(("data", "fsdp", "expert"))
   specs = MoEAux.out_specs(tok, "sparse")
-  assert specs.routing == tok
-  for name in set(MoEAux.field_names()) - {"routing"}:
+  assert specs.routing == tok and specs.selection == tok  # token-major
+  for name in set(MoEAux.field_names()) - {"routing", "selection"}:
     assert getattr(specs, name) == P(), name
   soft = MoEAux.out_specs(tok, "soft")
   assert soft.present() == {"losses": P(), "metrics": P()}

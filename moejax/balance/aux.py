@@ -163,6 +163,9 @@ class MoEAux(_Declared):
       controller's input); sparse only.
     num_dropped: int32[] copies capacity removed (summed); sparse only.
     routing: the :class:`RoutingResult` after capacity, token-major; sparse only.
+    selection: the router's selection before capacity, token-major
+      (:class:`moejax.routing.replay.RoutingReplay`: expert_ids, valid), what
+      routing replay records and replays; sparse only.
     execution: the executor's extras (empty on one device; expert-parallel:
       ``device_load`` f32[D] and ``comm``); sparse only.
     observed: ``{idea: {name: f32}}`` what the config's stateful ideas observed
@@ -176,6 +179,7 @@ class MoEAux(_Declared):
   router_load: Optional[jax.Array] = aux_field(("sparse",))
   num_dropped: Optional[jax.Array] = aux_field(("sparse",))
   routing: Optional[RoutingResult] = aux_field(("sparse",), ep=TOKENS)
+  selection: Optional[Any] = aux_field(("sparse",), ep=TOKENS)
   execution: Optional[Mapping[str, Any]] = aux_field(("sparse",))
   observed: Optional[Mapping[str, Any]] = aux_field(("sparse",))
 

@@ -76,7 +76,8 @@ def _aux_for_model(aux: MoEAux, batch_shape: tuple[int, int]) -> dict:
   The keys are the :class:`~moejax.balance.aux.MoEAux` fields the layer kind
   fills (``metrics`` stays a :class:`~moejax.balance.aux.LayerMetrics`),
   with ``routing`` replaced by ``expert_ids``, ``weights`` and ``valid``
-  [B, S, K]. Router probabilities and logits ([T, E_r]) are dropped: losses
+  [B, S, K], and ``selection`` (the router's decision before capacity, a
+  :class:`~moejax.routing.replay.RoutingReplay`) reshaped to [B, S, K]. Router probabilities and logits ([T, E_r]) are dropped: losses
   and metrics already consumed them, and keeping them would carry B*S*E_r
   floats per layer out of every step.
   """
@@ -87,6 +88,8 @@ def _aux_for_model(aux: MoEAux, batch_shape: tuple[int, int]) -> dict:
     out["expert_ids"] = routing.expert_ids.reshape(b, s, -1)
     out["weights"] = routing.weights.reshape(b, s, -1)
     out["valid"] = routing.valid.reshape(b, s, -1)
+  if "selection" in out:
+    out["selection"] = out["selection"].reshape(*batch_shape)
   return out
 
 
@@ -133,12 +136,15 @@ class MoEFFN(nnx.Module):
 
   def __call__(self, x: jax.Array, token_ids: jax.Array, *, train: bool = False,
                rng: Optional[jax.Array] = None, axis_names: Sequence[str] = (),
-               routed_x: Optional[jax.Array] = None) -> tuple[jax.Array, dict]:
+               routed_x: Optional[jax.Array] = None,
+               replay: Optional[Any] = None) -> tuple[jax.Array, dict]:
     """x[B, S, d], token_ids int[B, S] -> (y[B, S, d], aux).
 
     routed_x: what the router and the routed experts read (default x; the
     ScMoE schedule passes the previous block's representation, and the shared
     experts keep reading x).
+    replay: a recorded selection [B, S, K] to route by
+    (:class:`~moejax.routing.replay.RoutingReplay`; None: the router's own).
     """
     params = values(self.params)
     if self.adapters is not None:
@@ -152,7 +158,8 @@ class MoEFFN(nnx.Module):
     ep = self.expert_parallel
     if ep is None:
       y, aux = layer_lib.moe_layer(params, inp, state, self.cfg, token_ids=token_ids, rng=rng,
-                                   train=train, axis_names=axis_names, shared_x=shared_x)
+                                   train=train, axis_names=axis_names, shared_x=shared_x,
+                                   replay=replay)
     else:
       if axis_names:
         raise ValueError(f"MoEFFN: axis_names={tuple(axis_names)} with expert parallelism; "
@@ -160,7 +167,7 @@ class MoEFFN(nnx.Module):
                          "the model outside shard_map, under jax.jit")
       y, aux = layer_lib.ep_moe_layer(params, inp, state, self.cfg, ep.mesh, ep.pcfg,
                                       token_ids=token_ids, rng=rng, train=train,
-                                      shared_x=shared_x)
+                                      shared_x=shared_x, replay=replay)
     return y.astype(x.dtype), _aux_for_model(aux, x.shape[:2])
 
   def apply_controller(self, router_load: jax.Array) -> None:

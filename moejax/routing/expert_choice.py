@@ -133,6 +133,11 @@ class ExpertChoice(RouterSpec):
     # and in all E at most.
     return cfg.routing.opts.capacity, float(cfg.num_experts)
 
+  def replay_weights(self, result, expert_ids, valid, cfg):
+    # The paper's gate: the chosen expert's score, whatever moe.routing.gating says.
+    s = scores(result.logits, cfg.routing.score_fn)
+    return jnp.take_along_axis(s, expert_ids, axis=-1) * cfg.routing.routed_scaling_factor
+
   def route(self, params, x, bias, cfg, *, token_ids, rng, train, context):
     return route_expert_choice(params, x, bias, cfg, token_ids=token_ids, rng=rng, train=train,
                                context=context)

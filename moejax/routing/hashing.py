@@ -115,6 +115,11 @@ class Hash(RouterSpec):
   def param_shapes(self, d_model, cfg):
     return {}  # so init, the accounting and the audit count no router weights or FLOPs
 
+  def replay_weights(self, result, expert_ids, valid, cfg):
+    del result, valid  # every slot weighs the same, as in select_hash
+    k = expert_ids.shape[-1]
+    return jnp.full(expert_ids.shape, cfg.routing.routed_scaling_factor / k, jnp.float32)
+
   def route(self, params, x, bias, cfg, *, token_ids, rng, train):
     return route_hash(params, x, bias, cfg, token_ids=token_ids, rng=rng, train=train)
 

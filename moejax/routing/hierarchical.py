@@ -119,6 +119,12 @@ class Hierarchical(RouterSpec):
   def param_shapes(self, d_model, cfg):
     return {"w": (d_model, cfg.num_routed), "w_family": (d_model, cfg.routing.opts.n_families)}
 
+  def replay_weights(self, result, expert_ids, valid, cfg):
+    # The gates read the joint probabilities (result.probs), as select_hierarchical's do.
+    rc, joint = cfg.routing, result.probs
+    log_joint = jnp.log(jnp.maximum(joint, jnp.finfo(joint.dtype).tiny))
+    return gate_weights(joint, log_joint, expert_ids, valid, rc.gating, rc.routed_scaling_factor)
+
   def route(self, params, x, bias, cfg, *, token_ids, rng, train):
     return route_hierarchical(params, x, bias, cfg, token_ids=token_ids, rng=rng, train=train)
 

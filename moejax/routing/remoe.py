@@ -138,6 +138,14 @@ class ReMoE(RouterSpec):
                         "ReMoE's target k counts FFN experts; zero-computation experts are "
                         "not defined for it", "set the zero-computation experts to 0")
 
+  def result_k(self, cfg) -> int:
+    return cfg.num_routed  # every expert is a slot (select_relu)
+
+  def replay_weights(self, result, expert_ids, valid, cfg):
+    # ReLU gates of the replayed experts, as select_relu's.
+    gates = jax.nn.relu(jnp.take_along_axis(result.logits, expert_ids, axis=-1))
+    return gates * cfg.routing.routed_scaling_factor
+
   def route(self, params, x, bias, cfg, *, token_ids, rng, train):
     del bias, token_ids
     return select_relu(router_logits(params["w"], x, cfg.routing, rng, train), cfg)

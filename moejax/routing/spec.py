@@ -86,6 +86,8 @@ import jax
 import jax.numpy as jnp
 
 from moejax.config.registry import ROUTERS
+from moejax.routing.gating import gate_weights
+from moejax.routing.scores import scores
 from moejax.routing.types import IdeaState
 
 # Switch Transformer (Fedus et al. §2.4): truncated normal, variance 0.1 / d
@@ -205,6 +207,26 @@ class RouterSpec:
     :class:`~moejax.routing.types.RoutingContext` (batch-wide routers).
     """
     raise NotImplementedError(f"router {self.name!r} does not implement route()")
+
+  def result_k(self, cfg) -> int:
+    """K, the slots per token of the RoutingResult ``route`` returns (what a replay holds):
+    ``routing.top_k`` for a token-choice router, every router output otherwise."""
+    return cfg.routing.top_k if self.token_choice else cfg.num_routed
+
+  def replay_weights(self, result, expert_ids: jax.Array, valid: jax.Array, cfg) -> jax.Array:
+    """Gates f32[T, K] of a replayed selection (routing replay, :mod:`moejax.routing.replay`).
+
+    ``result`` is this router's decision for the same tokens (its ``logits``
+    and ``probs`` are this forward's scores); ``expert_ids`` / ``valid`` the
+    recorded selection. Default: ``moe.routing.gating`` of the scores of the
+    logits (:func:`~moejax.routing.gating.gate_weights`), right for a router
+    that gates its own selection that way (top-k, top-p, S-BASE); a router
+    that gates otherwise overrides it, so replaying its own selection gives
+    its own weights.
+    """
+    rc = cfg.routing
+    s = scores(result.logits, rc.score_fn)
+    return gate_weights(s, result.logits, expert_ids, valid, rc.gating, rc.routed_scaling_factor)
 
   # --- Accounting. ---------------------------------------------------------
 

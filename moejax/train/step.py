@@ -221,6 +221,11 @@ def make_train_step(graphdef, cfg: ExperimentConfig,
   function (so remat or accumulation cannot move either twice). The idea
   state this step's forward read is logged as ``state/<idea>/<field>``.
 
+  A batch with a ``replay`` entry (``{'layer_<i>': RoutingReplay}`` [B, S,
+  K], split into micro-batches like the tokens) trains on that recorded
+  selection: the router's gradient flows through the recomputed gates only,
+  and the loads the controller reads are the replayed selection's.
+
   The objective is the token-weighted cross-entropy of the whole batch (sum
   of per-token losses / scored tokens) plus the mean over micro-batches of
   the balance losses; with one micro-batch it is exactly mean CE + aux.
@@ -233,7 +238,8 @@ def make_train_step(graphdef, cfg: ExperimentConfig,
 
   def objective(params, router_state, other, batch, key, n_tokens):
     model = nnx.merge(graphdef, params, router_state, other)
-    logits, aux = model(batch["inputs"], train=True, rng=key)
+    # A batch may carry a routing replay ({'layer_<i>': RoutingReplay [B, S, K]}).
+    logits, aux = model(batch["inputs"], train=True, rng=key, replay=batch.get("replay"))
     _, ce_sum, _ = masked_cross_entropy(logits, batch["targets"], batch["mask"])
     ce = ce_sum / n_tokens
     loss = ce + aux["loss"] / m
