@@ -11,7 +11,9 @@ Entry points:
 * :func:`moejax.execution.gmm.gmm` / :func:`~moejax.execution.gmm.tgmm`: the
   grouped matmul and its weight-gradient form; backends ``ragged_dot``
   (reference), ``blocked`` (portable XLA, default), ``pallas_tpu``,
-  ``pallas_gpu``.
+  ``pallas_gpu``, ``whole_group`` (one matmul per expert over capacity
+  buckets; named, or picked per call shape by a shape rule,
+  :mod:`moejax.execution.shape_choice`).
 * :mod:`moejax.execution.permute`: dropless sort-by-expert layout, [E, C]
   capacity buffers with the slot-major drop rule, permute / unpermute with
   gather-only custom VJPs.

@@ -236,7 +236,8 @@ BACKEND = gmm_lib.Backend(
     gather_gmm=blocked_gather_gmm, scatter_gmm=blocked_scatter_gmm,
     gather_tgmm=blocked_gather_tgmm,
     # fused.py imports only tiling, so this arrow runs one way.
-    fused_ffn=fused_lib.blocked_ffn,
-    # auto's shape rule: where groups are large, one matmul per expert
-    # (whole_group.py) beats the tiled loop; the layer suite chose the rows.
-    auto_large_groups=("whole_group", tiling.WHOLE_GROUP_MIN_ROWS))
+    # No auto_large_groups (shape rule): the layer suite (bench --suite=layer
+    # --shapes=coarse,e8k8,fine,e32k2) found whole_group's batched matmuls
+    # slower than this tiled loop at every shape it measured on CPU, the
+    # large-group ones included (docs/benchmarks.md).
+    fused_ffn=fused_lib.blocked_ffn)

@@ -40,6 +40,10 @@ Backends (``BACKENDS``):
                ``interpret=True`` on other platforms (Mosaic GPU
                interpreter).
 =============  ==============================================================
+
+and ``whole_group``: one batched matmul over [G, C] slots, C the smallest
+capacity bucket holding the largest group, else the ``blocked`` loop
+(:mod:`moejax.execution.whole_group`).
 """
 
 from __future__ import annotations

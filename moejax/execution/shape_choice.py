@@ -7,9 +7,10 @@ A :class:`ShapeRule` is ``backend``, except ``large_backend`` for calls
 whose balanced group has at least ``large_rows`` rows. It is read from the
 execution config (``large_group_backend`` / ``large_group_rows``), which
 resolving ``auto`` fills in from the chosen backend's ``auto_large_groups``
-(:func:`moejax.execution.executor.resolve_execution`): on CPU, ``blocked``'s
-tiled loop for small groups and ``whole_group``'s one matmul per expert for
-large ones. Shapes are static under ``jit``, so the choice is made once per
+(:func:`moejax.execution.executor.resolve_execution`). No shipped backend
+carries one yet: on CPU the layer suite found ``whole_group``'s one matmul
+per expert slower than ``blocked``'s tiled loop at every shape it measured.
+Shapes are static under ``jit``, so the choice is made once per
 traced shape; :func:`choose` reports each distinct decision once per process
 (training, evaluation, decoding and each expert-parallel shard are
 different shapes) and keeps them for :func:`decisions`.
@@ -50,7 +51,7 @@ class ShapeRule:
 
   def describe(self) -> str:
     if not self.switches:
-      return self.backend
+      return f"{self.backend} at every shape"
     return (f"{self.large_backend} where token copies / experts >= {self.large_rows}, "
             f"else {self.backend}")
 
@@ -72,10 +73,12 @@ class Decision:
     return self.tokens * self.slots / max(self.num_experts, 1)
 
   def line(self) -> str:
-    side = ">=" if self.backend == self.rule.large_backend else "<"
+    rows = f"{self.rows_per_expert:.0f} rows per expert"
+    if self.rule.switches:
+      side = ">=" if self.backend == self.rule.large_backend else "<"
+      rows += f" {side} {self.rule.large_rows}"
     return (f"execution: T={self.tokens} K={self.slots} E={self.num_experts} d={self.d} "
-            f"f={self.f}: {self.rows_per_expert:.0f} rows per expert {side} "
-            f"{self.rule.large_rows} -> {self.backend} (rule: {self.rule.describe()})")
+            f"f={self.f}: {rows} -> {self.backend} (rule: {self.rule.describe()})")
 
 
 _LOCK = threading.Lock()

@@ -50,12 +50,6 @@ FUSED_TILE_GRAIN = 64
 # balanced group size, for operands of at least FINE_MIN_ROWS rows.
 FUSED_TILE_FINE = 16
 FINE_MIN_ROWS = 2048
-# ``auto``'s shape rule on CPU (``blocked``'s ``auto_large_groups``): calls
-# whose balanced group (token copies / experts) has at least this many rows
-# run ``whole_group`` (one batched matmul per weight over [E, C] slots)
-# instead of the tiled loop. The layer suite (``bench --suite=layer``) chose
-# it; below it the tiled loop was as fast or faster.
-WHOLE_GROUP_MIN_ROWS = 2048
 
 
 def cdiv(a: int, b: int) -> int:

@@ -9,9 +9,10 @@ import pytest
 
 from moejax import config as C
 from moejax import layer as L
+from moejax.execution import blocked
 from moejax.execution import executor as executor_lib
 from moejax.execution import gmm as gmm_lib
-from moejax.execution import grouped_ffn, parallel, shape_choice, tiling
+from moejax.execution import grouped_ffn, parallel, shape_choice
 from moejax.execution import whole_group as wg
 from tests.configs import moe_config
 
@@ -99,19 +100,34 @@ def test_each_distinct_decision_is_reported_once(monkeypatch):
   assert len(lines) == 2
 
 
-def test_resolving_auto_records_the_rule_and_its_threshold():
+def test_no_shipped_backend_carries_a_rule_yet():
+  # The layer suite found whole_group slower than the tiled loop at every shape it
+  # measured on CPU (docs/benchmarks.md): auto resolves as before, with no rule.
+  for platform in ("cpu", "gpu", "tpu"):
+    ex = executor_lib.resolve_execution(C.MoEConfig(), platform).execution
+    assert (ex.large_group_backend, ex.large_group_rows) == ("", 0), platform
+  assert all(gmm_lib.get_backend(n).auto_large_groups == () for n in gmm_lib.BACKENDS)
+
+
+def test_resolving_auto_records_the_chosen_backends_rule(monkeypatch):
+  monkeypatch.setattr(blocked, "BACKEND", dataclasses.replace(
+      blocked.BACKEND, auto_large_groups=("whole_group", 2048)))
   ex = executor_lib.resolve_execution(C.MoEConfig(), "cpu").execution
   assert (ex.backend, ex.derived_from) == ("blocked", "auto on cpu")
-  assert (ex.large_group_backend, ex.large_group_rows) == (
-      "whole_group", tiling.WHOLE_GROUP_MIN_ROWS)
-  gpu = executor_lib.resolve_execution(C.MoEConfig(), "gpu").execution
-  assert (gpu.large_group_backend, gpu.large_group_rows) == ("", 0)  # no rule measured there
+  assert (ex.large_group_backend, ex.large_group_rows) == ("whole_group", 2048)
+  gpu = executor_lib.resolve_execution(C.MoEConfig(), "gpu").execution  # ragged_dot: none
+  assert (gpu.large_group_backend, gpu.large_group_rows) == ("", 0)
+  own = dataclasses.replace(C.MoEConfig(), execution=C.ExecutionConfig(
+      large_group_backend="whole_group", large_group_rows=64))
+  assert executor_lib.resolve_execution(own, "cpu").execution.large_group_rows == 64  # kept
   named = moe_config(num_experts=4, expert_width=6, backend="blocked")
   assert executor_lib.resolve_execution(named, "cpu") is named  # a named backend: no rule
   assert executor_lib.local_executor(named).rule == shape_choice.ShapeRule("blocked")
+  assert executor_lib.local_executor(C.MoEConfig()).rule == shape_choice.ShapeRule(
+      "blocked", "whole_group", 2048)
   # Expert parallelism: the shards' rule, with the gmm backend the shards run.
   assert parallel.shape_rule_for(C.MoEConfig(), "cpu") == shape_choice.ShapeRule(
-      "blocked", "whole_group", tiling.WHOLE_GROUP_MIN_ROWS)
+      "blocked", "whole_group", 2048)
   ref = dataclasses.replace(C.MoEConfig(), execution=C.ExecutionConfig(backend="reference"))
   assert parallel.shape_rule_for(ref, "cpu") == shape_choice.ShapeRule("ragged_dot")
 

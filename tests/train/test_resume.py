@@ -18,7 +18,6 @@ import sys
 
 import pytest
 
-from moejax.execution import tiling
 from moejax.train import checkpoint as ckpt_lib
 from moejax.train import loop, metrics_log
 from tests.train import helpers
@@ -116,11 +115,21 @@ def test_a_run_stored_before_auto_resumes_with_auto(tiny_copy, data_dir, stored)
   assert plan.step == 30 and not plan.finished
   moved = [f"model.moe.execution.backend: {stored!r} -> 'blocked'"] if stored != "blocked" else []
   execution = [c for c in plan.changes if c.startswith("model.moe.execution")]
-  # auto's shape rule (moejax.execution.shape_choice) is recorded too, and is no change
-  # of the run either.
-  rule = ["model.moe.execution.large_group_backend: '' -> 'whole_group'",
-          f"model.moe.execution.large_group_rows: 0 -> {tiling.WHOLE_GROUP_MIN_ROWS}"]
-  assert execution == moved + ["model.moe.execution.derived_from: '' -> 'auto on cpu'"] + rule
+  assert execution == moved + ["model.moe.execution.derived_from: '' -> 'auto on cpu'"]
+
+
+def test_a_changed_shape_rule_is_not_part_of_the_run(tiny_copy, data_dir):
+  # auto's shape rule (moejax.execution.shape_choice) picks a backend per shape: the
+  # parameters are the same arrays, so a run resumes under another rule.
+  _, workdir = tiny_copy
+  shutil.rmtree(os.path.join(workdir, "checkpoints", "40"))
+  cfg = helpers.experiment("tiny", data_dir, model__moe__execution__large_group_backend=(
+      "whole_group"), model__moe__execution__large_group_rows=64)
+  plan = ckpt_lib.check_workdir(workdir, cfg)
+  assert plan.step == 30 and not plan.finished
+  assert [c for c in plan.changes if c.startswith("model.moe.execution")] == [
+      "model.moe.execution.large_group_backend: '' -> 'whole_group'",
+      "model.moe.execution.large_group_rows: 0 -> 64"]
 
 
 def _damage(workdir, step, which):
