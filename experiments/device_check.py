@@ -64,7 +64,7 @@ import jax.numpy as jnp
 import numpy as np
 from absl import app, flags
 
-from experiments import bench_lib
+from experiments.benchmarks import lib as bench_lib
 from moejax.execution import gmm as gmm_lib
 from moejax.execution import pallas_gather
 from moejax.execution import permute as permute_lib

@@ -1,4 +1,4 @@
-"""experiments.bench: --suite=layer at a toy size (every variant, one run), --suite=step and
+"""experiments.bench and experiments/benchmarks/: --suite=layer at a toy size (every variant, one run), --suite=step and
 --suite=step --step_twin."""
 
 import json
@@ -37,10 +37,14 @@ def test_layer_suite_times_jax_and_torch_side_by_side(tmp_path):
   assert "ratio_to_torch_dense" in rows["hf_mixtral"]["fwdbwd"]
   assert "ratio_to_torch_dense" not in rows["blocked"]["fwdbwd"]
   assert "torch_dense" in r.stdout and "hf_mixtral" in r.stdout
+  # What backend='auto' runs at this shape, and by which rule, is printed and recorded.
+  assert shape["auto"]["backend"] == "blocked"
+  assert shape["auto"]["rule"] == "blocked at every shape"
+  assert f"auto here runs blocked: {shape['auto']['line']}" in r.stdout
 
 
 def test_step_bench_times_each_part_after_its_compiling_run():
-  from experiments import bench_step  # pylint: disable=g-import-not-at-top
+  from experiments.benchmarks import step as bench_step  # pylint: disable=g-import-not-at-top
   calls = {"a": 0, "b": 0}
 
   def count(name):
@@ -56,7 +60,7 @@ def test_step_bench_times_each_part_after_its_compiling_run():
 
 
 def test_step_bench_stops_on_a_failing_part():
-  from experiments import bench_step  # pylint: disable=g-import-not-at-top
+  from experiments.benchmarks import step as bench_step  # pylint: disable=g-import-not-at-top
 
   def broken():
     raise ValueError("no such shape")
@@ -88,7 +92,7 @@ def _default_experiment(**model):
 
 
 def test_step_twin_pairs_the_default_moe_with_its_active_dense_twin():
-  from experiments import bench_twin  # pylint: disable=g-import-not-at-top
+  from experiments.benchmarks import twin as bench_twin  # pylint: disable=g-import-not-at-top
   exp = _default_experiment()
   arms = bench_twin.twin_configs(exp)
   assert arms["moe"] is exp
@@ -106,7 +110,7 @@ def test_step_twin_pairs_the_default_moe_with_its_active_dense_twin():
 # config pairing is covered by the test above in the default run
 def test_step_twin_times_both_steps_at_a_tiny_size():
   import dataclasses  # pylint: disable=g-import-not-at-top
-  from experiments import bench_twin  # pylint: disable=g-import-not-at-top
+  from experiments.benchmarks import twin as bench_twin  # pylint: disable=g-import-not-at-top
   exp = _default_experiment(d_model=16, n_layers=1, n_heads=2)
   moe = exp.model.moe
   moe = dataclasses.replace(moe, topology=dataclasses.replace(moe.topology, num_experts=4,
@@ -125,7 +129,8 @@ def test_step_twin_times_both_steps_at_a_tiny_size():
 
 
 def test_step_twin_profile_splits_each_arms_traced_steps_per_step():
-  from experiments import bench_profile, bench_twin  # pylint: disable=g-import-not-at-top
+  from experiments.benchmarks import profile as bench_profile  # pylint: disable=g-import-not-at-top
+  from experiments.benchmarks import twin as bench_twin  # pylint: disable=g-import-not-at-top
   a = jnp.ones((64, 64), jnp.float32)
   mm = jax.jit(lambda a: a @ a)
   sort = jax.jit(lambda a: jnp.sort(a @ a, axis=0))
@@ -146,12 +151,12 @@ def test_step_twin_profile_splits_each_arms_traced_steps_per_step():
 
 
 def test_peak_suite_calibrates_once_and_runs_read_it(tmp_path, monkeypatch, capsys):
-  from experiments import bench  # pylint: disable=g-import-not-at-top
+  from experiments.benchmarks import peak  # pylint: disable=g-import-not-at-top
   from moejax.train import mfu  # pylint: disable=g-import-not-at-top
   monkeypatch.setenv("MOEJAX_CACHE_DIR", str(tmp_path))
   monkeypatch.setattr(mfu, "CALIBRATE_SECONDS", 0.05)
-  res = bench.peak_suite()
-  bench.print_peak_table(res)
+  res = peak.peak_suite()
+  peak.print_peak_table(res)
   printed = capsys.readouterr().out
   assert printed.startswith(f"matmul peak of this machine, cached in {tmp_path}/peak.json")
   cpu = jax.devices()[0]
@@ -204,7 +209,7 @@ def test_keep_going_exits_0_with_a_note(capsys):
 
 
 def test_ragged_dot_beyond_the_machines_memory_is_refused_in_one_line_before_running():
-  from experiments import bench_lib  # pylint: disable=g-import-not-at-top
+  from experiments.benchmarks import lib as bench_lib  # pylint: disable=g-import-not-at-top
   lhs, rhs = jnp.ones((256, 16)), jnp.ones((4, 16, 8))
   sizes = jnp.full((4,), 64, jnp.int32)
   fn = jax.jit(jax.lax.ragged_dot)

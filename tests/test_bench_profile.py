@@ -1,10 +1,10 @@
-"""experiments.bench_profile: the instruction classifier, the accounting, the spec's errors, a tiny run."""
+"""experiments.benchmarks.profile: the instruction classifier, the accounting, the spec's errors, a tiny run."""
 
 import json
 
 import pytest
 
-from experiments import bench_profile as bp
+from experiments.benchmarks import profile as bp
 
 E = bp.Event
 

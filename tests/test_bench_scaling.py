@@ -1,4 +1,4 @@
-"""experiments.bench_scaling: the floor arithmetic, the ratios, the spec's errors, a tiny run."""
+"""experiments.benchmarks.scaling: the floor arithmetic, the ratios, the spec's errors, a tiny run."""
 
 import json
 import pathlib
@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from experiments import bench_scaling as sc
+from experiments.benchmarks import scaling as sc
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 
@@ -159,7 +159,7 @@ class _Clock:
                                                 (True, {"compiles": 3, "slow": 1})])
 def test_slow_variants_are_judged_on_the_first_run_or_after_compile(monkeypatch, after_compile,
                                                                    runs):
-  from experiments import bench_lib  # pylint: disable=g-import-not-at-top
+  from experiments.benchmarks import lib as bench_lib  # pylint: disable=g-import-not-at-top
   clock = _Clock()
   monkeypatch.setattr(bench_lib, "time", clock)
   calls = {"compiles": 0, "slow": 0}
@@ -181,7 +181,7 @@ def test_slow_variants_are_judged_on_the_first_run_or_after_compile(monkeypatch,
 
 
 def test_a_variant_over_once_s_is_timed_by_its_first_run_only(monkeypatch):
-  from experiments import bench_lib  # pylint: disable=g-import-not-at-top
+  from experiments.benchmarks import lib as bench_lib  # pylint: disable=g-import-not-at-top
   clock = _Clock()
   monkeypatch.setattr(bench_lib, "time", clock)
   calls = {"huge": 0, "fast": 0}

@@ -28,13 +28,13 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 from absl import flags  # noqa: E402
 
-from experiments import bench_ep  # noqa: E402
+from experiments.benchmarks import ep as bench_ep  # noqa: E402
 from moejax import layer as L  # noqa: E402
 from moejax.execution import collective_order  # noqa: E402
 from moejax.execution import mesh as mesh_lib  # noqa: E402
 from moejax.execution import transport  # noqa: E402
 
-# The bench's variants (experiments/bench_ep.py) at a tiny size: the program's
+# The bench's variants (experiments/benchmarks/ep.py) at a tiny size: the program's
 # structure (collectives, switches) does not depend on it, compile time does.
 B, S, DM = 16, 8, 16
 BUCKETED = ("ep_capacity", "ep_capacity_copy", "ep_capacity_cf", "ep_ragged",

@@ -10,7 +10,8 @@ JSONs render to, so a table can only change by re-running the command.
 import json
 import pathlib
 
-from experiments import bench_serving, serving_tables
+from experiments import serving_tables
+from experiments.benchmarks import serving as bench_serving
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 DOC = (ROOT / "docs" / "benchmarks.md").read_text(encoding="utf-8")

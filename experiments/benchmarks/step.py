@@ -22,6 +22,9 @@ by side in one process (round-robin repeats, medians):
   per log line ``metrics read-back``, per checkpoint ``checkpoint save``;
 * compilation of the train step and the eval step.
 
+``--step_twin`` times the MoE config's step against its dense twin's instead
+(experiments/benchmarks/twin.py).
+
 Each time is reported as wall seconds and as this process's CPU seconds
 (``time.process_time``, all threads): on a machine shared with other jobs
 the wall time stretches with the load while the CPU time stays close to the
@@ -41,7 +44,8 @@ import jax.numpy as jnp
 import numpy as np
 from absl import flags
 
-from experiments import bench_lib
+from experiments.benchmarks import lib as bench_lib
+from experiments.benchmarks import registry, twin
 
 _SUITE = flags.DEFINE_string("step_suite", "configs/ablations/lossfree.py",
                              "suite file whose arm --suite=step profiles")
@@ -225,3 +229,19 @@ def print_step_table(res: dict) -> None:
     layers = f" (x{t['per_layer']} layers)" if "per_layer" in t else ""
     share = (f"{100 * t['cpu_s'] / step_cpu:.0f}%" if name in ORDER[1:6] else "")
     print(f"| {name}{layers} | {1e3 * t['wall_s']:.1f} | {1e3 * t['cpu_s']:.1f} | {share} |")
+
+
+def run() -> dict:
+  """--suite=step: the twin comparison under --step_twin, else the one-arm profile."""
+  if twin.enabled():
+    return twin.run_from_flags(bench_lib.conditions())
+  return step_suite(bench_lib.conditions())
+
+
+def show(res: dict) -> None:
+  (twin.print_twin_table if twin.enabled() else print_step_table)(res)
+
+
+SUITE = registry.register(registry.Suite(
+    "step", "one training step by part, or (--step_twin) the MoE step vs its dense twin",
+    run, show))

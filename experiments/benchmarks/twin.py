@@ -38,7 +38,7 @@ import jax
 import jax.numpy as jnp
 from absl import flags
 
-from experiments import bench_lib
+from experiments.benchmarks import lib as bench_lib
 
 _TWIN = flags.DEFINE_bool("step_twin", False, "--suite=step: time the MoE config's trainer "
                           "step against its dense twin's instead of profiling one arm")
@@ -97,7 +97,7 @@ def matmul_fn(n: int) -> Callable[[], object]:
 def profile_arms(fns: dict, steps: int) -> dict:
   """{arm: the wall split of ``steps`` traced steps, per step} with each kind's
   excess over the dense arm's step (``bench_profile.summarize``'s fields)."""
-  from experiments import bench_profile  # pylint: disable=g-import-not-at-top
+  from experiments.benchmarks import profile as bench_profile  # pylint: disable=g-import-not-at-top
   cores = len(os.sched_getaffinity(0))
 
   def many(fn):
@@ -201,10 +201,10 @@ def print_twin_table(res: dict) -> None:
 
 def profile_markdown(profile: dict) -> str:
   """The traced steps' wall split, 'moe ms / dense ms (+excess x dense)' per kind."""
-  from experiments import bench_profile  # pylint: disable=g-import-not-at-top
+  from experiments.benchmarks import profile as bench_profile  # pylint: disable=g-import-not-at-top
   m, d = profile["moe"], profile["dense"]
   lines = [f"\nwall ms per step over {m['steps']} traced steps, split by kind of XLA:CPU "
-           "instruction (bench_profile)",
+           "instruction (the profile suite)",
            "| kind | moe ms / dense ms (+excess x dense) |", "|---|---:|"]
   for k in bench_profile.ROWS:
     lines.append(f"| {k} | {bench_profile.wall_cell(m, d, k, '.1f')} |")

@@ -13,17 +13,13 @@ medians), forward+backward of
     device (``dispatch_unit='token'``) through the padded all_to_all with
     its per-step bucket (``capacity_buckets``);
   * ``ep_capacity_copy``: one row per token copy, bucketed;
-  * ``ep_capacity_old``: one row per token copy, every buffer at the dropless
-    worst case C = T (the dispatch before deduplication and buckets);
-  * ``ep_capacity_cf`` / ``_cf_old``: the new / old dispatch with
-    ``--ep_capacity_factor`` (drops counted);
-  * ``ep_ragged`` / ``_old``: dropless exact-size segments
-    (``ragged_all_to_all``; on CPU the emulated fallback, padded to the
-    bucket / to the worst case), per token / per copy;
+  * ``ep_capacity_cf``: the default dispatch with ``--ep_capacity_factor``
+    (drops counted);
+  * ``ep_ragged``: dropless exact-size segments (``ragged_all_to_all``; on
+    CPU the emulated fallback, padded to the bucket), one per token;
   * ``ep_node_limited``: each token limited to ``--ep_limit_nodes`` nodes of
     ``--ep_devices_per_node`` devices, dispatched once per node across nodes
     and forwarded inside the node (``dispatch_unit='node'``);
-    ``ep_node_limited_old``: the same routing, per-copy ragged dispatch;
 and reports, from the layer's own accounting (``aux['comm']``, both
 directions of one forward pass, summed over devices): bytes on the wire,
 routed copies, the analytic minimum for the routing made (each token once
@@ -45,6 +41,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from absl import app, flags, logging
+
+from experiments.benchmarks import common, registry
 
 _DEVICES = flags.DEFINE_integer("ep_devices", 8, "expert-axis devices (simulated on CPU)")
 _PER_NODE = flags.DEFINE_integer("ep_devices_per_node", 4, "devices per node")
@@ -99,21 +97,13 @@ def _variants(shape: str):
              execution=dict(backend="blocked"), routing=dict(top_k=shape_["top_k"]))
   cfg = C.from_dict(C.MoEConfig, moe)
   cf = C.from_dict(C.MoEConfig, dict(moe, balance=dict(capacity_factor=_EP_CF.value)))
-  # 'old': the dispatch before deduplication and buckets (one row per token
-  # copy, buffers at the worst case), in the same run for comparison.
-  old = dict(dispatch_unit="copy", capacity_buckets=1)
   limit = dict(route_limit="nodes", route_limit_count=_LIMIT.value)
   limited = C.ParallelConfig(**base, **limit, dispatch_unit="node")
-  limited_old = C.ParallelConfig(**base, **limit, **old, dispatch="ragged")
   return cfg, {
-      "ep_capacity_old": (cfg, C.ParallelConfig(**base, **old)),
       "ep_capacity_copy": (cfg, C.ParallelConfig(**base, dispatch_unit="copy")),
       "ep_capacity": (cfg, C.ParallelConfig(**base)),
-      "ep_capacity_cf_old": (cf, C.ParallelConfig(**base, **old)),
       "ep_capacity_cf": (cf, C.ParallelConfig(**base)),
-      "ep_ragged_old": (cfg, C.ParallelConfig(**base, **old, dispatch="ragged")),
       "ep_ragged": (cfg, C.ParallelConfig(**base, dispatch="ragged")),
-      "ep_node_limited_old": (C.resolve_route_limit(cfg, limited_old), limited_old),
       "ep_node_limited": (C.resolve_route_limit(cfg, limited), limited),
   }
 
@@ -203,3 +193,8 @@ def print_ep_table(res: dict) -> None:
             f"{r['cross_node_share']:>7.2f}{r['min_node'] / mb:>9.2f}"
             f"{r['cross_copies_over_min_node']:>9.2f}{r['meta'] / mb:>9.2f}"
             f"{r['num_dropped']:>6}")
+
+
+SUITE = registry.register(registry.Suite(
+    "ep", "the expert-parallel layer's step time and all-to-all bytes on simulated devices",
+    lambda: ep_suite(common.REPEATS.value), print_ep_table))

@@ -53,6 +53,8 @@ import numpy as np
 from absl import flags, logging
 from flax import nnx
 
+from experiments.benchmarks import lib as bench_lib
+from experiments.benchmarks import registry
 from moejax.config import (ExecutionConfig, ModelConfig, MoEConfig, RoutingConfig,
                            TopologyConfig)
 from moejax.model import Transformer, dense_equivalent, param_count
@@ -341,3 +343,8 @@ def markdown_tables(res: dict) -> str:
   for b, row in res["ffn_slot_s"].items():
     lines.append(f"| {b} | " + " | ".join(f"{1e3 * row[n]:.2f}" for n in names) + " |")
   return "\n".join(lines)
+
+
+SUITE = registry.register(registry.Suite(
+    "serving", "decode and prefill latency and throughput of an MoE vs its dense twins",
+    lambda: serving_suite(bench_lib.conditions()), print_serving_table))

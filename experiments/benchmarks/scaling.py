@@ -64,7 +64,8 @@ import jax.numpy as jnp
 import numpy as np
 from absl import app, flags, logging
 
-from experiments import bench_lib
+from experiments.benchmarks import lib as bench_lib
+from experiments.benchmarks import common, registry
 
 JAX_VARIANTS = {"dense": None, "blocked": dict(backend="blocked"),
                 "blocked_unfused": dict(backend="blocked", fused=False, fold_permute=False),
@@ -451,3 +452,17 @@ def _markdown_row(p: dict, col: str, mode: str) -> str:
           f"| {_fmt(p['floor'][mode]['x_dense'], '.3f')} "
           f"| {_fmt(p['floor'][mode].get('excess_x_dense'), '.3f')} "
           f"| {p['load_1min_before']:.1f} -> {p['load_1min_after']:.1f} |")
+
+
+def run() -> dict:
+  """--suite=scaling: --slow_s / --slow_repeats apply only when given (else the spec's)."""
+  given = lambda flag: flag.value if flag.present else None
+  spec = spec_from_flags(common.REPEATS.value, given(common.SLOW_S),
+                         given(common.SLOW_REPEATS), common.TORCH_THREADS.value,
+                         common.SEED.value)
+  return scaling_suite(spec, bench_lib.conditions())
+
+
+SUITE = registry.register(registry.Suite(
+    "scaling", "the layer / dense ratio as E and T grow, with a weight-streaming floor",
+    run, print_scaling_table))

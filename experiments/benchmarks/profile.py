@@ -64,7 +64,9 @@ from typing import Optional
 import jax
 from absl import app, flags
 
-from experiments import bench_lib, bench_scaling
+from experiments.benchmarks import lib as bench_lib
+from experiments.benchmarks import scaling as bench_scaling
+from experiments.benchmarks import common, registry
 
 _POINTS = flags.DEFINE_list("profile_points", ["8192x8", "8192x64", "8192x512", "2048x64"],
                             "points to profile, each TxE (tokens x experts)")
@@ -397,3 +399,9 @@ def run_from_flags(repeats: int, seed: int, conditions: dict) -> dict:
   except ValueError as e:
     raise app.UsageError(str(e)) from None
   return profile_suite(spec, conditions)
+
+
+SUITE = registry.register(registry.Suite(
+    "profile", "where the MoE layer's extra time goes, by kind of XLA instruction",
+    lambda: run_from_flags(common.REPEATS.value, common.SEED.value, bench_lib.conditions()),
+    print_profile_table))

@@ -1,0 +1,1 @@
+"""Benchmark suites of ``python -m experiments.bench``, one module each (registry.py)."""
