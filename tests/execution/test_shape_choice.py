@@ -79,6 +79,11 @@ def test_the_rule_picks_by_rows_per_expert():
   assert rule.pick(16383, 8) == "blocked"
   assert rule.pick(65536, 64) == "blocked"  # 1024 rows per expert
   assert shape_choice.ShapeRule("blocked").pick(10 ** 6, 1) == "blocked"  # no rule
+  # The layer suite prints this line for each shape (what auto runs there).
+  plain = shape_choice.Decision(shape_choice.ShapeRule("blocked"), 8192, 2, 8, 512, 1024,
+                                "blocked")
+  assert plain.line() == ("execution: T=8192 K=2 E=8 d=512 f=1024: 2048 rows per expert "
+                          "-> blocked (rule: blocked at every shape)")
   assert "whole_group where token copies / experts >= 2048, else blocked" == rule.describe()
 
 
