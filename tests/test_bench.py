@@ -225,3 +225,29 @@ def test_ragged_dot_beyond_the_machines_memory_is_refused_in_one_line_before_run
   assert float(timed["ragged_dot/fwd"]["refused"].split()[2]) >= 64
   assert timed["ok/fwd"]["median_s"] > 0
   assert bench_lib.failures({"variants": timed}) == []  # refused is not a failure
+
+
+def test_every_suite_module_registers_its_suite_and_the_flag_lists_them():
+  from experiments import bench  # pylint: disable=g-import-not-at-top
+  from experiments.benchmarks import registry  # pylint: disable=g-import-not-at-top
+  suites = registry.load_all()
+  assert list(suites) == list(registry.MODULES)  # each module registers one suite, its name
+  assert bench.flags.FLAGS["suite"].parser.enum_values == list(registry.MODULES)
+  assert registry.get("gmm").name == "gmm"
+  with pytest.raises(ValueError, match="error: benchmark suite 'gmm' is registered twice"):
+    registry.register(registry.Suite("gmm", "another", lambda: {}, print))
+  with pytest.raises(KeyError, match="--suite='nope' is not a benchmark suite"):
+    registry.get("nope")
+
+
+def test_layer_variants_are_the_backends_that_run_here_and_the_baselines():
+  from experiments.benchmarks import layer  # pylint: disable=g-import-not-at-top
+  v = layer.jax_variants(["blocked", "ragged_dot", "pallas_x"], {"tile_m": 64}, 1.5, 128)
+  assert list(v) == ["dense", "blocked", "blocked_unfused", "blocked_folded", "pallas_x",
+                     "gshard", "ragged_dot"]
+  assert v["blocked"] == {"backend": "blocked", "tile_m": 64}
+  assert v["blocked_unfused"] == {"backend": "blocked", "fused": False, "fold_permute": False,
+                                  "tile_m": 64}
+  assert v["gshard"] == {"capacity_factor": 1.5, "group": 128}
+  assert list(layer.jax_variants(["ragged_dot"], {}, 1.25, 8)) == ["dense", "gshard",
+                                                                   "ragged_dot"]
