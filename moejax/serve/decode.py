@@ -70,6 +70,7 @@ from moejax.config import ConfigError, ModelConfig, apply_overrides
 from moejax.config.registry import ROUTERS
 from moejax.nn.mod import MoDBlock
 from moejax.nn.scmoe import shortcut_input
+from moejax.routing import replay as replay_lib
 from moejax.serve import quantize as quant_lib
 
 # Config paths this module reads and writes, in one place.
@@ -151,7 +152,7 @@ def _attention_of(block) -> Any:
   return inner.attn
 
 
-def _dense_block(block, x, positions, token_ids, cache, index, write, tap):
+def _dense_block(block, x, positions, token_ids, cache, index, write, tap, replay=None):
   """``Block.__call__`` with the cached attention: (x, cache, moe aux or None, FFN input h)."""
   a, cache = block.attn.extend(block.attn_norm(x), positions, cache, index, write)
   x = x + a
@@ -161,7 +162,8 @@ def _dense_block(block, x, positions, token_ids, cache, index, write, tap):
   if block.is_moe:
     # ScMoE: the routed experts read the previous block's FFN input (the tap).
     out, aux = block.ffn(h, token_ids, train=False,
-                         routed_x=shortcut_input(h, tap) if block.scmoe else None)
+                         routed_x=shortcut_input(h, tap) if block.scmoe else None,
+                         replay=replay)
   else:
     out, aux = block.ffn(h), None
   return x + out, cache, aux, h
@@ -198,7 +200,8 @@ def _touched(aux: dict, write: jax.Array, num_experts: int) -> jax.Array:
 
 
 def extend_model(model, tokens: jax.Array, positions: jax.Array, write: jax.Array,
-                 caches: tuple, index: jax.Array, *, last_only: bool = False):
+                 caches: tuple, index: jax.Array, *, last_only: bool = False,
+                 replay: Optional[dict] = None):
   """One cached call of the whole model (not jitted; :class:`Decoder` jits it).
 
   Args:
@@ -208,6 +211,10 @@ def extend_model(model, tokens: jax.Array, positions: jax.Array, write: jax.Arra
     caches: one :class:`KVCache` per block.
     index: int32[] cache slot of the first new token.
     last_only: return logits of the last new token only ([B, 1, V]).
+    replay: ``{'layer_<i>': RoutingReplay [B, S, K]}``, the new tokens' recorded
+      selection in every routed MoE layer (routing replay,
+      :mod:`moejax.routing.replay`): the experts are the recorded ones, their
+      weights the router's of this call.
 
   Returns:
     (logits f32[B, S or 1, V], new caches, info) where info has
@@ -218,12 +225,15 @@ def extend_model(model, tokens: jax.Array, positions: jax.Array, write: jax.Arra
   x = model.embed(tokens)
   new_caches, touched, routing, mod_sel = [], [], {}, {}
   tap = None
+  if replay is not None:
+    replay_lib.check_layers(replay, model.replay_layers(), "extend_model(replay=)")
   for i, (block, cache) in enumerate(zip(model.blocks, caches)):
     if isinstance(block, MoDBlock):
       x, cache, aux, sel = _mod_block(block, x, positions, tokens, cache, index, write)
       mod_sel[f"layer_{i}"] = sel
     else:
-      x, cache, aux, tap = _dense_block(block, x, positions, tokens, cache, index, write, tap)
+      x, cache, aux, tap = _dense_block(block, x, positions, tokens, cache, index, write, tap,
+                                        None if replay is None else replay.get(f"layer_{i}"))
     new_caches.append(cache)
     if aux is not None and "expert_ids" in aux:
       routing[f"layer_{i}"] = {"expert_ids": aux["expert_ids"], "valid": aux["valid"]}
@@ -266,9 +276,11 @@ def cache_bytes(caches: tuple) -> int:
 # The jitted decoder.
 
 @functools.partial(jax.jit, static_argnums=(0, 7), donate_argnums=(5,))
-def _extend_jit(graphdef, state, tokens, positions, write, caches, index, last_only):
+def _extend_jit(graphdef, state, tokens, positions, write, caches, index, last_only,
+                replay=None):
   model = nnx.merge(graphdef, state)
-  return extend_model(model, tokens, positions, write, caches, index, last_only=last_only)
+  return extend_model(model, tokens, positions, write, caches, index, last_only=last_only,
+                      replay=replay)
 
 
 class Decoder:
@@ -297,8 +309,10 @@ class Decoder:
   def init_caches(self, batch: int, capacity: int) -> tuple:
     return init_caches(self.model, batch, capacity)
 
-  def extend(self, tokens, positions, write, caches, index, *, last_only: bool = False):
-    """Jitted :func:`extend_model`; ``caches`` is donated (do not reuse it)."""
+  def extend(self, tokens, positions, write, caches, index, *, last_only: bool = False,
+             replay: Optional[dict] = None):
+    """Jitted :func:`extend_model`; ``caches`` is donated (do not reuse it).
+    ``replay``: the new tokens' recorded selections, as :func:`extend_model`'s."""
     c = caches[0].k.shape[1]
     s = tokens.shape[1]
     if isinstance(index, int) and index + s > c:
@@ -306,4 +320,4 @@ class Decoder:
                        f"{c} slots. Fix: init_caches(capacity >= {index + s})")
     return _extend_jit(self.graphdef, self.state, jnp.asarray(tokens, jnp.int32),
                        jnp.asarray(positions, jnp.int32), jnp.asarray(write, bool), caches,
-                       jnp.asarray(index, jnp.int32), last_only)
+                       jnp.asarray(index, jnp.int32), last_only, replay)
