@@ -57,30 +57,23 @@ from absl import app, flags
 from ml_collections import config_flags
 
 from experiments import cli
+from experiments import common_flags
 
 _CONFIG = config_flags.DEFINE_config_file(
     "config", None, "Suite file (configs/ablations/*.py).", lock_config=False)
 _WORKDIR = flags.DEFINE_string("workdir", None, "Suite results directory.")
 _BUDGET_ONLY = flags.DEFINE_bool("budget_only", False, "Print and check the budget table, "
                                  "then exit without training.")
-_DRY_RUN = flags.DEFINE_bool("dry_run", False, "Check the budget and every run directory, "
-                             "print what would happen; write nothing.")
+_DRY_RUN = common_flags.dry_run()
 _LADDER = flags.DEFINE_bool("ladder", False, "Print the suite's baseline arm at every rung of "
                             "the scale ladder (--config.scale=s|m|l) as a Markdown table, "
                             "then exit.")
-_PRINT_CONFIG = flags.DEFINE_bool("print_config", False, "Print the resolved suite (base "
-                                  "experiment with every default, each arm's changes) as JSON "
-                                  "and exit.")
-_EXTEND = flags.DEFINE_bool("extend", False, "Let runs grow train.steps (e.g. "
-                            "--config.base.train.steps=600 on a finished suite) and train the "
-                            "extra steps; recorded in each run's history.jsonl.")
+_PRINT_CONFIG = common_flags.print_config()
+_EXTEND = common_flags.extend()
 _IMPORT_RUNS = flags.DEFINE_list("import_runs", [], "Suite directories (e.g. one per seed, "
                                  "run as separate processes) whose finished runs of this suite "
                                  "are copied into --workdir first (moejax.ablation.merge).")
-_TAKE_OVER = flags.DEFINE_bool("take_over_lock", False, "Take over the workdir's lock when it "
-                                "names a run on another host (a requeued job whose previous "
-                                "node is gone), whatever the age of its heartbeat; a live run "
-                                "on this host is still refused (moejax.train.lock).")
+_TAKE_OVER = common_flags.take_over_lock()
 _PLAN = flags.DEFINE_bool("plan", False, "Print, for every arm and metric the suite gives an "
                           "effect size (suite.effects), the seeds that resolve it with 80% "
                           "power, planned from the committed summary's spread "

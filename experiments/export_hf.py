@@ -18,6 +18,7 @@ from __future__ import annotations
 from absl import app, flags
 
 from experiments import cli
+from experiments import common_flags
 
 _WORKDIR = flags.DEFINE_string("workdir", None, "The run directory to export.")
 _OUT = flags.DEFINE_string("out", None, "The Hugging Face checkpoint directory to write.")
@@ -26,7 +27,7 @@ _LORA = flags.DEFINE_enum("lora", "merge", ["merge", "separate"],
 _LAYOUT = flags.DEFINE_enum("layout", "checkpoint", ["checkpoint", "fused"],
                             "checkpoint: per-expert tensors (released files, from_pretrained); "
                             "fused: transformers >= 5 in-memory parameters.")
-_STEP = flags.DEFINE_integer("step", None, "A kept checkpoint step (default: the newest).")
+_STEP = common_flags.step()
 _MODEL_TYPE = flags.DEFINE_string("model_type", "mixtral", "The Hugging Face family of the "
                                   "whole model: mixtral, the one family whose attention the "
                                   "moejax Transformer computes (docs/interop.md).")

@@ -51,6 +51,7 @@ from absl import app, flags
 from ml_collections import config_flags
 
 from experiments import cli
+from experiments import common_flags
 
 _DEFAULT_CONFIG = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
                                "configs", "finetune.py")
@@ -72,13 +73,9 @@ _ACCOUNTING = flags.DEFINE_bool("accounting", False, "First print the accounting
                                 "attention+dense, LoRA on experts) and of this run side by side, "
                                 "then fine-tune in --workdir; without --workdir, stop after the "
                                 "table (nothing is written).")
-_PRINT_CONFIG = flags.DEFINE_bool("print_config", False, "Print the resolved config and exit.")
-_DRY_RUN = flags.DEFINE_bool("dry_run", False, "Validate, print the budget and accounting and "
-                             "what would happen in --workdir; write nothing.")
-_TAKE_OVER = flags.DEFINE_bool("take_over_lock", False, "Take over the workdir's lock when it "
-                                "names a run on another host (a requeued job whose previous "
-                                "node is gone), whatever the age of its heartbeat; a live run "
-                                "on this host is still refused (moejax.train.lock).")
+_PRINT_CONFIG = common_flags.print_config()
+_DRY_RUN = common_flags.dry_run()
+_TAKE_OVER = common_flags.take_over_lock()
 flags.mark_flags_as_required(["source"])
 
 

@@ -23,6 +23,7 @@ from __future__ import annotations
 from absl import app, flags
 
 from experiments import cli
+from experiments import common_flags
 
 _WORKDIR = flags.DEFINE_string("workdir", None, "a training run (config.json + checkpoints)")
 _PROMPT = flags.DEFINE_multi_string("prompt", None, "prompt text; repeat for a batch")
@@ -31,7 +32,7 @@ _TEMPERATURE = flags.DEFINE_float("temperature", 0.0, "0: greedy")
 _TOP_P = flags.DEFINE_float("top_p", 1.0, "nucleus mass (1: off)")
 _TOP_K = flags.DEFINE_integer("top_k", 0, "top-k filter (0: off)")
 _SEED = flags.DEFINE_integer("seed", 0, "sampling seed")
-_STEP = flags.DEFINE_integer("step", None, "checkpoint step (default: the latest)")
+_STEP = common_flags.step()
 _QUANTIZE = flags.DEFINE_string("quantize", "none",
                                 "expert weights: none, int8, int4 or int<bits>_g<group>")
 _BACKEND = flags.DEFINE_string("backend", None, "MoE execution backend (default: the run's)")

@@ -31,6 +31,7 @@ from absl import app, flags
 from ml_collections import config_flags
 
 from experiments import cli
+from experiments import common_flags
 
 _CONFIG = config_flags.DEFINE_config_file(
     "config", None, "Experiment config file (configs/*.py); override fields with "
@@ -38,17 +39,10 @@ _CONFIG = config_flags.DEFINE_config_file(
 _WORKDIR = flags.DEFINE_string("workdir", None, "Run directory: config.json, checkpoints, "
                                "metrics.jsonl, tensorboard/, history.jsonl. Resumed when it "
                                "holds a checkpoint.")
-_EXTEND = flags.DEFINE_bool("extend", False, "Allow --config.train.steps above the stored "
-                            "run's and train the extra steps (the cosine schedule is stretched "
-                            "from the resumed step: not identical to a fresh longer run).")
-_PRINT_CONFIG = flags.DEFINE_bool("print_config", False, "Print the resolved config (every "
-                                  "field, defaults included) as JSON and exit.")
-_DRY_RUN = flags.DEFINE_bool("dry_run", False, "Validate, print the parameter / budget table "
-                             "and what would happen in --workdir; write nothing.")
-_TAKE_OVER = flags.DEFINE_bool("take_over_lock", False, "Take over the workdir's lock when it "
-                                "names a run on another host (a requeued job whose previous "
-                                "node is gone), whatever the age of its heartbeat; a live run "
-                                "on this host is still refused (moejax.train.lock).")
+_EXTEND = common_flags.extend()
+_PRINT_CONFIG = common_flags.print_config()
+_DRY_RUN = common_flags.dry_run()
+_TAKE_OVER = common_flags.take_over_lock()
 flags.mark_flags_as_required(["config"])
 
 

@@ -129,23 +129,41 @@ def parse_readme(text: str) -> list[Command]:
 
 @functools.lru_cache(maxsize=None)
 def binary_flags(binary: str) -> dict[str, str]:
-  """{flag: kind} a binary defines: its module's ``DEFINE_*`` and those of the
-  ``experiments`` modules it imports (bench's suites), plus absl's own."""
+  """{flag: kind} a binary defines: its module's ``DEFINE_*``, the shared flags it
+  defines through ``common_flags.NAME()``, and those of the ``experiments`` modules it
+  imports (every module of a package it imports from: bench's suites), plus absl's own."""
   out = {name: "absl" for name in _ABSL_FLAGS}
+  shared = _defines("common_flags")
   seen, todo = set(), [binary]
   while todo:
     name = todo.pop()
-    path = os.path.join(ROOT, "experiments", f"{name}.py")
-    if name in seen or not os.path.exists(path):
+    if name in seen or name == "common_flags":
       continue
     seen.add(name)
-    with open(path, encoding="utf-8") as f:
-      src = f.read()
-    for kind, flag in re.findall(r"\bDEFINE_(\w+)\(\s*\"(\w+)\"", src):
-      out[flag] = "bool" if kind in ("bool", "boolean") else kind
+    out.update(_defines(name))
+    src = _source(name)
+    out.update({f: shared[f] for f in re.findall(r"\bcommon_flags\.(\w+)\(", src)
+                if f in shared})
     todo += re.findall(r"^from experiments import (\w+)", src, re.M)
-    todo += re.findall(r"^from experiments\.(\w+) import", src, re.M)
+    for package in re.findall(r"^from experiments\.(\w+) import", src, re.M):
+      folder = os.path.join(ROOT, "experiments", package)
+      todo += ([f"{package}/{m[:-3]}" for m in sorted(os.listdir(folder)) if m.endswith(".py")]
+               if os.path.isdir(folder) else [package])
   return out
+
+
+def _source(module: str) -> str:
+  path = os.path.join(ROOT, "experiments", f"{module}.py")
+  if not os.path.exists(path):
+    return ""
+  with open(path, encoding="utf-8") as f:
+    return f.read()
+
+
+def _defines(module: str) -> dict[str, str]:
+  """{flag: kind} of the ``DEFINE_*("flag"`` calls in ``experiments/<module>.py``."""
+  return {flag: "bool" if kind in ("bool", "boolean") else kind
+          for kind, flag in re.findall(r"\bDEFINE_(\w+)\(\s*\"(\w+)\"", _source(module))}
 
 
 def _is_path_under_tmp(value) -> bool:
@@ -390,3 +408,12 @@ def test_readme_command_runs_as_written(chain, index):
       # Written by this command (report's RESULTS.md exists before it runs).
       assert os.path.exists(full) and os.path.getmtime(full) >= got.started - 1, (
           cmd.line, f"{full} was not written", got.stdout[-2000:])
+
+
+def test_binary_flags_follow_the_shared_flags_and_the_bench_suites():
+  assert binary_flags("train")["take_over_lock"] == "bool"
+  assert binary_flags("generate")["step"] == "integer" and "dry_run" not in binary_flags(
+      "generate")  # only the shared flags a binary calls for are its own
+  bench = binary_flags("bench")
+  assert {"suite", "json_out", "tokens", "step_twin", "serving_plot", "gmm_m",
+          "repeats"} <= set(bench)
