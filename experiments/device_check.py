@@ -35,8 +35,9 @@ traceback summary and the run goes on; a step that would start after
   layer            the routed-expert layer fwd+bwd vs a dense SwiGLU FFN of the
                    same active FLOPs in bf16, with the platform's kernel
                    (its folded gather/scatter gmm, and ``+permute``: the
-                   composed permute -> 3 gmm -> unpermute), ragged_dot and the
-                   portable fused ``blocked`` path, at the fine and coarse shapes.
+                   composed permute -> 3 gmm -> unpermute), ragged_dot, the
+                   portable fused ``blocked`` path and the whole-group matmuls,
+                   at the fine and coarse shapes.
   train            configs/default.py and a ~10x larger model (bf16 activations,
                    the platform's kernel) for a fixed number of steps on
                    synthetic tokens: tokens/s, model FLOPs
@@ -425,6 +426,9 @@ def layer(plan: Plan) -> dict:
     if not plan.dry_run:
       variants["ragged_dot"] = dict(backend="ragged_dot")
       variants["blocked"] = dict(backend="blocked")
+      # Whole-group matmuls (one batched matmul over capacity-bucketed experts): on a GPU the
+      # alternative to a grouped-matmul kernel that `auto`'s shape rule could pick.
+      variants["whole_group"] = dict(backend="whole_group")
     timed = bench_lib.time_round_robin(bench_lib.jax_layer_fns(prob, variants), plan.repeats)
     table = bench_lib.split_modes(timed)
     bench_lib.ratios_to(table, "dense")
