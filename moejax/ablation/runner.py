@@ -278,9 +278,8 @@ def analyse(exp: ExperimentConfig, run_path: str, options: dict, say,
                        f"placed contiguously, dispatch+combine forward, all MoE layers")
   res["exposed_comm"] = None
   res["exposed_comm_note"] = (
-      "n/a: exposed (non-overlapped) communication needs a timed multi-device step; the "
-      "simulated CPU devices of this machine share its cores, so overlap is not measurable "
-      "here" + ("; ScMoE removes the data dependency that serialises the all-to-all"
+      "n/a: exposed (non-overlapped) communication needs a step timed across real devices; "
+      "the suite's analysis computes the all-to-all volume only" + ("; ScMoE removes the data dependency that serialises the all-to-all"
                 if exp.model.moe_schedule == "scmoe" else ""))
   if options.get("latency", True):
     say("measuring MoE layer latency")
