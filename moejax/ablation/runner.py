@@ -279,8 +279,9 @@ def analyse(exp: ExperimentConfig, run_path: str, options: dict, say,
   res["exposed_comm"] = None
   res["exposed_comm_note"] = (
       "n/a: exposed (non-overlapped) communication needs a step timed across real devices; "
-      "the suite's analysis computes the all-to-all volume only" + ("; ScMoE removes the data dependency that serialises the all-to-all"
-                if exp.model.moe_schedule == "scmoe" else ""))
+      "the suite's analysis computes the all-to-all volume only"
+      + ("; ScMoE removes the data dependency that serialises the all-to-all"
+         if exp.model.moe_schedule == "scmoe" else ""))
   if options.get("latency", True):
     say("measuring MoE layer latency")
     res.update(analysis_lib.moe_latency(exp, reps=int(options.get("latency_reps", 30))))
