@@ -99,10 +99,18 @@ def test_a_train_step_on_a_replayed_selection(tiny):
   assert max(np.abs(g).max() for g in router_grads) > 0
 
   step = step_lib.make_train_step(graphdef, cfg, tx)
-  _, metrics = step(state, {**batch, "replay": replay})
+  new, metrics = step(state, {**batch, "replay": replay})
   e = cfg.model.moe.num_experts
   want = np.bincount(np.asarray(replay[name].expert_ids).reshape(-1), minlength=e)
   np.testing.assert_array_equal(np.asarray(metrics[f"load/{name}"]), want)
+  # The bias controller (sign rule) moved every layer's bias by the replayed loads:
+  # up on the experts the replay left idle, down on the ones it loaded.
+  rate = cfg.model.moe.balance.bias_rate
+  biases = [np.asarray(v) for p, v in jax.tree_util.tree_leaves_with_path(new.router_state)
+            if "bias" in jax.tree_util.keystr(p)]
+  assert len(biases) == len(replay)
+  for bias in biases:
+    np.testing.assert_allclose(bias, [rate, rate, -rate, -rate], rtol=1e-6)
 
 
 def test_a_recording_of_another_model_is_refused_in_one_line(tiny, tmp_path):
