@@ -154,7 +154,8 @@ def main(argv):
     for sid, summ in pending.items():
       print(f"{sid}: {summary.write_json(summ, os.path.join(_RESULTS.value, sid + '.json'))}")
       if sid in new_records:
-        print(f"{sid}: {recheck.write_record(new_records[sid], recheck.record_path(_RESULTS.value, sid))}")
+        path = recheck.record_path(_RESULTS.value, sid)
+        print(f"{sid}: {recheck.write_record(new_records[sid], path)}")
     for sid in shown:
       for path in images.write(sid, summaries[sid], images_dir):
         print(f"{sid}: drew {path}")

@@ -140,8 +140,10 @@ def unreached_scope(fine_tunes: bool) -> tuple[str, ...]:
   return UNREACHED + (FINETUNE_CODE if fine_tunes else ())
 
 
-def file_hashes(scope: Sequence[str], root: str = files_lib._ROOT  # pylint: disable=protected-access
-                ) -> dict[str, str]:
+_REPO = files_lib._ROOT  # pylint: disable=protected-access
+
+
+def file_hashes(scope: Sequence[str], root: str = _REPO) -> dict[str, str]:
   """``{path: sha256}`` of the Python sources under ``scope`` that can move a number."""
   out = {}
   for path in files_lib._walk(root):  # pylint: disable=protected-access

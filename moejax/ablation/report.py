@@ -207,7 +207,8 @@ def render(text: str, summaries: Mapping[str, Mapping], plots_base: str = "resul
         body += (f"\n*Built from summaries that are stale or unverified ({', '.join(old)}): "
                  "see their blocks.*\n")
     elif sid in summaries:
-      body = (freshness_line(summaries[sid], code, records.get(sid)) + tables.section_markdown(summaries[sid])
+      body = (freshness_line(summaries[sid], code, records.get(sid))
+              + tables.section_markdown(summaries[sid])
               + block_images(sid, summaries[sid], plots_base, sid not in unplotted))
     else:
       body = PENDING.format(id=sid)
