@@ -60,9 +60,22 @@ class Recording:
   tokens: np.ndarray
   batch_index: np.ndarray
 
-  def replay(self, rows: Optional[np.ndarray] = None) -> dict[str, RoutingReplay]:
-    """The model's ``replay=`` argument (jax arrays), of every row or of ``rows``."""
+  def replay(self, rows: Optional[np.ndarray] = None,
+             tokens: Optional[np.ndarray] = None) -> dict[str, RoutingReplay]:
+    """The model's ``replay=`` argument (jax arrays), of every row or of ``rows``.
+
+    ``tokens``: the int[B, S] batch it will replay on; refused in one line
+    unless they are the recorded tokens (of ``rows``).
+    """
     take = (lambda a: a) if rows is None else (lambda a: a[np.asarray(rows)])
+    if tokens is not None:
+      want, got = take(self.tokens), np.asarray(tokens)
+      if want.shape != got.shape or not np.array_equal(want, got):
+        bad = (f"shape {got.shape}, recorded {want.shape}" if want.shape != got.shape else
+               "token [{}, {}]".format(*np.argwhere(want != got)[0]))
+        raise ValueError(f"routing recording: the batch to replay on differs from the recorded "
+                         f"tokens ({bad}). Fix: replay on the recorded batch (Recording.tokens, "
+                         "rows by batch_index)")
     return {n: RoutingReplay(jnp.asarray(take(r.expert_ids)), jnp.asarray(take(r.valid)))
             for n, r in self.layers.items()}
 

@@ -69,7 +69,11 @@ def test_a_recording_replays_its_forward_bit_for_bit(tiny, tmp_path):
   for name in sel:
     np.testing.assert_array_equal(rec.layers[name].expert_ids, np.asarray(sel[name].expert_ids))
     np.testing.assert_array_equal(rec.layers[name].valid, np.asarray(sel[name].valid))
-  logits2, aux2 = _forward(graphdef, state, tokens[:, :-1], rec.replay())
+  changed = np.asarray(tokens[:, :-1]).copy()
+  changed[1, 2] += 1
+  with pytest.raises(ValueError, match=r"differs from the recorded tokens \(token \[1, 2\]\)"):
+    rec.replay(tokens=changed)
+  logits2, aux2 = _forward(graphdef, state, tokens[:, :-1], rec.replay(tokens=tokens[:, :-1]))
   np.testing.assert_array_equal(np.asarray(logits2), np.asarray(logits))
   np.testing.assert_array_equal(np.asarray(aux2["loss"]), np.asarray(aux["loss"]))
 
