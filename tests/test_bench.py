@@ -1,5 +1,5 @@
-"""experiments.bench and experiments/benchmarks/: --suite=layer at a toy size (every variant, one run), --suite=step and
---suite=step --step_twin."""
+"""experiments.bench and its suites (experiments/benchmarks/): --suite=layer at a toy size
+(every variant, one run), --suite=step and --suite=step --step_twin, the suite registry."""
 
 import json
 import pathlib

@@ -1,4 +1,5 @@
-"""experiments.benchmarks.profile: the instruction classifier, the accounting, the spec's errors, a tiny run."""
+"""experiments.benchmarks.profile: the instruction classifier, the accounting, the spec's
+errors, a tiny run."""
 
 import json
 

@@ -1,4 +1,5 @@
-"""experiments.benchmarks.scaling: the floor arithmetic, the ratios, the spec's errors, a tiny run."""
+"""experiments.benchmarks.scaling: the floor arithmetic, the ratios, the spec's errors, a
+tiny run."""
 
 import json
 import pathlib

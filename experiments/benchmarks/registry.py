@@ -38,10 +38,10 @@ def register(suite: Suite) -> Suite:
 
 
 def load_all() -> dict[str, Suite]:
-  """Imports every suite module (defining its flags); returns {name: Suite}."""
-  for module in MODULES:
-    importlib.import_module(f"experiments.benchmarks.{module}")
-  return dict(_SUITES)
+  """Imports every suite module (defining its flags); returns {name: Suite} in the order
+  of :data:`MODULES` (each module's ``SUITE``), whatever imported one of them first."""
+  modules = [importlib.import_module(f"experiments.benchmarks.{m}") for m in MODULES]
+  return {m.SUITE.name: m.SUITE for m in modules}
 
 
 def get(name: str) -> Suite:
