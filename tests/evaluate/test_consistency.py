@@ -80,3 +80,24 @@ def test_a_forward_against_itself_and_hash_under_bf16_flip_nothing():
 def test_forwards_of_other_layers_are_refused():
   with pytest.raises(ValueError, match=r"layers \['layer_0'\] and \['layer_1'\].*Fix:"):
     C.compare({"layer_0": _sel([[0, 1]])}, {"layer_1": _sel([[0, 1]])}, 4)
+
+
+def test_measure_under_perturbations():
+  from moejax.evaluate import perturbed
+  tokens = np.asarray(jax.random.randint(jax.random.key(0), (4, 6), 0, 32, jnp.int32))
+  base = dict(vocab_size=32, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2,
+              dense_ff_width=64)
+  hashed = ModelConfig(**base, moe=moe_config(num_experts=4, expert_width=16,
+                                              routing=RoutingConfig.build(kind="hash", top_k=2)))
+  got = perturbed.measure(Transformer(hashed, rngs=nnx.Rngs(0)), tokens)
+  assert sorted(got) == ["bf16", "decode", "microbatch4"]
+  for name, row in got.items():
+    assert row["flip_rate"] == 0.0 and row["token_flip_share"] == 0.0, name
+  ec = ModelConfig(**base, moe=moe_config(num_experts=4, expert_width=16,
+                                          routing=RoutingConfig.build(kind="expert_choice")))
+  got = perturbed.measure(Transformer(ec, rngs=nnx.Rngs(0)), tokens, ("decode", "microbatch4"))
+  assert "not causal" in got["decode"]["n/a"]
+  # Each expert picks among a quarter of the tokens: the choices move.
+  assert 0 < got["microbatch4"]["flip_rate"] <= 1
+  with pytest.raises(ValueError, match=r"unknown perturbations \['int3'\]"):
+    perturbed.measure(Transformer(ec, rngs=nnx.Rngs(0)), tokens, ("int3",))
