@@ -83,7 +83,7 @@ def test_forwards_of_other_layers_are_refused():
 
 
 def test_measure_under_perturbations():
-  from moejax.evaluate import perturbed
+  from moejax.serve import routing_consistency as perturbed
   tokens = np.asarray(jax.random.randint(jax.random.key(0), (4, 6), 0, 32, jnp.int32))
   base = dict(vocab_size=32, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2,
               dense_ff_width=64)

@@ -1,5 +1,8 @@
 """A model's routing under numerical perturbations, against its reference forward.
 
+It lives with serving, not in ``moejax.evaluate``: cached decoding is one of
+the perturbations, and serving builds on training, which evaluation feeds.
+
 Legend: B sequences, S tokens per sequence.
 
 Each perturbation is a registered :class:`Perturbation`: a name, whether it
