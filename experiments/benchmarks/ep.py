@@ -43,6 +43,7 @@ import numpy as np
 from absl import app, flags, logging
 
 from experiments.benchmarks import common, registry
+from experiments.benchmarks import lib as bench_lib
 
 _DEVICES = flags.DEFINE_integer("ep_devices", 8, "expert-axis devices (simulated on CPU)")
 _PER_NODE = flags.DEFINE_integer("ep_devices_per_node", 4, "devices per node")
@@ -135,7 +136,9 @@ def run_shape(shape: str, repeats: int) -> dict:
         p, x, None, vcfg, mesh, pcfg))
     pp, xx = mesh_lib.shard_params(params, mesh), mesh_lib.shard_batch(x, mesh)
     fns[name] = lambda f=f, pp=pp, xx=xx: f(pp, xx)
+    t0 = time.perf_counter()
     (_, aux), _ = f(pp, xx)
+    bench_lib.progress(f"compiled+ran {shape}/{name} in {time.perf_counter() - t0:.2f}s")
     meta[name] = {key: float(aux.execution["comm"][key]) for key in COMM_KEYS}
     meta[name]["num_dropped"] = int(aux.num_dropped)
   timed = _time(fns, repeats)

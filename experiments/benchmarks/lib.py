@@ -91,7 +91,8 @@ def block(x):
 PROGRESS: list = [None]
 
 
-def _progress(line: str) -> None:
+def progress(line: str) -> None:
+  """Says one line of a suite's progress where the bench binary shows it (:data:`PROGRESS`)."""
   out = PROGRESS[0]
   if out is not None:
     print(line, file=out, flush=True)
@@ -171,14 +172,14 @@ def time_round_robin(fns: dict[str, Callable[[], object]], repeats: int,
       block(fn())
     except Refused as e:
       refused[name] = str(e)
-      _progress(f"  {name}: refused: {e}")
+      progress(f"  {name}: refused: {e}")
       continue
     except Exception as e:  # noqa: BLE001 - recorded, the suite goes on
       failed[name] = f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"
-      _progress(f"  {name}: FAILED: {failed[name]}")
+      progress(f"  {name}: FAILED: {failed[name]}")
       continue
     first[name], first_cpu[name] = time.perf_counter() - t0, time.process_time() - c0
-    _progress(f"  {name}: compiled and ran in {first[name]:.2f}s")
+    progress(f"  {name}: compiled and ran in {first[name]:.2f}s")
   once = {n for n, t in first.items() if t > once_s}
   live = {n: f for n, f in fns.items() if n in first and n not in once}
   judge = lambda s: slow_repeats if s > slow_s else repeats

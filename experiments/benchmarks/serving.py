@@ -225,6 +225,7 @@ def serving_suite(conditions: dict) -> dict:
   rows = {name: {} for name in cfgs}
   ffn = {}
   for b in batches:
+    bench_lib.progress(f"timing prefill and decode at batch {b}: {', '.join(decoders)}")
     for name, row in _model_rows(cfgs, decoders, b, p, steps, capacity, _SEED.value).items():
       rows[name][b] = row
     ffn[b] = ffn_rows(models, b, _SEED.value, _FFN_REPEATS.value)
