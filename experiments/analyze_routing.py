@@ -38,6 +38,7 @@ from typing import Optional, Sequence
 import numpy as np
 from absl import app, flags
 
+from experiments import common_flags
 from experiments import cli
 
 _MODEL_TYPE = flags.DEFINE_string("model_type", None,
@@ -52,7 +53,7 @@ _HIDDEN = flags.DEFINE_string("hidden_states", None,
                               ".npy hidden states [T, d] or [B, S, d] (with --checkpoint)")
 _LAYERS = flags.DEFINE_list("layers", None, "MoE layer indices (default: all)")
 _MAX_TOKENS = flags.DEFINE_integer("max_tokens", 512, "route at most this many tokens")
-_SEED = flags.DEFINE_integer("seed", 0, "seed of the tiny random model")
+_SEED = common_flags.seed()  # of the tiny random model
 _OUT_DIR = flags.DEFINE_string("out_dir", "routing_analysis", "output directory")
 
 

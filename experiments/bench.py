@@ -32,6 +32,7 @@ import sys
 
 from absl import flags
 
+from experiments import common_flags
 from experiments import cli
 from experiments.benchmarks import lib as bench_lib
 from experiments.benchmarks import registry
@@ -41,7 +42,7 @@ SUITES = registry.load_all()  # every suite's flags are defined before argv is p
 _SUITE = flags.DEFINE_enum(
     "suite", "layer", list(SUITES),
     "which benchmark: " + "; ".join(f"{s.name}: {s.summary}" for s in SUITES.values()))
-_JSON = flags.DEFINE_string("json_out", None, "write the results here as JSON")
+_JSON = common_flags.json_out()
 _KEEP_GOING = flags.DEFINE_bool("keep_going", False, "exit 0 even when a variant failed (its "
                                 "row says so); without it a failure makes the exit status 1")
 

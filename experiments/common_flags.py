@@ -27,7 +27,32 @@ _HELP = {
               "history.jsonl. The cosine schedule is stretched from the resumed step: not "
               "identical to a fresh longer run.",
     "step": "Checkpoint step to read (default: the newest kept one).",
+    "json_out": "Write the results here as JSON.",
+    "repeats": "Timed runs per variant, median taken (default: the binary's own, in its "
+               "docstring).",
+    "seed": "PRNG seed (what it seeds: the binary's docstring).",
 }
+
+
+def _shared(define, name: str, default, flag_values: flags.FlagValues) -> flags.FlagHolder:
+  """Defines ``name`` once per process: binaries imported side by side (tests, notebooks)
+  share the definition instead of failing with DuplicateFlagError."""
+  if name in flag_values:
+    return flags.FlagHolder(flag_values, flag_values[name])
+  return define(name, default, _HELP[name], flag_values=flag_values)
+
+
+def json_out(flag_values: flags.FlagValues = flags.FLAGS) -> flags.FlagHolder:
+  return _shared(flags.DEFINE_string, "json_out", None, flag_values)
+
+
+def repeats(flag_values: flags.FlagValues = flags.FLAGS) -> flags.FlagHolder:
+  """None when not given: each binary applies its own default."""
+  return _shared(flags.DEFINE_integer, "repeats", None, flag_values)
+
+
+def seed(flag_values: flags.FlagValues = flags.FLAGS) -> flags.FlagHolder:
+  return _shared(flags.DEFINE_integer, "seed", 0, flag_values)
 
 
 def take_over_lock(flag_values: flags.FlagValues = flags.FLAGS) -> flags.FlagHolder:

@@ -65,17 +65,18 @@ import jax.numpy as jnp
 import numpy as np
 from absl import app, flags
 
+from experiments import common_flags
 from experiments.benchmarks import lib as bench_lib
 from moejax.execution import gmm as gmm_lib
 from moejax.execution import pallas_gather
 from moejax.execution import permute as permute_lib
 from moejax.train import mfu as mfu_lib
 
-_JSON = flags.DEFINE_string("json_out", None, "write the results here (after every step)")
+_JSON = common_flags.json_out()  # written again after every step
 _DRY = flags.DEFINE_bool("dry_run", False, "tiny shapes, Pallas kernels interpreted (CPU)")
 _STEPS = flags.DEFINE_list("steps", None, "subset of steps to run (default: all)")
 _BUDGET = flags.DEFINE_float("budget_s", 450.0, "no step starts after this many seconds")
-_REPEATS = flags.DEFINE_integer("repeats", None, "timed repeats (default 10; dry run 1)")
+_REPEATS = common_flags.repeats()  # default 10; dry run 1
 _TRAIN_STEPS = flags.DEFINE_integer("train_steps", None, "timed train steps (default 20)")
 
 BF16 = jnp.bfloat16

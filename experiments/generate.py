@@ -31,7 +31,7 @@ _MAX_NEW = flags.DEFINE_integer("max_new_tokens", 128, "new tokens per prompt at
 _TEMPERATURE = flags.DEFINE_float("temperature", 0.0, "0: greedy")
 _TOP_P = flags.DEFINE_float("top_p", 1.0, "nucleus mass (1: off)")
 _TOP_K = flags.DEFINE_integer("top_k", 0, "top-k filter (0: off)")
-_SEED = flags.DEFINE_integer("seed", 0, "sampling seed")
+_SEED = common_flags.seed()  # sampling
 _STEP = common_flags.step()
 _QUANTIZE = flags.DEFINE_string("quantize", "none",
                                 "expert weights: none, int8, int4 or int<bits>_g<group>")

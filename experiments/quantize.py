@@ -40,6 +40,7 @@ import numpy as np
 from absl import app, flags
 from flax import nnx
 
+from experiments import common_flags
 from experiments import cli, serving_tables
 from moejax.serve import quantize as quant_lib
 
@@ -52,8 +53,8 @@ _HF_LAYERS = flags.DEFINE_integer("hf_layers", 4, "decoder layers of the tiny HF
 _SCHEMES = flags.DEFINE_list("schemes", ["int8", "int4", "int4_g32"],
                              "int<bits>[_g<group>] schemes")
 _BATCHES = flags.DEFINE_integer("num_batches", 20, "validation batches")
-_JSON = flags.DEFINE_string("json_out", None, "write the results here")
-_SEED = flags.DEFINE_integer("seed", 0, "seed of the HF model and its training")
+_JSON = common_flags.json_out()
+_SEED = common_flags.seed()  # of the HF model and its training
 
 
 def parse_scheme(text: str) -> quant_lib.QuantConfig:

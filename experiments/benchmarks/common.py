@@ -6,12 +6,23 @@ import os
 
 from absl import flags
 
-REPEATS = flags.DEFINE_integer("repeats", 5, "timed runs per variant (median)")
+from experiments import common_flags
+
+REPEATS = common_flags.repeats()
+DEFAULT_REPEATS = 5
+
+
+def repeats() -> int:
+  """--repeats, or the benchmarks' default of 5."""
+  return REPEATS.value if REPEATS.value is not None else DEFAULT_REPEATS
+
+
+
 SLOW_S = flags.DEFINE_float("slow_s", 20.0, "a first run slower than this is 'slow' "
                             "(--suite=scaling: its first timed run, 6 s unless given)")
 SLOW_REPEATS = flags.DEFINE_integer("slow_repeats", 1, "timed runs for slow variants "
                                     "(--suite=scaling: 2 unless given)")
-SEED = flags.DEFINE_integer("seed", 0, "PRNG seed")
+SEED = common_flags.seed()
 TORCH_THREADS = flags.DEFINE_integer("torch_threads", os.cpu_count(),
                                      "torch.set_num_threads for the torch variants")
 FAIL_VARIANTS = flags.DEFINE_list("fail_variants", [], "test hook: these variants (layer or "

@@ -200,4 +200,4 @@ def print_ep_table(res: dict) -> None:
 
 SUITE = registry.register(registry.Suite(
     "ep", "the expert-parallel layer's step time and all-to-all bytes on simulated devices",
-    lambda: ep_suite(common.REPEATS.value), print_ep_table))
+    lambda: ep_suite(common.repeats()), print_ep_table))

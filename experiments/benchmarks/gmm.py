@@ -58,7 +58,7 @@ def gmm_suite() -> dict:
   rhs = (jax.random.normal(k2, (g, k, n), jnp.float32) * k ** -0.5).astype(dt)
   sizes = bench_lib.uneven_group_sizes(k3, m, g)
   fns = _fns(backends, lhs, rhs, sizes, dt)
-  timed = bench_lib.time_round_robin(common.forced_failures(fns), common.REPEATS.value,
+  timed = bench_lib.time_round_robin(common.forced_failures(fns), common.repeats(),
                                      common.SLOW_S.value, common.SLOW_REPEATS.value)
   failed = {n: r for n, r in timed.items() if "median_s" not in r}  # rows saying why
   timed = {n: r for n, r in timed.items() if "median_s" in r}

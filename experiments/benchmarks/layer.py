@@ -91,7 +91,7 @@ def _one_shape(shape: str, run: list[str], skipped: dict, keep) -> dict:
   auto = bench_lib.auto_decision(t, d, e, k, f)
   print(f"{shape}: T={t} d={d} E={e} K={k} f={f}, {len(fns)} runs; auto runs "
         f"{auto['backend']} ({auto['line']})", flush=True)
-  timed = bench_lib.time_round_robin(common.forced_failures(fns), common.REPEATS.value,
+  timed = bench_lib.time_round_robin(common.forced_failures(fns), common.repeats(),
                                      common.SLOW_S.value, common.SLOW_REPEATS.value)
   table = bench_lib.split_modes(timed)
   torch_names = {n.split("/")[0] for n in torch_fns}

@@ -457,7 +457,7 @@ def _markdown_row(p: dict, col: str, mode: str) -> str:
 def run() -> dict:
   """--suite=scaling: --slow_s / --slow_repeats apply only when given (else the spec's)."""
   given = lambda flag: flag.value if flag.present else None
-  spec = spec_from_flags(common.REPEATS.value, given(common.SLOW_S),
+  spec = spec_from_flags(common.repeats(), given(common.SLOW_S),
                          given(common.SLOW_REPEATS), common.TORCH_THREADS.value,
                          common.SEED.value)
   return scaling_suite(spec, bench_lib.conditions())

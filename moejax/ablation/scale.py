@@ -113,6 +113,8 @@ UNSCALED = {
     "model.moe.topology.num_experts": "expert counts are the arms' axes",
     "model.moe.topology.num_shared_experts": "count",
     "model.moe.topology.zero_experts": "count",
+    "model.moe.execution.large_group_rows": "the backend rule's threshold, measured per "
+                                            "machine (moejax.execution.shape_choice)",
     "model.moe.topology.copy_experts": "count",
     "model.moe.topology.constant_experts": "count",
     "model.moe.topology.slots_per_expert": "count",

@@ -133,7 +133,7 @@ def test_a_source_is_trained_with_what_the_trainer_accepts(tmp_path):
   class Stop(Exception):
     pass
 
-  def train_fn(exp, path, out, eta, hook):
+  def train_fn(exp, path, out, eta, hook, probe=None):
     seen.append((eta, hook))
     raise Stop
   suite = suite_lib.suite_from_dict(_ft_suite())

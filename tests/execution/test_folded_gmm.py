@@ -244,7 +244,8 @@ def test_the_backend_capabilities_decide_the_path(monkeypatch):
 def test_which_backends_fold():
   folding = {n for n in gmm_lib.BACKENDS if gmm_lib.get_backend(n).folds_permute}
   assert folding == {"blocked", "pallas_gpu", "pallas_tpu"}
-  assert {n for n in gmm_lib.BACKENDS if gmm_lib.get_backend(n).fused_ffn} == {"blocked"}
+  assert {n for n in gmm_lib.BACKENDS if gmm_lib.get_backend(n).fused_ffn} == {
+      "blocked", "whole_group"}
 
 
 @pytest.mark.parametrize("call,match", [
