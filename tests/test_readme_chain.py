@@ -161,9 +161,11 @@ def _source(module: str) -> str:
 
 
 def _defines(module: str) -> dict[str, str]:
-  """{flag: kind} of the ``DEFINE_*("flag"`` calls in ``experiments/<module>.py``."""
+  """{flag: kind} of the ``DEFINE_*`` calls in ``experiments/<module>.py``."""
   return {flag: "bool" if kind in ("bool", "boolean") else kind
-          for kind, flag in re.findall(r"\bDEFINE_(\w+)\(\s*\"(\w+)\"", _source(module))}
+          # DEFINE_x("flag", ...), or common_flags' _shared(flags.DEFINE_x, "flag", ...)
+          for kind, flag in re.findall(r"\bDEFINE_(\w+)(?:\(\s*|,\s*)\"(\w+)\"",
+                                       _source(module))}
 
 
 def _is_path_under_tmp(value) -> bool:
