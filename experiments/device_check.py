@@ -78,6 +78,10 @@ _STEPS = flags.DEFINE_list("steps", None, "subset of steps to run (default: all)
 _BUDGET = flags.DEFINE_float("budget_s", 450.0, "no step starts after this many seconds")
 _REPEATS = common_flags.repeats()  # default 10; dry run 1
 _TRAIN_STEPS = flags.DEFINE_integer("train_steps", None, "timed train steps (default 20)")
+_LAYER_SHAPES = flags.DEFINE_list("layer_shapes", None, "layer step: subset of its shapes "
+                                  "(default: all)")
+_LAYER_VARIANTS = flags.DEFINE_list("layer_variants", None, "layer step: subset of its "
+                                    "variants, dense always kept (default: all)")
 
 BF16 = jnp.bfloat16
 # Dense bf16 peak FLOP/s by device kind: the trainer's table (moejax.train.mfu.PEAK_BF16,
@@ -413,6 +417,8 @@ def layer(plan: Plan) -> dict:
   t, d = plan.layer_td
   out = {}
   for shape, dims in plan.layer_shapes.items():
+    if _LAYER_SHAPES.value and shape not in _LAYER_SHAPES.value:
+      continue
     e, k, f = dims["num_experts"], dims["k"], dims["f"]
     prob = bench_lib.layer_problem(t, d, e, k, f, dtype=BF16)
     variants = {"dense": None}
@@ -430,6 +436,10 @@ def layer(plan: Plan) -> dict:
       # Whole-group matmuls (one batched matmul over capacity-bucketed experts): on a GPU the
       # alternative to a grouped-matmul kernel that `auto`'s shape rule could pick.
       variants["whole_group"] = dict(backend="whole_group")
+    if _LAYER_VARIANTS.value:
+      variants = {n: v for n, v in variants.items()
+                  if n == "dense" or n in _LAYER_VARIANTS.value}
+    bench_lib.progress(f" layer {shape}: {', '.join(variants)}")
     timed = bench_lib.time_round_robin(bench_lib.jax_layer_fns(prob, variants), plan.repeats)
     table = bench_lib.split_modes(timed)
     bench_lib.ratios_to(table, "dense")
@@ -599,6 +609,12 @@ def main(argv):
   if unknown:
     raise app.UsageError(f"--steps: unknown {sorted(unknown)}; use {', '.join(STEPS)}")
   plan = make_plan(platform, _DRY.value)
+  unknown = set(_LAYER_SHAPES.value or ()) - set(plan.layer_shapes)
+  if unknown:
+    raise app.UsageError(f"--layer_shapes: unknown {sorted(unknown)}; use "
+                         f"{', '.join(plan.layer_shapes)}")
+  # Each variant's compile-and-first-run as it happens: a step that stalls says where.
+  bench_lib.PROGRESS[0] = sys.stdout
   report = {"date": time.strftime("%Y-%m-%d %H:%M:%S"), "platform": platform,
             "dry_run": plan.dry_run, "steps": {}}
 
