@@ -56,8 +56,9 @@ def conditions() -> dict:
 
 def auto_rule(platform: Optional[str] = None) -> shape_choice.ShapeRule:
   """The shape rule ``backend='auto'`` resolves to on ``platform`` (default: JAX's)."""
+  platform = jax.default_backend() if platform is None else platform
   backend = gmm_lib.resolve_backend("auto", platform)
-  large = gmm_lib.get_backend(backend).auto_large_groups
+  large = gmm_lib.get_backend(backend).large_groups_on(platform)
   return shape_choice.ShapeRule(backend, *large)
 
 

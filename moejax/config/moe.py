@@ -338,9 +338,10 @@ class ExecutionConfig:
     ``large_group_rows`` rows runs ``large_group_backend`` instead of
     ``backend`` (:mod:`moejax.execution.shape_choice`). Empty / 0: every
     call runs ``backend``. Resolving ``auto`` fills both in from the chosen
-    backend's ``auto_large_groups`` when it has one (none does yet: on CPU
-    the tiled ``blocked`` loop measured faster at every shape), so the
-    resolved config records the rule and its threshold.
+    backend's ``auto_large_groups`` for the platform when it has one
+    (none on CPU, where the tiled ``blocked`` loop measured faster at every
+    shape; ``whole_group`` from 4096 rows on a GPU), so the resolved config
+    records the rule and its threshold.
   """
 
   backend: str = reg.AUTO_BACKEND

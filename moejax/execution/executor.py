@@ -123,7 +123,8 @@ def resolve_execution(cfg: MoEConfig, platform: Optional[str] = None) -> MoEConf
   if chosen == ex.backend:
     return cfg
   new = dataclasses.replace(ex, backend=chosen, derived_from=f"{ex.backend} on {platform}")
-  large = () if chosen not in gmm_lib.BACKENDS else gmm_lib.get_backend(chosen).auto_large_groups
+  large = (() if chosen not in gmm_lib.BACKENDS
+           else gmm_lib.get_backend(chosen).large_groups_on(platform))
   if large and not ex.large_group_backend:
     new = dataclasses.replace(new, large_group_backend=large[0], large_group_rows=large[1])
   return dataclasses.replace(cfg, execution=new)

@@ -132,10 +132,12 @@ class Backend:
       **options) -> [T, d]: the whole routed FFN in one loop (the
       ``blocked`` backend's :func:`moejax.execution.fused.blocked_ffn`);
       ``routed_ffn(fused=True)`` uses it when present.
-    auto_large_groups: (backend, rows) or (): when ``auto`` resolves to this
-      backend, calls whose balanced group (token copies / experts) has at
-      least ``rows`` rows run ``backend`` instead: the shape rule the
-      resolved config records (:mod:`moejax.execution.shape_choice`).
+    auto_large_groups: (platform, backend, rows) triples: when ``auto``
+      resolves to this backend on ``platform`` (or on any, ``ANY_PLATFORM``),
+      calls whose balanced group (token copies / experts) has at least
+      ``rows`` rows run ``backend`` instead: the shape rule the resolved
+      config records (:mod:`moejax.execution.shape_choice`;
+      :meth:`large_groups_on`).
   """
 
   name: str
@@ -152,6 +154,13 @@ class Backend:
   gather_tgmm: Optional[Callable[..., jax.Array]] = None
   fused_ffn: Optional[Callable[..., jax.Array]] = None
   auto_large_groups: tuple = ()
+
+  def large_groups_on(self, platform: str) -> tuple:
+    """(backend, rows) of this backend's shape rule on ``platform``, or ()."""
+    for where, backend, rows in self.auto_large_groups:
+      if where in (platform, ANY_PLATFORM):
+        return (backend, rows)
+    return ()
 
   @property
   def folds_permute(self) -> bool:
@@ -392,4 +401,8 @@ def _ragged_tgmm(lhs, grad, group_sizes, *, out_dtype, interpret):
 
 BACKEND = Backend(name="ragged_dot", gmm=_ragged_gmm, tgmm=_ragged_tgmm,
                   needs="nothing (any platform)", custom_vjp=False,
-                  auto_on=(ANY_PLATFORM,))  # correct everywhere: auto's fallback
+                  auto_on=(ANY_PLATFORM,),  # correct everywhere: auto's fallback
+                  # On an H200 at 4096 rows per expert (the layer bench's coarse shape,
+                  # fwd+bwd) whole_group ran at 1.76x its dense FFN and ragged_dot at
+                  # 14.9x (docs/benchmarks.md); smaller groups were not measured there.
+                  auto_large_groups=(("gpu", "whole_group", 4096),))

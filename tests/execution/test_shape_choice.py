@@ -105,23 +105,38 @@ def test_each_distinct_decision_is_reported_once(monkeypatch):
   assert len(lines) == 2
 
 
-def test_no_shipped_backend_carries_a_rule_yet():
-  # The layer suite found whole_group slower than the tiled loop at every shape it
-  # measured on CPU (docs/benchmarks.md): auto resolves as before, with no rule.
-  for platform in ("cpu", "gpu", "tpu"):
+def test_shipped_rules_are_the_measured_ones():
+  # CPU: the layer suite found whole_group slower than the tiled loop at every shape
+  # it measured, so no rule. GPU: auto's ragged_dot switches to whole_group from 4096
+  # rows per expert, where the device check measured it about 8x faster. TPU: none.
+  for platform in ("cpu", "tpu"):
     ex = executor_lib.resolve_execution(C.MoEConfig(), platform).execution
     assert (ex.large_group_backend, ex.large_group_rows) == ("", 0), platform
-  assert all(gmm_lib.get_backend(n).auto_large_groups == () for n in gmm_lib.BACKENDS)
+  gpu = executor_lib.resolve_execution(C.MoEConfig(), "gpu").execution
+  assert (gpu.backend, gpu.large_group_backend, gpu.large_group_rows) == (
+      "ragged_dot", "whole_group", 4096)
+  rule = parallel.shape_rule_for(C.MoEConfig(), "gpu")
+  assert rule.pick(16384 * 2, 8) == "whole_group"    # the measured coarse shape
+  assert rule.pick(16384 * 8, 64) == "ragged_dot"    # 2048 rows per expert: unmeasured
+  assert gmm_lib.get_backend("ragged_dot").large_groups_on("cpu") == ()
+  assert gmm_lib.get_backend("blocked").large_groups_on("cpu") == ()
+
+
+def test_a_rule_for_any_platform_applies_everywhere(monkeypatch):
+  monkeypatch.setattr(blocked, "BACKEND", dataclasses.replace(
+      blocked.BACKEND, auto_large_groups=((gmm_lib.ANY_PLATFORM, "whole_group", 64),)))
+  assert blocked.BACKEND.large_groups_on("cpu") == ("whole_group", 64)
+  assert blocked.BACKEND.large_groups_on("tpu") == ("whole_group", 64)
 
 
 def test_resolving_auto_records_the_chosen_backends_rule(monkeypatch):
   monkeypatch.setattr(blocked, "BACKEND", dataclasses.replace(
-      blocked.BACKEND, auto_large_groups=("whole_group", 2048)))
+      blocked.BACKEND, auto_large_groups=(("cpu", "whole_group", 2048),)))
   ex = executor_lib.resolve_execution(C.MoEConfig(), "cpu").execution
   assert (ex.backend, ex.derived_from) == ("blocked", "auto on cpu")
   assert (ex.large_group_backend, ex.large_group_rows) == ("whole_group", 2048)
-  gpu = executor_lib.resolve_execution(C.MoEConfig(), "gpu").execution  # ragged_dot: none
-  assert (gpu.large_group_backend, gpu.large_group_rows) == ("", 0)
+  tpu = executor_lib.resolve_execution(C.MoEConfig(), "tpu").execution  # a cpu-only rule
+  assert (tpu.large_group_backend, tpu.large_group_rows) == ("", 0)
   own = dataclasses.replace(C.MoEConfig(), execution=C.ExecutionConfig(
       large_group_backend="whole_group", large_group_rows=64))
   assert executor_lib.resolve_execution(own, "cpu").execution.large_group_rows == 64  # kept
