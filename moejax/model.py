@@ -47,7 +47,6 @@ import jax.numpy as jnp
 from flax import nnx
 
 from moejax.config import ConfigError, ModelConfig
-from moejax.nn.attention import CausalSelfAttention
 from moejax.nn.ffn import DenseFFN, ffn_params
 from moejax.nn.mod import MoDBlock
 from moejax.nn.moe_block import ExpertParallel, MoEFFN, RouterStateVar
@@ -82,9 +81,8 @@ class Block(nnx.Module):
     norm = lambda: nnx.RMSNorm(d, epsilon=cfg.norm_eps, dtype=dtype, param_dtype=jnp.float32,
                                rngs=rngs)
     self.attn_norm = norm()
-    self.attn = CausalSelfAttention(d, cfg.n_heads, cfg.kv_heads, cfg.attn_head_dim,
-                                    use_bias=cfg.attention_bias, rope_base=cfg.rope_base,
-                                    dtype=dtype, rngs=rngs)
+    # The attention kind builds its own module (moejax.nn.attention_kinds).
+    self.attn = cfg.attention_spec.build(cfg, dtype=dtype, rngs=rngs)
     self.ffn_norm = norm()
     self.is_moe = cfg.is_moe_layer(layer)
     self.scmoe = self.is_moe and cfg.moe_schedule == "scmoe"

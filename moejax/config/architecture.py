@@ -11,20 +11,22 @@ from __future__ import annotations
 
 import dataclasses
 
-from moejax.config.core import check_choice, check_count
+from typing import Optional
 
-ATTENTIONS = ("mha", "mla")
+from moejax.config import registry as reg
+from moejax.config.core import check_count
 
 
 @dataclasses.dataclass(frozen=True)
 class ArchitectureConfig:
-  """attention: ``mha`` (the model's; GQA/MQA via n_kv_heads) or ``mla``
-  (DeepSeek-V2/V3 multi-head latent attention with q_lora_rank r_q (0: no
+  """attention: None (the model's own ``model.attention``) or a registered
+  attention kind counted in its place with the options below (``mla``:
+  DeepSeek-V2/V3 multi-head latent attention with q_lora_rank r_q (0: no
   query compression), kv_lora_rank r_kv, per-head qk_nope / qk_rope / v
   widths). encoder_layers > 0 adds an encoder stack with the same layout and
   cross-attention in every decoder layer (T5 / Switch)."""
 
-  attention: str = "mha"
+  attention: Optional[str] = None
   q_lora_rank: int = 0
   kv_lora_rank: int = 512
   qk_nope_head_dim: int = 128
@@ -34,7 +36,8 @@ class ArchitectureConfig:
 
   def __post_init__(self):
     p = "accounting"
-    check_choice(f"{p}.attention", self.attention, ATTENTIONS)
+    if self.attention is not None:
+      reg.ATTENTIONS.get(self.attention, f"{p}.attention")
     for name in ("q_lora_rank", "encoder_layers"):
       check_count(f"{p}.{name}", getattr(self, name), minimum=0)
     for name in ("kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim"):

@@ -136,11 +136,9 @@ MOVED: dict[tuple[str, str], str] = {
     ("RoutingConfig", "n_families"): "options.n_families (routing.kind='hierarchical')",
     ("RoutingConfig", "top_k_families"): "options.top_k_families (routing.kind='hierarchical')",
     ("RoutingConfig", "hash_seed"): "options.seed (routing.kind='hash')",
-    **{("ModelConfig", k): "removed: the model implements multi-head attention (GQA/MQA via "
-       "n_kv_heads) only; multi-head latent attention is counted by the accounting presets "
-       "(configs/presets/*.py, 'accounting' section)" for k in (
-           "attention", "q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim",
-           "v_head_dim")},
+    # Multi-head latent attention's fields are the options of model.attention='mla'.
+    **{("ModelConfig", k): f"attention_options.{k} (with model.attention='mla')" for k in (
+        "q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")},
     ("ModelConfig", "encoder_layers"): (
         "removed: the model is decoder-only; encoder-decoder presets (Switch) are counted by "
         "the accounting presets (configs/presets/*.py, 'accounting' section)"),

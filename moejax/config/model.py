@@ -1,16 +1,16 @@
 """ModelConfig: the decoder-only transformer whose FFN slots are dense or MoE.
 
 Every field here is one the model builds (:mod:`moejax.model`); published
-architectures with parts the model does not implement (DeepSeek's multi-head
-latent attention, Switch's encoder) keep those in the accounting section of
-their preset file (:mod:`moejax.config.files`), where only the parameter and
-FLOP accounting reads them.
+architectures with parts the model does not implement (Switch's encoder)
+keep those in the accounting section of their preset file
+(:mod:`moejax.config.files`), where only the parameter and FLOP accounting
+reads them.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from typing import Optional
+from typing import Any, Mapping, Optional
 
 from moejax.config import registry as reg
 from moejax.config.core import (ConfigError, check_choice, check_count, check_fraction,
@@ -55,6 +55,17 @@ class ModelConfig:
   remat: recompute each block's activations in the backward pass
     (``nnx.remat``) instead of storing them: less memory, ~1/3 more compute,
     the same update.
+  attention / attention_options: a registered attention kind
+    (:data:`moejax.config.registry.ATTENTIONS`: ``mha``, multi-head with
+    GQA / MQA through n_kv_heads; ``mla``, DeepSeek-V2/V3 multi-head latent
+    attention; :mod:`moejax.nn.attention_kinds`) and its own options, an
+    instance of its spec's ``Options`` (None: its defaults).
+  mtp_depth / mtp_loss_weight: multi-token prediction (DeepSeek-V3, arXiv
+    2412.19437 Sec. 2.2): ``mtp_depth`` D sequential modules, module k
+    predicting the token k + 1 positions after the next one, trained with
+    loss weight lambda = ``mtp_loss_weight`` times the mean of the D
+    modules' cross-entropies (:mod:`moejax.nn.mtp`). 0: none. Inference
+    never runs them.
   """
 
   vocab_size: int = 256
@@ -80,7 +91,42 @@ class ModelConfig:
   moe_schedule: str = "serial"
   dense_twin: str = "none"
   remat: bool = False
+  attention: str = "mha"
+  attention_options: Any = None
+  mtp_depth: int = 0
+  mtp_loss_weight: float = 0.3
   moe: Optional[MoEConfig] = dataclasses.field(default_factory=MoEConfig)
+
+  @property
+  def attention_spec(self):
+    """The registered AttentionSpec of ``attention``."""
+    return reg.ATTENTIONS.get(self.attention, "model.attention")
+
+  @classmethod
+  def build_field(cls, name: str, value: Any, data: Mapping[str, Any], where: str):
+    """``attention_options`` from a mapping, typed by ``attention`` (from_dict's hook)."""
+    if name == "attention_options" and (isinstance(value, Mapping) or hasattr(value, "to_dict")):
+      spec = reg.ATTENTIONS.get(data.get("attention", cls.attention), "model.attention")
+      return reg.options_from_dict(spec.Options, value, where, reg.ATTENTIONS,
+                                   "model.attention")
+    return None
+
+  def config_dict_extras(self) -> dict:
+    """Every other registered attention kind's options with their defaults, so
+    ``--config.model.attention=mla --config.model.attention_options.kv_lora_rank=64``
+    works on a file that names ``mha`` (a name two kinds default differently is left out)."""
+    defaults: dict[str, Any] = {}
+    clash = set()
+    for name in reg.ATTENTIONS.names():
+      if name == self.attention:
+        continue
+      opts = reg.ATTENTIONS.get(name).Options()
+      for f in dataclasses.fields(opts):
+        value = getattr(opts, f.name)
+        if f.name in defaults and defaults[f.name] != value:
+          clash.add(f.name)
+        defaults.setdefault(f.name, value)
+    return {"attention_options": {k: v for k, v in defaults.items() if k not in clash}}
 
   @property
   def kv_heads(self) -> int:
@@ -105,6 +151,16 @@ class ModelConfig:
 
   def __post_init__(self):
     p = "model"
+    spec = self.attention_spec
+    if self.attention_options is None:
+      # Normalised at construction, so every built config and config.json hold the instance.
+      object.__setattr__(self, "attention_options", spec.Options())
+    elif type(self.attention_options) is not spec.Options:
+      raise ConfigError(f"{p}.attention_options", self.attention_options,
+                        f"are not the options of model.attention={self.attention!r} "
+                        f"({spec.Options.__module__}.{spec.Options.__name__})",
+                        f"pass {spec.Options.__name__}(...) or attention_options=None for its "
+                        "defaults")
     check_choice(f"{p}.compute_dtype", self.compute_dtype, reg.COMPUTE_DTYPES)
     check_choice(f"{p}.mod_gate", self.mod_gate, reg.MOD_GATES)
     check_choice(f"{p}.moe_layout", self.moe_layout, reg.MOE_LAYOUTS)
@@ -117,12 +173,13 @@ class ModelConfig:
     for name in ("n_kv_heads", "head_dim"):
       if getattr(self, name) is not None:
         check_count(f"{p}.{name}", getattr(self, name))
-    for name in ("first_dense_layers", "mod_every"):
+    for name in ("first_dense_layers", "mod_every", "mtp_depth"):
       check_count(f"{p}.{name}", getattr(self, name), minimum=0)
     check_positive(f"{p}.rope_base", self.rope_base)
     check_number(f"{p}.norm_eps", self.norm_eps, minimum=0, maximum=1e-2, min_open=True,
                  fix="use a small positive epsilon such as 1e-6 or 1e-5")
     check_positive(f"{p}.mod_aux_loss_coef", self.mod_aux_loss_coef, allow_zero=True)
+    check_positive(f"{p}.mtp_loss_weight", self.mtp_loss_weight, allow_zero=True)
     check_fraction(f"{p}.mod_capacity", self.mod_capacity,
                    fix="use the fraction of tokens a MoD block processes, e.g. 0.125")
     for rule in MODEL_RULES:
@@ -134,21 +191,6 @@ def _sharing_needs_routed_experts(cfg: ModelConfig) -> None:
     raise ConfigError("model.expert_sharing_group", cfg.expert_sharing_group,
                       "expert sharing needs routed experts (moe.kind sparse or soft)",
                       "set model.expert_sharing_group=1")
-
-
-def _heads_divide(cfg: ModelConfig) -> None:
-  if cfg.head_dim is None and cfg.d_model % cfg.n_heads:
-    raise ConfigError("model.n_heads", cfg.n_heads,
-                      f"does not divide model.d_model={cfg.d_model}",
-                      "pick a divisor of d_model or set model.head_dim")
-  if cfg.n_heads % cfg.kv_heads:
-    raise ConfigError("model.n_kv_heads", cfg.n_kv_heads,
-                      f"does not divide model.n_heads={cfg.n_heads}",
-                      "use a divisor of n_heads (grouped-query attention)")
-  if cfg.attn_head_dim % 2:
-    raise ConfigError("model.head_dim", cfg.attn_head_dim,
-                      "rotary embeddings rotate feature pairs, so the head width must be even",
-                      "pick an even head_dim (or d_model / n_heads)")
 
 
 def _dense_layers_fit(cfg: ModelConfig) -> None:
@@ -187,5 +229,9 @@ def _moe_fields_need_moe(cfg: ModelConfig) -> None:
                         f"remove it (default {default!r})")
 
 
-MODEL_RULES = (_sharing_needs_routed_experts, _heads_divide, _dense_layers_fit,
+def _attention_fits(cfg: ModelConfig) -> None:
+  cfg.attention_spec.check(cfg, cfg.attention_options)
+
+
+MODEL_RULES = (_attention_fits, _sharing_needs_routed_experts, _dense_layers_fit,
                _scmoe_needs_a_previous_block, _moe_fields_need_moe)

@@ -207,6 +207,13 @@ OPTIMIZERS = Registry("optimizer", "train.optimizer", ("moejax.train.optimizers"
                       "an optimizer of your own is registered with moejax.train.optimizers."
                       "register(MyOptimizer()) in a module your config file imports")
 
+# Model: attention kinds (moejax.nn.attention_kinds.AttentionSpec objects), chosen by
+# model.attention with their own options in model.attention_options.
+ATTENTIONS = Registry("attention kind", "model.attention", ("moejax.nn.attention_kinds",),
+                      "an attention kind of your own is registered with moejax.nn."
+                      "attention_kinds.register(MyAttention()) in a module your config file "
+                      "imports")
+
 # Topology plane.
 ACTIVATIONS = ("swiglu", "gelu")
 

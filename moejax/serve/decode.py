@@ -208,7 +208,8 @@ def extend_model(model, tokens: jax.Array, positions: jax.Array, write: jax.Arra
     model: a decodable Transformer (:func:`check_decodable`).
     tokens, positions: int32[B, S] new token ids and their rotary positions.
     write: bool[B, S] tokens that later queries may attend to (False: padding).
-    caches: one :class:`KVCache` per block.
+    caches: one cache per block (its attention's: :class:`~moejax.nn.attention.KVCache`,
+      :class:`~moejax.nn.mla.LatentCache`).
     index: int32[] cache slot of the first new token.
     last_only: return logits of the last new token only ([B, 1, V]).
     replay: ``{'layer_<i>': RoutingReplay [B, S, K]}``, the new tokens' recorded
@@ -261,7 +262,7 @@ def causal_mod_forward(model, tokens: jax.Array):
 
 
 def init_caches(model, batch: int, capacity: int) -> tuple:
-  """Empty caches (one :class:`KVCache` per block) of ``capacity`` slots, compute dtype."""
+  """Empty caches (one per block, its attention kind's) of ``capacity`` slots, compute dtype."""
   dtype = _DTYPES[model.cfg.compute_dtype]
   return tuple(_attention_of(block).init_cache(batch, capacity, dtype)
                for block in model.blocks)
@@ -313,7 +314,7 @@ class Decoder:
              replay: Optional[dict] = None):
     """Jitted :func:`extend_model`; ``caches`` is donated (do not reuse it).
     ``replay``: the new tokens' recorded selections, as :func:`extend_model`'s."""
-    c = caches[0].k.shape[1]
+    c = caches[0].valid.shape[1]  # every attention kind's cache has its validity mask
     s = tokens.shape[1]
     if isinstance(index, int) and index + s > c:
       raise ValueError(f"cache overflow: {s} new tokens at slot {index} exceed the cache's "

@@ -53,6 +53,7 @@ import math
 from typing import Mapping, Optional
 
 from moejax.config import ArchitectureConfig, ModelConfig, MoEConfig
+from moejax.config.registry import ATTENTIONS
 
 COMPONENTS = ("embedding", "lm_head", "attention", "dense_ffn", "routed_experts",
               "shared_experts", "router", "zero_compute", "peer", "soft_moe",
@@ -135,8 +136,17 @@ def ffn_params(d_model: int, width: int, activation: str) -> int:
   return (3 if activation == "swiglu" else 2) * d_model * width
 
 
+def attention_kind(cfg: ModelConfig, arch: ArchitectureConfig = ArchitectureConfig()):
+  """(AttentionSpec, options) counted for ``cfg``: the model's own ``model.attention``, or
+  the kind a preset's accounting section names in its place (``accounting.attention``)."""
+  if arch.attention is None:
+    return cfg.attention_spec, cfg.attention_options
+  spec = ATTENTIONS.get(arch.attention, "accounting.attention")
+  return spec, spec.options_from_architecture(arch)
+
+
 def attention_params(cfg: ModelConfig, arch: ArchitectureConfig = ArchitectureConfig()) -> int:
-  """Weights of one self-attention block (norms excluded).
+  """Weights of one self-attention block (norms excluded), as its attention kind counts them.
 
   MHA / GQA / MQA: q [d, H h], k and v [d, H_kv h], o [H h, d], plus biases
   when ``attention_bias``. MLA (DeepSeek-V2/V3): the query is q [d, H (h_nope
@@ -145,35 +155,21 @@ def attention_params(cfg: ModelConfig, arch: ArchitectureConfig = ArchitectureCo
   the shared rope key), kv_b [r_kv, H (h_nope + h_v)] expands them, o [H h_v,
   d].
   """
-  d, nh, a = cfg.d_model, cfg.n_heads, arch
-  if a.attention == "mla":
-    qk = a.qk_nope_head_dim + a.qk_rope_head_dim
-    q = (d * a.q_lora_rank + a.q_lora_rank * nh * qk) if a.q_lora_rank else d * nh * qk
-    kv = d * (a.kv_lora_rank + a.qk_rope_head_dim) + a.kv_lora_rank * nh * (
-        a.qk_nope_head_dim + a.v_head_dim)
-    return q + kv + nh * a.v_head_dim * d
-  h, kvh = cfg.attn_head_dim, cfg.kv_heads
-  params = d * nh * h + 2 * d * kvh * h + nh * h * d
-  if cfg.attention_bias:
-    params += nh * h + 2 * kvh * h + d
-  return params
+  spec, opts = attention_kind(cfg, arch)
+  return spec.params(cfg, opts)
 
 
 def attention_mix_flops(cfg: ModelConfig, seq_len: int,
                         arch: ArchitectureConfig = ArchitectureConfig()) -> float:
   """QK^T and AV FLOPs of one token in one attention block over S positions."""
-  if arch.attention == "mla":
-    d_qk, d_v = arch.qk_nope_head_dim + arch.qk_rope_head_dim, arch.v_head_dim
-  else:
-    d_qk = d_v = cfg.attn_head_dim
-  return 2.0 * seq_len * cfg.n_heads * (d_qk + d_v)
+  spec, opts = attention_kind(cfg, arch)
+  return spec.mix_flops(cfg, opts, seq_len)
 
 
-def _attention_norm_params(arch: ArchitectureConfig) -> int:
+def _attention_norm_params(cfg: ModelConfig, arch: ArchitectureConfig) -> int:
   """Norms inside attention (MLA's latent RMSNorms)."""
-  if arch.attention == "mla":
-    return arch.kv_lora_rank + (arch.q_lora_rank if arch.q_lora_rank else 0)
-  return 0
+  spec, opts = attention_kind(cfg, arch)
+  return spec.norm_params(cfg, opts)
 
 
 def moe_components(moe: MoEConfig, d_model: int, seq_len: int) -> dict[str, Component]:
@@ -288,7 +284,7 @@ def budget(cfg: ModelConfig, seq_len: int = 4096,
     n_attn = 2 if (stack == "decoder" and cross) else 1
     layer["attention"] = Component(n_attn * attn, n_attn * attn, n_attn * attn,
                                    n_attn * (2.0 * attn + mix))
-    norms = (n_attn + 1) * d + n_attn * _attention_norm_params(arch)
+    norms = (n_attn + 1) * d + n_attn * _attention_norm_params(cfg, arch)
     layer["norms"] = Component(norms, norms, norms, 0.0)
     if cfg.is_moe_layer(i):
       for name, comp in moe_components(cfg.moe, d, seq_len).items():

@@ -103,16 +103,8 @@ def _ffn_matrices(d: int, width: int, activation: str, count: int) -> list[tuple
 
 def _attention_matrices(cfg: ModelConfig, arch: ArchitectureConfig) -> list[tuple]:
   """(I, O, count) of one attention block's projections (biases not included)."""
-  d, nh, a = cfg.d_model, cfg.n_heads, arch
-  if a.attention == "mla":
-    qk = a.qk_nope_head_dim + a.qk_rope_head_dim
-    q = ([(d, a.q_lora_rank, 1), (a.q_lora_rank, nh * qk, 1)] if a.q_lora_rank
-         else [(d, nh * qk, 1)])
-    return q + [(d, a.kv_lora_rank + a.qk_rope_head_dim, 1),
-                (a.kv_lora_rank, nh * (a.qk_nope_head_dim + a.v_head_dim), 1),
-                (nh * a.v_head_dim, d, 1)]
-  h, kvh = cfg.attn_head_dim, cfg.kv_heads
-  return [(d, nh * h, 1), (d, kvh * h, 2), (nh * h, d, 1)]
+  spec, opts = accounting.attention_kind(cfg, arch)
+  return spec.matrices(cfg, opts)
 
 
 def matrices(cfg: ModelConfig,
@@ -218,10 +210,8 @@ def weight_memory(cfg: ModelConfig, fmt: WeightFormat,
 def kv_numbers_per_token(cfg: ModelConfig,
                          arch: ArchitectureConfig = ArchitectureConfig()) -> float:
   """Cached numbers per token over all decoder layers (module docstring)."""
-  if arch.attention == "mla":
-    per_layer = arch.kv_lora_rank + arch.qk_rope_head_dim
-  else:
-    per_layer = 2 * cfg.kv_heads * cfg.attn_head_dim
+  spec, opts = accounting.attention_kind(cfg, arch)
+  per_layer = spec.cache_numbers(cfg, opts)
   return sum(per_layer * (cfg.mod_capacity if cfg.is_mod_layer(i) else 1.0)
              for i in range(cfg.n_layers))
 

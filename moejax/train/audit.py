@@ -28,8 +28,9 @@ expected counts here (both computed from the config, not from the init):
   :func:`moejax.finetune.adapters.lora_param_count` (``ArmBudget.total``
   adds that count to the accounting's total).
 
-Accounting-only parts of a preset's published architecture (MLA, an encoder
-stack: ``ArchitectureConfig``) are not built by the model and not audited;
+Accounting-only parts of a preset's published architecture (an attention
+kind counted in place of the model's, an encoder stack: ``ArchitectureConfig``)
+are not built by the model and not audited;
 the budget of a run is the accounting of what it builds, as audited here.
 """
 
@@ -59,6 +60,7 @@ COMPONENTS = accounting.COMPONENTS + (LORA,)
 #   final_norm/...                              norms
 #   blocks/i/[block/]ffn/params/<sub>/...       MOE_SUBTREES[sub] (router: the layer kind's
 #                                               router_component; Soft MoE: soft_moe)
+#   blocks/i/[block/]attn/<x>_norm/...          norms (inside the attention: MLA's latents)
 #   blocks/i/[block/]<module>/...               BLOCK_MODULES[module]
 #   anything else                               unmapped (the accounting counts 0)
 #
@@ -138,6 +140,8 @@ def component_of(keys: Sequence[Any], layer: Any = None) -> str:
     return MOE_SUBTREES.get(rest[2], UNMAPPED)
   if rest[0] == "router":  # a router module inside the inner block: not one we know
     return UNMAPPED
+  if rest[0] == "attn" and len(rest) > 1 and rest[1].endswith("_norm"):
+    return "norms"  # norms inside an attention kind (MLA's latent norms)
   return BLOCK_MODULES.get(rest[0], UNMAPPED)
 
 

@@ -120,6 +120,12 @@ LAYER_KINDS = {
     "scmoe": dict(n_layers=4, moe_layout="every_other", moe_schedule="scmoe"),
     "dense_twin_active": dict(dense_twin="active"),
     "dense_twin_total": dict(dense_twin="total"),
+    "mla": dict(attention="mla", n_kv_heads=None, attention_options=dict(kv_lora_rank=16, qk_nope_head_dim=8,
+                                                        qk_rope_head_dim=4, v_head_dim=8)),
+    "mla_q_lora_mod": dict(n_layers=4, mod_every=2, attention="mla", n_kv_heads=None,
+                           attention_options=dict(q_lora_rank=12, kv_lora_rank=16,
+                                                  qk_nope_head_dim=8, qk_rope_head_dim=4,
+                                                  v_head_dim=8)),
 }
 
 

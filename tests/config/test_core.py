@@ -89,7 +89,7 @@ def test_unknown_keys_are_errors_with_suggestion():
     ({"moe": {"router": {"top_k": 1}}}, "model.moe.routing"),
     ({"moe": {"capacity_factor": 1.25}}, "model.moe.balance.capacity_factor"),
     ({"moe": {"backend": "blocked"}}, "model.moe.execution.backend"),
-    ({"attention": "mla"}, "removed"),
+    ({"kv_lora_rank": 64}, "moved to model.attention_options.kv_lora_rank"),
 ])
 def test_old_field_paths_name_the_new_place(tree, new):
   with pytest.raises(C.ConfigError) as info:
