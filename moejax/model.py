@@ -48,6 +48,7 @@ from flax import nnx
 
 from moejax.config import ConfigError, ModelConfig
 from moejax.nn.ffn import DenseFFN, ffn_params
+from moejax.nn import mtp as mtp_lib
 from moejax.nn.mod import MoDBlock
 from moejax.nn.moe_block import ExpertParallel, MoEFFN, RouterStateVar
 from moejax.nn.scmoe import shortcut_input
@@ -157,11 +158,17 @@ class Transformer(nnx.Module):
       # softmax over V, where bf16 rounding is a visible loss error.
       self.lm_head = nnx.Linear(d, cfg.vocab_size, use_bias=False, dtype=jnp.float32,
                                 param_dtype=jnp.float32, rngs=rngs)
+    if cfg.mtp_depth:
+      # Built last, so the main model's initial weights do not depend on MTP.
+      dense = _dense(cfg, cfg.dense_ff_width, cfg.dense_activation)
+      self.mtp = nnx.List([
+          mtp_lib.MTPModule(d, Block(dense, cfg.n_layers + k, rngs=rngs), norm_eps=cfg.norm_eps,
+                            dtype=dtype, rngs=rngs) for k in range(cfg.mtp_depth)])
 
   def __call__(self, tokens: jax.Array, *, train: bool = False,
                rng: Optional[jax.Array] = None,
                axis_names: Sequence[str] = (),
-               replay: Optional[dict] = None) -> tuple[jax.Array, dict]:
+               replay: Optional[dict] = None, mtp: bool = False) -> tuple[jax.Array, dict]:
     """tokens int[B, S] -> (logits f32[B, S, V], aux); see the module docstring.
 
     rng: key for router noise / jitter (training); layer i uses fold_in(rng, i).
@@ -170,6 +177,9 @@ class Transformer(nnx.Module):
       layer (routing replay, :mod:`moejax.routing.replay`; what
       ``aux['moe'][name]['selection']`` holds after a forward): each layer
       uses the recorded experts, weighted by its router's current scores.
+    mtp: also run the multi-token prediction modules (``model.mtp_depth``;
+      training only): ``aux['mtp']`` holds their logits, module k's f32[B,
+      S-k, V] (:mod:`moejax.nn.mtp`).
     """
     if tokens.ndim != 2 or not jnp.issubdtype(tokens.dtype, jnp.integer):
       raise ValueError(f"Transformer: tokens must be int[B, S], got {tokens.dtype}"
@@ -198,15 +208,18 @@ class Transformer(nnx.Module):
       if moe_aux is not None:
         aux["moe"][f"layer_{i}"] = moe_aux
         aux["loss"] = aux["loss"] + moe_aux["losses"]["total"].astype(jnp.float32)
-    x = self.final_norm(x).astype(jnp.float32)
+    if mtp and self.cfg.mtp_depth:
+      aux["mtp"] = mtp_lib.forward(self.mtp, x, tokens, self.embed, self._logits)
+    return self._logits(self.final_norm(x)), aux
+
+  def _logits(self, x: jax.Array) -> jax.Array:
+    """The output head of a normalised hidden state [..., d] -> f32[..., V]."""
+    x = x.astype(jnp.float32)
     if self.cfg.tie_embeddings:
       # T5's convention for a tied head: rescale by d^-1/2, since the
       # embedding is initialised at unit scale for the input side.
-      logits = self.embed.attend(x) * (self.cfg.d_model ** -0.5)
-      logits = logits.astype(jnp.float32)
-    else:
-      logits = self.lm_head(x)
-    return logits, aux
+      return (self.embed.attend(x) * (self.cfg.d_model ** -0.5)).astype(jnp.float32)
+    return self.lm_head(x)
 
   def param_roles(self) -> dict:
     """The embedding and the LM head are element-wise (AdamW): a row per token is a lookup,

@@ -44,6 +44,12 @@ Conventions (what every number in :class:`Budget` means):
   selected tokens only see selected tokens), plus a d-wide router.
 - **Expert sharing** (``expert_sharing_group`` g): g consecutive MoE layers
   share one set of routed expert weights, counted once in total.
+- **Multi-token prediction** (``mtp_depth`` D, :mod:`moejax.nn.mtp`): the
+  ``mtp`` component. Its parameters are in total; they are not active
+  (inference drops the modules, DeepSeek-V3's 37B activated excludes them),
+  but their training FLOPs are in flops_per_token: per module and token the
+  [2d, d] projection, one block (attention with its mixing at S, a dense FFN
+  of ``dense_ff_width``) and the shared LM head again (2 V d).
 """
 
 from __future__ import annotations
@@ -57,7 +63,7 @@ from moejax.config.registry import ATTENTIONS
 
 COMPONENTS = ("embedding", "lm_head", "attention", "dense_ffn", "routed_experts",
               "shared_experts", "router", "zero_compute", "peer", "soft_moe",
-              "mod_router", "norms")
+              "mod_router", "mtp", "norms")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -304,6 +310,8 @@ def budget(cfg: ModelConfig, seq_len: int = 4096,
       layer["mod_router"] = _dense(d)
     for name, comp in layer.items():
       add(name, comp)
+  if cfg.mtp_depth:
+    add("mtp", mtp_component(cfg, seq_len))
   n_final = 1 + (1 if cross else 0)
   add("norms", Component(n_final * d, n_final * d, n_final * d, 0.0))
 
@@ -317,6 +325,17 @@ def budget(cfg: ModelConfig, seq_len: int = 4096,
       input_embedding=0 if cfg.tie_embeddings else table,
       components=comps,
   )
+
+
+def mtp_component(cfg: ModelConfig, seq_len: int) -> Component:
+  """The D multi-token prediction modules (module docstring): params, not active, FLOPs."""
+  d = cfg.d_model
+  spec, opts = cfg.attention_spec, cfg.attention_options
+  matmul = 2 * d * d + spec.params(cfg, opts) + ffn_params(d, cfg.dense_ff_width,
+                                                         cfg.dense_activation)
+  norms = 5 * d + spec.norm_params(cfg, opts)  # hidden, embedding, 2 block, head norms
+  flops = 2.0 * matmul + spec.mix_flops(cfg, opts, seq_len) + 2.0 * cfg.vocab_size * d
+  return Component(cfg.mtp_depth * (matmul + norms), 0.0, 0.0, cfg.mtp_depth * flops)
 
 
 # ---------------------------------------------------------------------------

@@ -7,7 +7,8 @@ per weight, b_s bits per scale. GB = 1e9 bytes (what model cards and GPU
 sizes quote: an "80 GB" H100 / A100).
 
 **Weights** (:func:`weight_memory`). Parameter counts are
-:func:`moejax.topology.accounting.budget`'s ``total``. A
+:func:`moejax.topology.accounting.budget`'s ``total``, less the
+multi-token prediction modules, which serving drops. A
 :class:`WeightFormat` stores every parameter at ``bits`` (fp32, bf16) or,
 for the quantised formats (fp8, int8, int4), quantises the *matrices* of
 the components in ``quantized`` and keeps everything else at ``high_bits``:
@@ -48,6 +49,8 @@ from moejax.topology import accounting
 
 GB = 1e9
 QUANTIZABLE = ("attention", "dense_ffn", "routed_experts", "shared_experts")
+# Trained but not served: generation drops the multi-token prediction modules.
+NOT_SERVED = ("mtp",)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -187,7 +190,8 @@ def weight_memory(cfg: ModelConfig, fmt: WeightFormat,
   b = accounting.budget(cfg, seq_len=1, arch=arch)
   mats = matrices(cfg, arch) if fmt.quantized else {}
   comps, qparams, scale_bytes = [], 0, 0.0
-  for name, comp in b.components:
+  served = [(name, comp) for name, comp in b.components if name not in NOT_SERVED]
+  for name, comp in served:
     if name in fmt.quantized:
       m = _matrix_params(mats[name])
       if m > comp.total:
@@ -200,7 +204,8 @@ def weight_memory(cfg: ModelConfig, fmt: WeightFormat,
     else:
       bits = fmt.high_bits if fmt.quantized else fmt.bits
       comps.append((name, comp.total * bits / 8))
-  return WeightMemory(fmt, sum(v for _, v in comps), b.total, qparams, b.total - qparams,
+  params = sum(comp.total for _, comp in served)
+  return WeightMemory(fmt, sum(v for _, v in comps), params, qparams, params - qparams,
                       scale_bytes, tuple(comps))
 
 

@@ -58,6 +58,7 @@ COMPONENTS = accounting.COMPONENTS + (LORA,)
 #   embed/...                                   embedding
 #   lm_head/...                                 lm_head
 #   final_norm/...                              norms
+#   mtp/...                                     mtp (multi-token prediction modules)
 #   blocks/i/[block/]ffn/params/<sub>/...       MOE_SUBTREES[sub] (router: the layer kind's
 #                                               router_component; Soft MoE: soft_moe)
 #   blocks/i/[block/]attn/<x>_norm/...          norms (inside the attention: MLA's latents)
@@ -66,7 +67,7 @@ COMPONENTS = accounting.COMPONENTS + (LORA,)
 #
 # ``block/`` is the inner block of a mixture-of-depths wrapper, whose own
 # ``router`` is the MoD router.
-TOP_MODULES = {"embed": "embedding", "lm_head": "lm_head", "final_norm": "norms"}
+TOP_MODULES = {"embed": "embedding", "lm_head": "lm_head", "final_norm": "norms", "mtp": "mtp"}
 MOE_SUBTREES = {"router": "router", "experts": "routed_experts", "shared": "shared_experts",
                 "zero_compute": "zero_compute", "peer": "peer"}
 BLOCK_MODULES = {"attn": "attention", "attn_norm": "norms", "ffn_norm": "norms",

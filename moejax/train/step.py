@@ -31,6 +31,7 @@ from moejax.balance.aux import LayerMetrics
 from moejax.config.registry import BALANCE_LOSS_LOG_PREFIX, BALANCE_LOSSES
 from moejax.model import ExpertParallel, RouterStateVar, Transformer
 from moejax.nn import adapters as adapters_lib
+from moejax.nn import mtp as mtp_lib
 from moejax.nn.losses import masked_cross_entropy
 from moejax.train.config import ExperimentConfig
 from moejax.train.optim import frozen_gradients, learning_rate_schedule
@@ -228,24 +229,34 @@ def make_train_step(graphdef, cfg: ExperimentConfig,
 
   The objective is the token-weighted cross-entropy of the whole batch (sum
   of per-token losses / scored tokens) plus the mean over micro-batches of
-  the balance losses; with one micro-batch it is exactly mean CE + aux.
+  the balance losses; with one micro-batch it is exactly mean CE + aux. With
+  multi-token prediction (``model.mtp_depth``) it adds ``mtp_loss_weight``
+  times the modules' mean loss (:mod:`moejax.nn.mtp`), logged as ``mtp/loss``.
   """
   schedule_lr = learning_rate_schedule(cfg.train)
   mask_frozen = frozen_gradients(cfg.model, cfg.finetune)  # identity when nothing is frozen
   nan_at = cfg.train.nan_at_step
   m = cfg.train.microbatches
   balance = cfg.model.moe.balance if cfg.model.moe is not None else None
+  mtp_depth = cfg.model.mtp_depth
 
   def objective(params, router_state, other, batch, key, n_tokens):
     model = nnx.merge(graphdef, params, router_state, other)
     # A batch may carry a routing replay ({'layer_<i>': RoutingReplay [B, S, K]}).
-    logits, aux = model(batch["inputs"], train=True, rng=key, replay=batch.get("replay"))
+    logits, aux = model(batch["inputs"], train=True, rng=key, replay=batch.get("replay"),
+                        mtp=mtp_depth > 0)
     _, ce_sum, _ = masked_cross_entropy(logits, batch["targets"], batch["mask"])
     ce = ce_sum / n_tokens
     loss = ce + aux["loss"] / m
+    # Token-weighted like ce (each micro-batch's share of the batch): summed, not averaged.
+    sums = {}
+    if mtp_depth:
+      sums[mtp_lib.LOG_NAME] = mtp_lib.mtp_loss(aux["mtp"], batch["targets"], batch["mask"],
+                                                n_tokens)
+      loss = loss + cfg.model.mtp_loss_weight * sums[mtp_lib.LOG_NAME]
     return loss, (ce, aux["loss"], (router_loads(aux), observations(aux)),
                   {**routing_summary(aux), **balance_loss_summary(aux, balance),
-                   **layer_loads(aux)})
+                   **layer_loads(aux)}, sums)
 
   grad_fn = jax.value_and_grad(objective, has_aux=True)
 
@@ -254,7 +265,7 @@ def make_train_step(graphdef, cfg: ExperimentConfig,
     n_tokens = jnp.maximum(jnp.sum(batch["mask"].astype(jnp.float32)), 1.0)
     args = (state.router_state, state.other)
     if m == 1:
-      (loss, (ce, aux_loss, (loads, observed), summary)), grads = grad_fn(
+      (loss, (ce, aux_loss, (loads, observed), summary, sums)), grads = grad_fn(
           state.params, *args, batch, key, n_tokens)
     else:
       micro = jax.tree.map(lambda a: a.reshape((m, a.shape[0] // m) + a.shape[1:]), batch)
@@ -267,7 +278,7 @@ def make_train_step(graphdef, cfg: ExperimentConfig,
       zero = jax.eval_shape(grad_fn, state.params, *args, jax.tree.map(lambda a: a[0], micro),
                             key, n_tokens)
       zero = jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), zero)
-      ((loss, (ce, aux_loss, (loads, observed), summary)), grads), _ = jax.lax.scan(
+      ((loss, (ce, aux_loss, (loads, observed), summary, sums)), grads), _ = jax.lax.scan(
           body, zero, (jnp.arange(m), micro))
       aux_loss = aux_loss / m                     # the mean over micro-batches
       summary = jax.tree.map(lambda v: v / m, summary)
@@ -285,7 +296,7 @@ def make_train_step(graphdef, cfg: ExperimentConfig,
     _, _, router_state, _ = split_model(model)
     metrics = {"loss": loss, "ce": ce, "aux_loss": aux_loss,
                "grad_norm": optax.tree.norm(grads),
-               "learning_rate": schedule_lr(state.step), **summary, **idea_state}
+               "learning_rate": schedule_lr(state.step), **summary, **sums, **idea_state}
     new = state.replace(step=state.step + 1, params=params, router_state=router_state,
                         opt_state=opt_state)
     return new, jax.tree.map(lambda x: jnp.asarray(x, jnp.float32), metrics)

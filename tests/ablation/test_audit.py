@@ -126,6 +126,9 @@ LAYER_KINDS = {
                            attention_options=dict(q_lora_rank=12, kv_lora_rank=16,
                                                   qk_nope_head_dim=8, qk_rope_head_dim=4,
                                                   v_head_dim=8)),
+    "mtp_mla": dict(mtp_depth=2, attention="mla", n_kv_heads=None,
+                    attention_options=dict(kv_lora_rank=16, qk_nope_head_dim=8,
+                                           qk_rope_head_dim=4, v_head_dim=8)),
 }
 
 
