@@ -54,6 +54,8 @@ setup(
         "kernels": ["tokamax>=0.0.12"],
         # Jupyter's command line for notebooks/: `jupyter nbconvert --execute` (nbconvert,
         # jupyter_core's `jupyter`, a Python kernel) and `jupyter notebook` to open them.
+        # The optional Weights & Biases copy of a run's metrics (train.wandb_project).
+        "wandb": ["wandb>=0.17"],
         "notebooks": ["nbconvert>=7.16", "jupyter_core>=5.7", "ipykernel>=6.29",
                       "notebook>=7.2"],
     },

@@ -75,6 +75,7 @@ RESUME_FREE_FIELDS = (
     "train.checkpoint_every", "train.keep_checkpoints",
     "train.nan_at_step",                               # test hook: can only stop a run
     "train.peak_tflops", "train.profile_steps",        # observation: MFU's peak, a trace
+    "train.wandb_project", "train.wandb_mode",         # logging: the optional W&B copy
     BACKEND_FIELD, BACKEND_INTERPRET_FIELD,            # execution backend: identical parameters
     BACKEND_ORIGIN_FIELD, *BACKEND_RULE_FIELDS,
     "parallel",                                        # device layout: same state shapes and values

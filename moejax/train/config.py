@@ -16,8 +16,8 @@ import typing
 from typing import Any, Mapping, Optional
 
 from moejax.balance import capacity as capacity_lib
-from moejax.config import (ConfigError, ModelConfig, ParallelConfig, check_count, check_experts,
-                           check_fraction, check_number, check_positive, from_dict,
+from moejax.config import (ConfigError, ModelConfig, ParallelConfig, check_choice, check_count,
+                           check_experts, check_fraction, check_number, check_positive, from_dict,
                            resolve_route_limit, to_dict, unwrap_optional)
 from moejax.config import registry as reg
 from moejax.config.finetune import FinetuneConfig, resolve_model
@@ -74,6 +74,11 @@ class TrainConfig:
     profile_steps: ``(a, b)``: write a ``jax.profiler`` trace of steps a+1 .. b
       (from the end of step a to the end of step b; a >= 1 keeps the
       compiling first step out) under ``WORKDIR/profile`` (None: no trace).
+    wandb_project: also log to this Weights & Biases project, with the names
+      TensorBoard gets (empty: no W&B; needs the ``wandb`` extra;
+      :mod:`moejax.train.wandb_sink`).
+    wandb_mode: ``offline`` (written under ``WORKDIR/wandb``, uploaded later
+      with ``wandb sync``) or ``online``.
   """
 
   steps: int = 1000
@@ -98,6 +103,8 @@ class TrainConfig:
   profile_steps: Optional[tuple] = None
   optimizer: str = "adamw"
   optimizer_options: Any = None
+  wandb_project: str = ""
+  wandb_mode: str = "offline"
 
   @property
   def optimizer_spec(self):
@@ -175,6 +182,7 @@ class TrainConfig:
       check_positive(f"{p}.peak_tflops", self.peak_tflops)
     if self.profile_steps is not None:
       _check_profile_steps(f"{p}.profile_steps", self.profile_steps, self.steps)
+    check_choice(f"{p}.wandb_mode", self.wandb_mode, ("offline", "online"))
 
 
 def _check_profile_steps(path: str, value, steps: int) -> None:

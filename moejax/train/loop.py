@@ -302,7 +302,7 @@ def train(cfg: ExperimentConfig, workdir: str, *, out: TextIO = sys.stdout,
           f"{ckpt_lib.checkpoint_steps(workdir)}). Fix: run the same command again")
     _record_start(workdir, cfg, plan, restored, say)
     ckpt = ckpt_lib.Checkpointer(workdir, tc.keep_checkpoints, resumed=restored)
-    writer = metrics_log.MetricsWriter(workdir, restored.step if restored else 0, enabled=lead)
+    writer = metrics_log.MetricsWriter.for_run(cfg, workdir, restored.step if restored else 0, lead)
     progress = metrics_log.Progress(tc.steps, out=out, enabled=tc.progress,
                                     **(suite._asdict() if suite else {}), in_suite=bool(suite))
     ctx = RunContext(cfg=cfg, workdir=workdir, graphdef=graphdef, tx=tx, restored=restored,

@@ -31,7 +31,7 @@ import math
 import os
 import sys
 import time
-from typing import Mapping, NamedTuple, Optional, Sequence, TextIO
+from typing import Any, Mapping, NamedTuple, Optional, Sequence, TextIO
 
 import numpy as np
 
@@ -71,9 +71,13 @@ class MetricsWriter:
   would interleave).
   """
 
-  def __init__(self, workdir: str, resume_step: int = 0, enabled: bool = True):
+  def __init__(self, workdir: str, resume_step: int = 0, enabled: bool = True,
+               sinks: Sequence[Any] = ()):
     self.workdir = workdir
     self._file, self._tb = None, None
+    # More writers of the TensorBoard records (add_scalars / add_histograms / close):
+    # the optional W&B run of moejax.train.wandb_sink.
+    self._sinks = list(sinks) if enabled else []
     if not enabled:
       return
     path = os.path.join(workdir, METRICS_FILE)
@@ -92,6 +96,15 @@ class MetricsWriter:
       print("tensorboardX is not installed: metrics go to metrics.jsonl only "
             "(pip install tensorboardX)", file=sys.stderr)
 
+  @classmethod
+  def for_run(cls, cfg, workdir: str, resume_step: int, enabled: bool) -> "MetricsWriter":
+    """The writer of a run of ``cfg`` (an ExperimentConfig): with its W&B copy when
+    ``train.wandb_project`` names one (process 0 only, as every file here)."""
+    from moejax.config.core import to_dict  # pylint: disable=g-import-not-at-top
+    from moejax.train import wandb_sink  # pylint: disable=g-import-not-at-top
+    sink = wandb_sink.sink_for(cfg.train, workdir, to_dict(cfg)) if enabled else None
+    return cls(workdir, resume_step, enabled, sinks=[sink] if sink else [])
+
   def write(self, step: int, split: str, metrics: Mapping[str, float]) -> None:
     if self._file is None:
       return
@@ -101,24 +114,28 @@ class MetricsWriter:
       self._file.flush()
     except OSError as e:
       raise OSError(e.errno, e.strerror, self._file.name) from e
-    if self._tb is not None:
-      self._tb.add_scalars(int(step), {f"{split}/{k}": float(v) for k, v in metrics.items()
-                                       if not isinstance(v, str)})
+    scalars = {f"{split}/{k}": float(v) for k, v in metrics.items() if not isinstance(v, str)}
+    for sink in self._writers():
+      sink.add_scalars(int(step), scalars)
+
+  def _writers(self) -> list:
+    return ([self._tb] if self._tb is not None else []) + self._sinks
 
   def histograms(self, step: int, split: str, values: Mapping[str, Sequence[float]]) -> None:
     """TensorBoard histograms ``<split>/<name>`` (the per-layer expert loads); JSONL: none."""
-    if self._tb is not None:
-      self._tb.add_histograms(int(step), {f"{split}/{k}": np.asarray(v, np.float64)
-                                          for k, v in values.items()})
+    arrays = {f"{split}/{k}": np.asarray(v, np.float64) for k, v in values.items()}
+    for sink in self._writers():
+      sink.add_histograms(int(step), arrays)
 
   def close(self) -> None:
-    for f in (self._file, self._tb):
+    for f in (self._file, self._tb, *self._sinks):
       try:
         if f is not None:
           f.close()
       except OSError:
         pass  # the write that failed was reported; the rest of the buffer is lost
     self._file = self._tb = None
+    self._sinks = []
 
 
 class _Events:
