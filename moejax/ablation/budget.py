@@ -117,9 +117,11 @@ class ArmBudget:
 
 
 def optimizer_string(exp: ExperimentConfig) -> str:
+  """The optimizer with its options (``muon(momentum=0.95, ...)``; AdamW has none) and the
+  shared schedule and AdamW settings."""
   t = exp.train
-  return (f"adamw lr={t.learning_rate:g} warmup={t.warmup_steps} cosine->x{t.min_lr_ratio:g} "
-          f"b1={t.b1:g} b2={t.b2:g} eps={t.eps:g} wd={t.weight_decay:g} clip={t.grad_clip:g} "
+  return (f"{t.optimizer_spec.describe(t)} lr={t.learning_rate:g} warmup={t.warmup_steps} "
+          f"cosine->x{t.min_lr_ratio:g} b1={t.b1:g} b2={t.b2:g} eps={t.eps:g} wd={t.weight_decay:g} clip={t.grad_clip:g} "
           f"steps={t.steps}")
 
 
