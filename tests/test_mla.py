@@ -13,6 +13,7 @@ from flax import nnx
 
 from moejax.config import ConfigError, ModelConfig, from_dict
 from moejax.model import Transformer, param_count, param_role_tree
+from moejax.nn import adapters
 from moejax.nn.attention_kinds import MLAOptions
 from moejax.nn.mla import LatentAttention, LatentCache
 from moejax.serve import Decoder
@@ -21,7 +22,7 @@ from moejax.topology import accounting, memory
 from moejax.train import audit
 from moejax.train.optimizers import path_keys
 from tests.configs import moe_config
-from tests.serve.test_decode import _check
+from tests.serve.test_decode import _check, _tokens
 
 OPTS = MLAOptions(q_lora_rank=0, kv_lora_rank=12, qk_nope_head_dim=8, qk_rope_head_dim=4,
                   v_head_dim=6)
@@ -127,3 +128,14 @@ def test_mla_options_are_refused_under_mha_and_old_fields_name_their_place():
     from_dict(ModelConfig, dict(attention_options=dict(kv_lora_rank=8)), "model")
   with pytest.raises(ConfigError, match="moved to model.attention_options.kv_lora_rank"):
     from_dict(ModelConfig, dict(kv_lora_rank=8), "model")
+
+
+@pytest.mark.parametrize("opts", [OPTS, Q_LORA], ids=["kv_latent", "q_and_kv_latents"])
+def test_lora_on_mla_adapts_its_projections_as_counted_and_starts_as_the_base(opts):
+  cfg = mla(opts)
+  model = Transformer(cfg, rngs=nnx.Rngs(0))
+  tokens = jnp.asarray(_tokens(1))
+  before, n_before = model(tokens)[0], param_count(model)
+  adapters.attach(model, ("attention",), 2, 1.0, jax.random.key(0))
+  assert param_count(model) - n_before == adapters.lora_param_count(cfg, ("attention",), 2)
+  np.testing.assert_array_equal(model(tokens)[0], before)  # B = 0

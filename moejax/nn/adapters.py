@@ -4,8 +4,9 @@ Legend: d model width, E routed experts, f expert width, F dense width, r rank.
 
 ``attach(model, targets, rank, scale, key)`` for ``targets`` among:
 
-- ``attention``: q / k / v / o projections of every block become
-  :class:`moejax.nn.lora.LoRALinear` (flax's ``nnx.LoRALinear``, scaled);
+- ``attention``: the projections of every block's attention (its
+  ``projections()``: q / k / v / o for MHA; MLA's query, kv_a, kv_b and o)
+  become :class:`moejax.nn.lora.LoRALinear` (flax's ``nnx.LoRALinear``, scaled);
 - ``dense``: the dense FFN layers' w_gate / w_up / w_down likewise, and a MoE
   layer's shared experts get adapters merged before the layer runs;
 - ``experts``: every MoE layer's routed experts get per-expert adapters
@@ -51,7 +52,7 @@ def attach(model, targets, rank: int, scale: float, key: jax.Array) -> None:
     k_attn, k_ffn, k_moe = jax.random.split(jax.random.fold_in(key, i), 3)
     rngs = nnx.Rngs(params=k_attn)
     if "attention" in targets:
-      for name in ATTENTION:
+      for name in block.attn.projections():  # the attention kind's own projections
         setattr(block.attn, name, lora_lib.LoRALinear(getattr(block.attn, name), rank, scale,
                                                       rngs=rngs))
     ffn = block.ffn
@@ -74,18 +75,20 @@ def attach(model, targets, rank: int, scale: float, key: jax.Array) -> None:
 def lora_param_count(model: ModelConfig, targets, rank: int) -> int:
   """Parameters LoRA of rank r on ``targets`` adds to ``model`` (computed from the config).
 
-  Attention: r (d + N H) for q and o, r (d + M H) for k and v, per block.
+  Attention: r (I + O) for each I x O projection of the attention kind (MHA:
+  r (d + N H) for q and o, r (d + M H) for k and v), per block.
   Dense FFN of width F: r (d + F) per matrix (3 for SwiGLU, 2 for GELU).
   Shared experts of total width F_s: the same with F_s. Routed experts:
   E r (d + f) per matrix. Heterogeneous expert widths count the padded f.
   """
   targets = set(targets)
-  d, h = model.d_model, model.attn_head_dim
+  d = model.d_model
+  attention = sum(rank * (i + o) * c for i, o, c in
+                  model.attention_spec.matrices(model, model.attention_options))
   total = 0
   for i in range(model.n_layers):
     if "attention" in targets:
-      q, kv = model.n_heads * h, model.kv_heads * h
-      total += rank * (2 * (d + q) + 2 * (d + kv))
+      total += attention
     mats = lambda act: 3 if act == "swiglu" else 2
     if not model.is_moe_layer(i):
       if "dense" in targets:

@@ -93,6 +93,10 @@ class CausalSelfAttention(nnx.Module):
     self.v_proj = lin(d_model, n_kv_heads * head_dim)
     self.o_proj = lin(n_heads * head_dim, d_model)
 
+  def projections(self) -> tuple[str, ...]:
+    """The names of the projection layers (what LoRA adapts), in a fixed order."""
+    return ("q_proj", "k_proj", "v_proj", "o_proj")
+
   def param_roles(self) -> dict:
     """The four projections are hidden matrices [in, out]; their biases element-wise."""
     proj = {"kernel": roles.matrix("attention"), "bias": roles.elementwise("bias")}

@@ -77,6 +77,11 @@ class LatentAttention(nnx.Module):
     self.kv_b = lin(self.r_kv, n_heads * (self.h_n + self.h_v))
     self.o_proj = lin(n_heads * self.h_v, d_model)
 
+  def projections(self) -> tuple[str, ...]:
+    """The names of the projection layers (what LoRA adapts), in a fixed order."""
+    q = ("q_a", "q_b") if self.r_q else ("q_proj",)
+    return q + ("kv_a", "kv_b", "o_proj")
+
   def param_roles(self) -> dict:
     """Projections are hidden matrices [in, out]; the two latent norms are element-wise."""
     out = {name: {"kernel": roles.matrix("attention")}
