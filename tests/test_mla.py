@@ -5,6 +5,8 @@ optimizer roles are declared, and bad options are one-line config errors."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -139,3 +141,14 @@ def test_lora_on_mla_adapts_its_projections_as_counted_and_starts_as_the_base(op
   adapters.attach(model, ("attention",), 2, 1.0, jax.random.key(0))
   assert param_count(model) - n_before == adapters.lora_param_count(cfg, ("attention",), 2)
   np.testing.assert_array_equal(model(tokens)[0], before)  # B = 0
+
+
+def test_a_whole_model_export_to_mixtral_names_the_latent_attention_it_cannot_hold():
+  from moejax.interop.errors import InteropError  # pylint: disable=g-import-not-at-top
+  from moejax.interop.models import hf_config_of  # pylint: disable=g-import-not-at-top
+  cfg = mla(moe=moe_config(num_experts=4, expert_width=16,
+                           routing=dict(top_k=2, score_fn="softmax", gating="topk_softmax")))
+  with pytest.raises(InteropError, match=r"model.attention='mla' \(needs q / k / v / o"):
+    hf_config_of(cfg, "mixtral")
+  assert hf_config_of(dataclasses.replace(cfg, attention="mha", attention_options=None),
+                      "mixtral")["num_attention_heads"] == 4

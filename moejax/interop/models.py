@@ -207,6 +207,8 @@ def _transformer_gaps(cfg: ModelConfig) -> list[str]:
   gaps = []
   if cfg.moe is not None and not all(cfg.is_moe_layer(i) for i in range(cfg.n_layers)):
     gaps.append(f"model.moe_layout={cfg.moe_layout!r} (every layer must be MoE)")
+  if not cfg.attention_spec.llama_layout:
+    gaps.append(f"model.attention={cfg.attention!r} (needs q / k / v / o projections: 'mha')")
   for field, ok, what in (("attention_bias", not cfg.attention_bias, "False"),
                           ("tie_embeddings", not cfg.tie_embeddings, "False (moejax scales a "
                            "tied head by d^-1/2)"),

@@ -44,10 +44,16 @@ OPTIONS_FIELD = "model.attention_options"
 
 
 class AttentionSpec:
-  """An attention kind: its options, what it costs, and how to build it."""
+  """An attention kind: its options, what it costs, and how to build it.
+
+  Capabilities: ``llama_layout``: its weights are Hugging Face's Llama-family
+  attention (q / k / v / o projections, half-split rotary), what a whole-model
+  export to Mixtral writes.
+  """
 
   name = ""
   Options: type = None
+  llama_layout = False
 
   def check(self, cfg: "ModelConfig", opts) -> None:
     """Raises ConfigError for model fields that do not fit this kind."""
@@ -101,6 +107,7 @@ class MultiHead(AttentionSpec):
 
   name = "mha"
   Options = MHAOptions
+  llama_layout = True
 
   def check(self, cfg, opts):
     if cfg.head_dim is None and cfg.d_model % cfg.n_heads:
