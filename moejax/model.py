@@ -29,6 +29,9 @@ wrapped in a mixture-of-depths router (``cfg.is_mod_layer(i)``).
   MoD block skipped have valid False).
 - ``mod``: ``{'layer_<i>': {'selected' bool[B, S], 'scores' f32[B, S],
   'loss', 'metrics'}}`` per mixture-of-depths block.
+- ``mtp`` (only when called with ``mtp=True`` and ``cfg.mtp_depth`` > 0): the
+  multi-token prediction modules' logits, module k's f32[B, S-k, V]
+  (:mod:`moejax.nn.mtp`, built after the main model's layers).
 
 Router state (the aux-loss-free bias) lives in
 :class:`~moejax.nn.moe_block.RouterStateVar` leaves, outside ``nnx.Param``.

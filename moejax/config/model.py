@@ -24,8 +24,9 @@ class ModelConfig:
 
   The FFN slots are dense (width dense_ff_width) or MoE by ``moe_layout``:
   ``all``, ``every_other`` (odd layers MoE) or ``first_dense`` (the first
-  ``first_dense_layers`` dense, the rest MoE). Attention is multi-head with
-  grouped-query / multi-query variants through ``n_kv_heads``.
+  ``first_dense_layers`` dense, the rest MoE). Attention is a registered
+  kind (``attention``): multi-head with grouped-query / multi-query variants
+  through ``n_kv_heads``, or multi-head latent attention.
 
   compute_dtype: activation dtype (params stay float32; routers keep their
     own ``moe.routing.router_dtype``). rope_base: rotary frequency base.
