@@ -187,7 +187,8 @@ class LatentSpec(AttentionSpec):
         raise ConfigError(f"model.{name}", getattr(cfg, name),
                           "has no effect with model.attention='mla' (its head widths are "
                           f"{OPTIONS_FIELD}.qk_nope_head_dim / qk_rope_head_dim / v_head_dim)",
-                          f"remove model.{name}")
+                          f"remove model.{name} from the config (a config file that sets it "
+                          "cannot switch to 'mla' on the command line)")
     if opts.qk_rope_head_dim % 2:  # a model's check: the accounting counts odd widths too
       raise ConfigError(f"{OPTIONS_FIELD}.qk_rope_head_dim", opts.qk_rope_head_dim,
                         "rotary embeddings rotate feature pairs, so the rotary width must be "
