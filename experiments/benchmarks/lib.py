@@ -73,7 +73,7 @@ def auto_decision(t: int, d: int, e: int, k: int, f: int) -> dict:
 def native_backends() -> tuple[list[str], dict[str, str]]:
   """(gmm backends that run natively here, {skipped backend: why})."""
   run, skipped = [], {}
-  for name in gmm_lib.BACKENDS:
+  for name in gmm_lib.backend_names():
     try:
       gmm_lib.check_available(name)
       run.append(name)

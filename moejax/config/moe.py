@@ -351,11 +351,12 @@ class ExecutionConfig:
   large_group_rows: int = 0
 
   def __post_init__(self):
-    check_choice("moe.execution.backend", self.backend, reg.EXPERT_BACKENDS)
+    if self.backend not in reg.EXPERT_BACKENDS:  # a plugin kernel: ask the registry
+      check_choice("moe.execution.backend", self.backend, reg.expert_backend_names())
     check_count("moe.execution.large_group_rows", self.large_group_rows, minimum=0)
-    if self.large_group_backend:
+    if self.large_group_backend and self.large_group_backend not in reg.GMM_BACKENDS:
       check_choice("moe.execution.large_group_backend", self.large_group_backend,
-                   reg.GMM_BACKENDS)
+                   reg.gmm_backend_names())
     if bool(self.large_group_backend) != (self.large_group_rows > 0):
       raise ConfigError("moe.execution.large_group_rows", self.large_group_rows,
                         f"goes with large_group_backend={self.large_group_backend!r}: "

@@ -29,8 +29,8 @@ import os
 import sys
 from typing import Any, Callable, Iterable, Mapping, Optional
 
-from moejax.config.registry import (BALANCE_LOSSES, BIAS_RULES, EXECUTORS, LAYERS,
-                                    OPTIMIZERS, ROUTERS, module_file)
+from moejax.config.registry import (BALANCE_LOSSES, BIAS_RULES, EXECUTORS, GMM_KERNELS,
+                                    LAYERS, OPTIMIZERS, ROUTERS, module_file)
 
 PLUGINS_FILE = "plugins.json"
 
@@ -62,13 +62,15 @@ def _loss_names(value: Any) -> list:
 
 
 # Every config field that names a registered idea: (registry, field, names in its value).
-# A registry added later (kernels, row gathers) is one more row.
+# A registry added later (row gathers, say) is one more row.
 IDEA_FIELDS: tuple[tuple[Any, str, Callable[[Any], list]], ...] = (
     (LAYERS, "model.moe.kind", _one),
     (ROUTERS, "model.moe.routing.kind", _one),
     (BALANCE_LOSSES, "model.moe.balance.extra_losses", _loss_names),
     (BIAS_RULES, "model.moe.balance.bias_update", _one),
     (EXECUTORS, "parallel.dispatch_unit", _one),
+    (GMM_KERNELS, "model.moe.execution.backend", _one),
+    (GMM_KERNELS, "model.moe.execution.large_group_backend", _one),
     (OPTIMIZERS, "train.optimizer", _one),
 )
 

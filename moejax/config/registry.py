@@ -89,6 +89,16 @@ class Registry:
     self._origin[name] = module or _module_of(obj)
     return obj
 
+  def swap(self, obj: Any) -> Any:
+    """Puts ``obj`` in place of the idea registered under ``obj.name``; returns that one.
+
+    For tests and notebooks that vary a shipped idea (``dataclasses.replace`` of
+    it) and put the original back afterwards; the provenance stays the original's.
+    """
+    old = self.get(obj.name)
+    self._items[obj.name] = obj
+    return old
+
   def unregister(self, name: str) -> None:
     """Removes a registered idea (tests that register a plugin clean up with it)."""
     self._items.pop(name, None)
@@ -217,21 +227,38 @@ ATTENTIONS = Registry("attention kind", "model.attention", ("moejax.nn.attention
 # Topology plane.
 ACTIVATIONS = ("swiglu", "gelu")
 
-# Execution plane. Grouped-matmul backends live in moejax.execution.<module>
-# (GMM_BACKEND_MODULES); ``reference`` is the layer-level oracle that runs
+# Execution plane. Grouped-matmul backends are moejax.execution.gmm.Backend
+# objects registered in GMM_KERNELS (a kernel of your own registers the same
+# way, from its own module); ``reference`` is the layer-level oracle that runs
 # every expert on every token; ``auto`` (the default) is resolved to the
 # fastest backend verified on the platform (moejax.execution.gmm.resolve_backend,
-# which needs JAX and so is not here).
-GMM_BACKEND_MODULES = {
-    "ragged_dot": "moejax.execution.gmm",
-    "blocked": "moejax.execution.blocked",
-    "pallas_tpu": "moejax.execution.pallas_tpu",
-    "pallas_gpu": "moejax.execution.pallas_gpu",
-    "whole_group": "moejax.execution.whole_group",
-}
-GMM_BACKENDS = tuple(GMM_BACKEND_MODULES)
+# which needs JAX and so is not here). GMM_BACKENDS names the shipped ones
+# without importing them (ragged_dot, the reference, first).
+GMM_BACKENDS = ("ragged_dot", "blocked", "pallas_tpu", "pallas_gpu", "whole_group")
+GMM_KERNELS = Registry("grouped-matmul backend", "moe.execution.backend",
+                       ("moejax.execution.gmm", "moejax.execution.blocked",
+                        "moejax.execution.pallas_tpu", "moejax.execution.pallas_gpu",
+                        "moejax.execution.whole_group"),
+                       "a kernel of your own is a moejax.execution.gmm.Backend registered "
+                       "with moejax.execution.gmm.register_backend(...) in a module your "
+                       "config imports")
 AUTO_BACKEND = "auto"
 EXPERT_BACKENDS = (AUTO_BACKEND, "reference") + GMM_BACKENDS
+
+
+def gmm_backend_names() -> tuple:
+  """Every registered grouped-matmul backend: the shipped ones in GMM_BACKENDS' order,
+  then the plugins' in registration order (imports the execution plane)."""
+  names = GMM_KERNELS.names()
+  return tuple(n for n in GMM_BACKENDS if n in names) + tuple(
+      n for n in names if n not in GMM_BACKENDS)
+
+
+def expert_backend_names() -> tuple:
+  """What ``moe.execution.backend`` may name: auto, reference and every gmm backend."""
+  return (AUTO_BACKEND, "reference") + gmm_backend_names()
+
+
 DISPATCHES = ("capacity", "ragged")
 # Expert-parallel strategies: executor classes by dispatch unit (token, copy,
 # node; moejax.execution.dispatch) and transport classes (padded capacity,

@@ -241,3 +241,5 @@ BACKEND = gmm_lib.Backend(
     # slower than this tiled loop at every shape it measured on CPU, the
     # large-group ones included (docs/benchmarks.md).
     fused_ffn=fused_lib.blocked_ffn)
+
+gmm_lib.register_backend(BACKEND)

@@ -123,7 +123,7 @@ def resolve_execution(cfg: MoEConfig, platform: Optional[str] = None) -> MoEConf
   if chosen == ex.backend:
     return cfg
   new = dataclasses.replace(ex, backend=chosen, derived_from=f"{ex.backend} on {platform}")
-  large = (() if chosen not in gmm_lib.BACKENDS
+  large = (() if chosen not in gmm_lib.backend_names()
            else gmm_lib.get_backend(chosen).large_groups_on(platform))
   if large and not ex.large_group_backend:
     new = dataclasses.replace(new, large_group_backend=large[0], large_group_rows=large[1])

@@ -66,7 +66,7 @@ def folding_backend(name: str, interpret: bool = False) -> gmm_lib.Backend:
   """The backend ``name``, checked to run here and to fold the permutation."""
   be = gmm_lib.check_available(name, interpret)
   if not be.folds_permute:
-    folding = [n for n in gmm_lib.BACKENDS if gmm_lib.get_backend(n).folds_permute]
+    folding = [n for n in gmm_lib.backend_names() if gmm_lib.get_backend(n).folds_permute]
     raise gmm_lib.GmmError(name, "has no folded (gather / scatter) grouped matmul",
                            f"use one of {', '.join(folding)}, or compose permute.permute "
                            "-> gmm.gmm -> permute.unpermute")

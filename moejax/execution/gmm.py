@@ -51,14 +51,14 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import functools
-import importlib
 from typing import Any, Callable, Optional
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from moejax.config import AUTO_BACKEND, EXPERT_BACKENDS, GMM_BACKEND_MODULES, check_choice
+from moejax.config import AUTO_BACKEND, check_choice
+from moejax.config import registry as config_registry
 from moejax.execution import registry, tiling
 
 # The names live in moejax.config.registry (importable without JAX, for
@@ -66,10 +66,27 @@ from moejax.execution import registry, tiling
 BACKENDS = registry.GMM_BACKENDS
 DEFAULT_BACKEND = registry.DEFAULT_GMM_BACKEND
 
-# name -> module defining BACKEND, from the config registry (the one list of
-# backend names and where each lives); imported on first use so that the
-# Pallas modules are only loaded by the callers that pick them.
-_MODULES = dict(GMM_BACKEND_MODULES)
+# The registry of Backend objects (moejax.config.registry.GMM_KERNELS): reading
+# it imports the shipped backends' modules, each of which registers its BACKEND.
+KERNELS = config_registry.GMM_KERNELS
+
+
+def register_backend(backend: "Backend") -> "Backend":
+  """Registers a grouped-matmul backend under ``backend.name``: a kernel of your own is
+  one module that builds a :class:`Backend` and calls this; configs then name it in
+  ``moe.execution.backend``. Returns ``backend``."""
+  if not isinstance(backend, Backend):
+    raise config_registry.RegistryError(
+        f"register_backend takes a moejax.execution.gmm.Backend, got {type(backend).__name__}. "
+        "Fix: wrap your kernels in Backend(name=..., gmm=..., tgmm=...)")
+  # A Backend's class is this module's: the idea comes from where its kernels are defined.
+  return KERNELS.register(backend, module=getattr(backend.gmm, "__module__", "") or "")
+
+
+def backend_names() -> tuple:
+  """Every registered backend: the shipped ones (``BACKENDS``' order), then plugins."""
+  return config_registry.gmm_backend_names()
+
 
 FLOAT_DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16)
 
@@ -187,7 +204,7 @@ def resolve_backend(name: str, platform: Optional[str] = None) -> str:
   returned as it is. A bad name is a ConfigError on ``moe.execution.backend``
   listing the valid ones.
   """
-  check_choice("moe.execution.backend", name, EXPERT_BACKENDS)
+  check_choice("moe.execution.backend", name, config_registry.expert_backend_names())
   if name != AUTO_BACKEND:
     return name
   platform = jax.default_backend() if platform is None else platform
@@ -203,13 +220,14 @@ def resolve_backend(name: str, platform: Optional[str] = None) -> str:
 
 def get_backend(name: str) -> Backend:
   """The registered backend called ``name``; a clear error otherwise."""
-  if name not in _MODULES:
-    close = difflib.get_close_matches(str(name), BACKENDS, n=1)
-    fix = f"use one of {', '.join(BACKENDS)}"
+  names = backend_names()
+  if name not in names:
+    close = difflib.get_close_matches(str(name), names, n=1)
+    fix = f"use one of {', '.join(names)}, or register yours (gmm.register_backend)"
     if close:
       fix = f"did you mean {close[0]!r}? ({fix})"
     raise GmmError(str(name), "unknown backend", fix)
-  return importlib.import_module(_MODULES[name]).BACKEND
+  return KERNELS.get(name)
 
 
 def check_available(name: str, interpret: bool = False) -> Backend:
@@ -406,3 +424,4 @@ BACKEND = Backend(name="ragged_dot", gmm=_ragged_gmm, tgmm=_ragged_tgmm,
                   # fwd+bwd) whole_group ran at 1.76x its dense FFN and ragged_dot at
                   # 14.9x (docs/benchmarks.md); smaller groups were not measured there.
                   auto_large_groups=(("gpu", "whole_group", 4096),))
+register_backend(BACKEND)

@@ -181,7 +181,7 @@ def routed_ffn(expert_params: Mapping[str, jax.Array], x: jax.Array,
   if backend == "reference":
     raise ValueError("backend='reference' is the layer's own per-expert loop "
                      "(moejax.layer with cfg.execution.backend='reference'). Fix: pick one of "
-                     f"{', '.join(gmm_lib.BACKENDS)} here")
+                     f"{', '.join(gmm_lib.backend_names())} here")
   be = gmm_lib.check_available(backend, interpret)
   if x.ndim != 2:
     raise ValueError(f"x must be [T, d], got {x.shape}; flatten batch and sequence first")

@@ -308,3 +308,5 @@ BACKEND = gmm_lib.Backend(
     # also take f32 operands on hardware (pallas_gpu_folded.py says why).
     gather_gmm=folded.gpu_gather_gmm, scatter_gmm=folded.gpu_scatter_gmm,
     gather_tgmm=folded.gpu_gather_tgmm)
+
+gmm_lib.register_backend(BACKEND)

@@ -171,3 +171,5 @@ BACKEND = gmm_lib.Backend(
     # once `python -m experiments.device_check` on a TPU reports
     # gmm_correctness ok and the kernel ahead of ragged_dot in gmm_timing.
     auto_on=())
+
+gmm_lib.register_backend(BACKEND)

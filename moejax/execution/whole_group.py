@@ -312,3 +312,5 @@ BACKEND = gmm_lib.Backend(
     # never auto's platform default.
     auto_on=(),
     fused_ffn=whole_group_ffn)
+
+gmm_lib.register_backend(BACKEND)

@@ -81,7 +81,7 @@ def check_runnable(cfg: ExperimentConfig) -> None:
   traceback at trace time after the workdir was written.
   """
   name = ckpt_lib.field_value(cfg, ckpt_lib.BACKEND_FIELD)
-  if cfg.model.moe is None or name not in gmm.BACKENDS:
+  if cfg.model.moe is None or name not in gmm.backend_names():
     return  # dense, or the reference backend (plain XLA everywhere)
   interpret = bool(ckpt_lib.field_value(cfg, ckpt_lib.BACKEND_INTERPRET_FIELD))
   try:

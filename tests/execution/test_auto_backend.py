@@ -41,17 +41,15 @@ def test_a_named_backend_is_kept_on_every_platform(name):
   assert {gmm.resolve_backend(name, p) for p in ("cpu", "gpu", "tpu")} == {name}
 
 
-def test_the_choice_comes_from_the_backends_auto_on(monkeypatch):
+def test_the_choice_comes_from_the_backends_auto_on(swap_backend):
   # The day pallas_gpu is verified on a GPU, "gpu" joins its auto_on: nothing else changes.
-  monkeypatch.setattr(pallas_gpu, "BACKEND", dataclasses.replace(pallas_gpu.BACKEND,
-                                                                 auto_on=("gpu",)))
+  swap_backend(dataclasses.replace(pallas_gpu.BACKEND, auto_on=("gpu",)))
   assert gmm.resolve_backend("auto", "gpu") == "pallas_gpu"
   assert gmm.resolve_backend("auto", "tpu") == "ragged_dot"
   # On the platform JAX runs on, a backend whose availability objects is passed over
   # (pallas_gpu on this CPU: "this platform is 'cpu'").
-  monkeypatch.setattr(pallas_tpu, "BACKEND", dataclasses.replace(pallas_gpu.BACKEND,
-                                                                 auto_on=("cpu",)))
-  assert pallas_tpu.BACKEND.availability() is not None
+  swap_backend(dataclasses.replace(pallas_gpu.BACKEND, name="pallas_tpu", auto_on=("cpu",)))
+  assert gmm.get_backend("pallas_tpu").availability() is not None
   assert gmm.resolve_backend("auto", "cpu") == "blocked"
 
 

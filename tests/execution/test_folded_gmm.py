@@ -217,7 +217,7 @@ class _Spy:
     return self.fn(*a, **kw)
 
 
-def test_the_backend_capabilities_decide_the_path(monkeypatch):
+def test_the_backend_capabilities_decide_the_path(monkeypatch, swap_backend):
   p, x, ids, valid, w = _ffn_case()
   permute = _Spy(P.permute)
   monkeypatch.setattr(X.permute_lib, "permute", permute)
@@ -233,7 +233,7 @@ def test_the_backend_capabilities_decide_the_path(monkeypatch):
                              ("forced_permute", full, dict(fused=False, fold_permute=False),
                               (0, 1)),
                              ("no_capability", bare, {}, (0, 1))):
-    monkeypatch.setattr(blocked_lib, "BACKEND", be)
+    swap_backend(be)
     fused.calls = permute.calls = 0
     outs[name] = run(**kw)
     assert (fused.calls, permute.calls) == want, name

@@ -122,15 +122,15 @@ def test_shipped_rules_are_the_measured_ones():
   assert gmm_lib.get_backend("blocked").large_groups_on("cpu") == ()
 
 
-def test_a_rule_for_any_platform_applies_everywhere(monkeypatch):
-  monkeypatch.setattr(blocked, "BACKEND", dataclasses.replace(
+def test_a_rule_for_any_platform_applies_everywhere(swap_backend):
+  swap_backend(dataclasses.replace(
       blocked.BACKEND, auto_large_groups=((gmm_lib.ANY_PLATFORM, "whole_group", 64),)))
-  assert blocked.BACKEND.large_groups_on("cpu") == ("whole_group", 64)
-  assert blocked.BACKEND.large_groups_on("tpu") == ("whole_group", 64)
+  assert gmm_lib.get_backend("blocked").large_groups_on("cpu") == ("whole_group", 64)
+  assert gmm_lib.get_backend("blocked").large_groups_on("tpu") == ("whole_group", 64)
 
 
-def test_resolving_auto_records_the_chosen_backends_rule(monkeypatch):
-  monkeypatch.setattr(blocked, "BACKEND", dataclasses.replace(
+def test_resolving_auto_records_the_chosen_backends_rule(swap_backend):
+  swap_backend(dataclasses.replace(
       blocked.BACKEND, auto_large_groups=(("cpu", "whole_group", 2048),)))
   ex = executor_lib.resolve_execution(C.MoEConfig(), "cpu").execution
   assert (ex.backend, ex.derived_from) == ("blocked", "auto on cpu")
