@@ -110,6 +110,7 @@ UNSCALED = {
     "model.n_kv_heads": "head count",
     "model.expert_sharing_group": "a pattern of consecutive MoE layers",
     "model.mod_every": "a pattern of blocks",
+    "model.mtp_depth": "count of multi-token prediction modules",
     "model.moe.topology.num_experts": "expert counts are the arms' axes",
     "model.moe.topology.num_shared_experts": "count",
     "model.moe.topology.zero_experts": "count",

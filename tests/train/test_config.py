@@ -50,7 +50,7 @@ def test_dense_config_is_the_default_with_the_same_active_ffn_params():
     ({"train": {"b2": 1.0}}, "train.b2", "[0, 1)"),
     ({"train": {"eval_batches": 0}}, "train.eval_batches", ">= 1"),
     ({"model": {"vocab_size": 512}}, "model.vocab_size", "vocab_size=256"),
-    ({"model": {"attention": "mla"}}, "model.attention", "multi-head attention"),
+    ({"model": {"attention": "mqa"}}, "model.attention", "no attention kind of that name"),
     ({"train": {"learning_rate": float("inf")}}, "train.learning_rate", "finite"),
     ({"train": {"weight_decay": float("nan")}}, "train.weight_decay", "finite"),
     ({"train": {"microbatches": 3}}, "train.microbatches", "does not divide"),
