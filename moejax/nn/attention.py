@@ -82,16 +82,22 @@ class CausalSelfAttention(nnx.Module):
   """
 
   def __init__(self, d_model: int, n_heads: int, n_kv_heads: int, head_dim: int, *,
-               use_bias: bool = False, rope_base: float = 10000.0,
-               dtype=jnp.float32, rngs: nnx.Rngs):
+               use_bias: bool = False, rope_base: float = 10000.0, qk_norm: bool = False,
+               norm_eps: float = 1e-6, dtype=jnp.float32, rngs: nnx.Rngs):
     self.n_heads, self.n_kv_heads, self.head_dim = n_heads, n_kv_heads, head_dim
-    self.rope_base = rope_base
+    self.rope_base, self.qk_norm = rope_base, qk_norm
     lin = lambda i, o: nnx.Linear(i, o, use_bias=use_bias, dtype=dtype,
                                   param_dtype=jnp.float32, rngs=rngs)
     self.q_proj = lin(d_model, n_heads * head_dim)
     self.k_proj = lin(d_model, n_kv_heads * head_dim)
     self.v_proj = lin(d_model, n_kv_heads * head_dim)
     self.o_proj = lin(n_heads * head_dim, d_model)
+    if qk_norm:
+      # Qwen3's per-head RMSNorm of queries and keys (one scale [H] shared by the heads),
+      # before the rotation: it bounds the logits without a softcap.
+      norm = lambda: nnx.RMSNorm(head_dim, epsilon=norm_eps, dtype=dtype,
+                                 param_dtype=jnp.float32, rngs=rngs)
+      self.q_norm, self.k_norm = norm(), norm()
 
   def projections(self) -> tuple[str, ...]:
     """The names of the projection layers (what LoRA adapts), in a fixed order."""
@@ -100,14 +106,18 @@ class CausalSelfAttention(nnx.Module):
   def param_roles(self) -> dict:
     """The four projections are hidden matrices [in, out]; their biases element-wise."""
     proj = {"kernel": roles.matrix("attention"), "bias": roles.elementwise("bias")}
-    return {name: proj for name in ("q_proj", "k_proj", "v_proj", "o_proj")}
+    out = {name: proj for name in ("q_proj", "k_proj", "v_proj", "o_proj")}
+    return {**out, "q_norm": roles.elementwise("norm"), "k_norm": roles.elementwise("norm")}
 
   def _qkv(self, x: jax.Array, positions: jax.Array):
-    """q [B, S, N, H], k and v [B, S, M, H]; q and k rotated by position."""
+    """q [B, S, N, H], k and v [B, S, M, H]; q and k normalised per head (qk_norm), then
+    rotated by position."""
     b, s, _ = x.shape
     q = self.q_proj(x).reshape(b, s, self.n_heads, self.head_dim)
     k = self.k_proj(x).reshape(b, s, self.n_kv_heads, self.head_dim)
     v = self.v_proj(x).reshape(b, s, self.n_kv_heads, self.head_dim)
+    if self.qk_norm:
+      q, k = self.q_norm(q), self.k_norm(k)
     return (apply_rope(q, positions, self.rope_base), apply_rope(k, positions, self.rope_base),
             v)
 

@@ -12,7 +12,8 @@ from the same numbers the module it builds holds (the parameter audit,
 
 - ``mha``: rotary multi-head attention; grouped-query and multi-query through
   ``model.n_kv_heads``, head width ``model.head_dim``, biases by
-  ``model.attention_bias`` (:class:`moejax.nn.attention.CausalSelfAttention`).
+  ``model.attention_bias``, Qwen3's per-head q / k RMSNorm by the option
+  ``qk_norm`` (:class:`moejax.nn.attention.CausalSelfAttention`).
 - ``mla``: DeepSeek-V2/V3 multi-head latent attention
   (:class:`moejax.nn.mla.LatentAttention`): low-rank KV compression with a
   decoupled rotary key, optionally a low-rank query; its cache holds the
@@ -98,8 +99,21 @@ def register(spec: AttentionSpec) -> AttentionSpec:
 
 @dataclasses.dataclass(frozen=True)
 class MHAOptions:
-  """Multi-head attention has no options of its own: it reads ``model.n_kv_heads``,
-  ``head_dim`` and ``attention_bias``."""
+  """Multi-head attention's options (``model.attention_options`` with ``model.attention='mha'``);
+  it also reads ``model.n_kv_heads``, ``head_dim`` and ``attention_bias``.
+
+  Attributes:
+    qk_norm: an RMSNorm over each head's query and key (one scale [H] for the
+      queries, one for the keys, epsilon ``model.norm_eps``) before the
+      rotation, as Qwen3 (and Qwen3-MoE) computes.
+  """
+
+  qk_norm: bool = False
+
+  def __post_init__(self):
+    if not isinstance(self.qk_norm, bool):
+      raise ConfigError(f"{OPTIONS_FIELD}.qk_norm", self.qk_norm, "is not a bool",
+                        "use true or false")
 
 
 class MultiHead(AttentionSpec):
@@ -130,6 +144,9 @@ class MultiHead(AttentionSpec):
       params += nh * h + 2 * kvh * h + d
     return params
 
+  def norm_params(self, cfg, opts):
+    return 2 * cfg.attn_head_dim if opts.qk_norm else 0
+
   def matrices(self, cfg, opts):
     d, nh, h, kvh = cfg.d_model, cfg.n_heads, cfg.attn_head_dim, cfg.kv_heads
     return [(d, nh * h, 1), (d, kvh * h, 2), (nh * h, d, 1)]
@@ -143,6 +160,7 @@ class MultiHead(AttentionSpec):
   def build(self, cfg, *, dtype, rngs):
     return CausalSelfAttention(cfg.d_model, cfg.n_heads, cfg.kv_heads, cfg.attn_head_dim,
                                use_bias=cfg.attention_bias, rope_base=cfg.rope_base,
+                               qk_norm=cfg.attention_options.qk_norm, norm_eps=cfg.norm_eps,
                                dtype=dtype, rngs=rngs)
 
 
