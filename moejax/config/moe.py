@@ -329,6 +329,10 @@ class ExecutionConfig:
     to ``ragged_dot`` there). Not part of a model's identity: a run may
     resume with another backend.
   interpret: run a Pallas backend in interpret mode (CPU tests).
+  executor: the single-device executor (:data:`moejax.config.registry.EXECUTORS`):
+    ``grouped`` (permute -> grouped matmul with ``backend``; the default),
+    ``reference`` (the same as ``backend='reference'``) or one of your own.
+    Under expert parallelism ``parallel.dispatch_unit`` names the executor.
   derived_from: written when ``auto`` is resolved for a platform
     (``"auto on cpu"``; :meth:`moejax.train.config.ExperimentConfig.for_platform`,
     which the binaries and the trainer apply), so ``--print_config`` and
@@ -346,11 +350,14 @@ class ExecutionConfig:
 
   backend: str = reg.AUTO_BACKEND
   interpret: bool = False
+  executor: str = reg.LOCAL_EXECUTOR
   derived_from: str = ""
   large_group_backend: str = ""
   large_group_rows: int = 0
 
   def __post_init__(self):
+    if self.executor != reg.LOCAL_EXECUTOR:  # reading the registry imports the executors
+      reg.check_executor("moe.execution.executor", self.executor, expert_parallel=False)
     if self.backend not in reg.EXPERT_BACKENDS:  # a plugin kernel: ask the registry
       check_choice("moe.execution.backend", self.backend, reg.expert_backend_names())
     check_count("moe.execution.large_group_rows", self.large_group_rows, minimum=0)

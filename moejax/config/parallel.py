@@ -72,7 +72,7 @@ class ParallelConfig:
   def __post_init__(self):
     p = "parallel"
     check_choice(f"{p}.dispatch", self.dispatch, reg.DISPATCHES)
-    reg.EXECUTORS.get(self.dispatch_unit, f"{p}.dispatch_unit")  # a registered executor
+    reg.check_executor(f"{p}.dispatch_unit", self.dispatch_unit, expert_parallel=True)
     check_choice(f"{p}.ragged_impl", self.ragged_impl, reg.RAGGED_IMPLS)
     check_choice(f"{p}.route_limit", self.route_limit, reg.ROUTE_LIMITS)
     if self.data != -1:

@@ -69,6 +69,7 @@ IDEA_FIELDS: tuple[tuple[Any, str, Callable[[Any], list]], ...] = (
     (BALANCE_LOSSES, "model.moe.balance.extra_losses", _loss_names),
     (BIAS_RULES, "model.moe.balance.bias_update", _one),
     (EXECUTORS, "parallel.dispatch_unit", _one),
+    (EXECUTORS, "model.moe.execution.executor", _one),
     (GMM_KERNELS, "model.moe.execution.backend", _one),
     (GMM_KERNELS, "model.moe.execution.large_group_backend", _one),
     (OPTIMIZERS, "train.optimizer", _one),

@@ -260,14 +260,43 @@ def expert_backend_names() -> tuple:
 
 
 DISPATCHES = ("capacity", "ragged")
-# Expert-parallel strategies: executor classes by dispatch unit (token, copy,
-# node; moejax.execution.dispatch) and transport classes (padded capacity,
-# native and emulated ragged; moejax.execution.transport).
-EXECUTORS = Registry("expert-parallel dispatch unit", "parallel.dispatch_unit",
-                     ("moejax.execution.dispatch",),
-                     "a strategy of your own is a class decorated with "
-                     "@moejax.execution.registry.register_dispatch in a module your config "
-                     "imports")
+# Executors, the one registry of how a layer's routed experts are computed: the
+# single-device ones (grouped, reference; moejax.execution.executor), chosen by
+# moe.execution.executor, and the expert-parallel ones by dispatch unit (token,
+# copy, node; moejax.execution.dispatch), chosen by parallel.dispatch_unit. A
+# class says which it is (``expert_parallel``). Transport classes (padded
+# capacity, native and emulated ragged; moejax.execution.transport) are their own.
+EXECUTORS = Registry("executor", "parallel.dispatch_unit",
+                     ("moejax.execution.executor", "moejax.execution.dispatch"),
+                     "an executor of your own is a class decorated with "
+                     "@moejax.execution.registry.register_executor (one device) or "
+                     "register_dispatch (expert-parallel) in a module your config imports")
+LOCAL_EXECUTOR = "grouped"  # moe.execution.executor's default
+
+
+def executor_names(expert_parallel: bool) -> tuple:
+  """The registered executors of one side: expert-parallel dispatch units, or single-device."""
+  return tuple(n for n in EXECUTORS.names()
+               if getattr(EXECUTORS.get(n), "expert_parallel", True) == expert_parallel)
+
+
+def check_executor(field: str, name: str, expert_parallel: bool) -> None:
+  """ConfigError unless ``name`` is a registered executor of the side ``field`` chooses."""
+  names = executor_names(expert_parallel)
+  if name in names:
+    return
+  side = "expert-parallel" if expert_parallel else "single-device"
+  if name in EXECUTORS:
+    raise ConfigError(field, name, f"is not {'an' if expert_parallel else 'a'} {side} executor",
+                      f"use one of {', '.join(names)}")
+  try:
+    check_choice(field, name, names)
+  except ConfigError as e:
+    fix = str(e).split("Fix: ", 1)[1]
+    raise ConfigError(field, name, f"no {side} executor of that name is registered",
+                      f"{fix}; {EXECUTORS.fix}") from None
+
+
 TRANSPORTS = Registry("expert-parallel transport", "parallel.dispatch",
                       ("moejax.execution.transport",))
 RAGGED_IMPLS = ("auto", "native", "emulated")

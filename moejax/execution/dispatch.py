@@ -128,6 +128,7 @@ class ExpertParallelExecutor:
   """
 
   name: ClassVar[str] = ""
+  expert_parallel: ClassVar[bool] = True
   deduplicates: ClassVar[bool] = False  # a token travels once per destination, not per copy
   needs_nodes: ClassVar[bool] = False   # needs equal nodes of consecutive devices
 

@@ -28,7 +28,7 @@ a new execution strategy is a new executor, not a new layer.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Optional, Protocol
+from typing import Any, ClassVar, Optional, Protocol
 
 import jax
 import jax.numpy as jnp
@@ -36,6 +36,7 @@ import jax.numpy as jnp
 from moejax.config import MoEConfig
 from moejax.execution import gmm as gmm_lib
 from moejax.execution import grouped_ffn
+from moejax.execution import registry
 from moejax.execution import scopes
 from moejax.execution import shape_choice
 from moejax.routing.types import RoutingResult
@@ -53,6 +54,7 @@ class Executor(Protocol):
     ...
 
 
+@registry.register_executor
 @dataclasses.dataclass(frozen=True)
 class ReferenceExecutor:
   """Every expert on every token, combined with the dense [T, E] gate matrix.
@@ -62,8 +64,16 @@ class ReferenceExecutor:
   materialising the [E, T, f] hidden activations of all experts at once.
   """
 
+  name: ClassVar[str] = "reference"
+  expert_parallel: ClassVar[bool] = False
+
   num_experts: int
   activation: str
+
+  @classmethod
+  def for_layer(cls, cfg: MoEConfig, execution, backend: str) -> "ReferenceExecutor":
+    del execution, backend
+    return cls(cfg.num_experts, cfg.topology.activation)
 
   def __call__(self, experts, x, result, *, width_mask=None, capacity=None):
     del capacity
@@ -82,6 +92,7 @@ class ReferenceExecutor:
     return y, {}
 
 
+@registry.register_executor
 @dataclasses.dataclass(frozen=True)
 class LocalExecutor:
   """Dropless on one device: permute -> grouped matmul -> unpermute.
@@ -90,11 +101,19 @@ class LocalExecutor:
   the fused tile loop); ``interpret`` runs Pallas backends interpreted.
   """
 
+  name: ClassVar[str] = "grouped"
+  expert_parallel: ClassVar[bool] = False
+
   num_experts: int
   activation: str
   backend: str = "blocked"
   interpret: bool = False
   rule: Optional[shape_choice.ShapeRule] = None  # picks the backend per call shape
+
+  @classmethod
+  def for_layer(cls, cfg: MoEConfig, execution, backend: str) -> "LocalExecutor":
+    return cls(cfg.num_experts, cfg.topology.activation, backend, execution.interpret,
+               shape_choice.ShapeRule.from_execution(execution, backend))
 
   def __call__(self, experts, x, result, *, width_mask=None, capacity=None):
     del capacity  # dropped slots are already invalid; the grouped matmul skips them
@@ -133,10 +152,8 @@ def resolve_execution(cfg: MoEConfig, platform: Optional[str] = None) -> MoEConf
 def local_executor(cfg: MoEConfig) -> Executor:
   """The single-device executor ``cfg.execution`` names (``auto``: resolved for JAX's
   platform, with its shape rule)."""
-  t = cfg.topology
   ex = resolve_execution(cfg).execution
   backend = gmm_lib.resolve_backend(ex.backend)
-  if backend == "reference":
-    return ReferenceExecutor(cfg.num_experts, t.activation)
-  return LocalExecutor(cfg.num_experts, t.activation, backend, ex.interpret,
-                       shape_choice.ShapeRule.from_execution(ex, backend))
+  # backend='reference' is the older spelling of executor='reference'.
+  name = ReferenceExecutor.name if backend == "reference" else ex.executor
+  return registry.EXECUTORS.get(name, "moe.execution.executor").for_layer(cfg, ex, backend)

@@ -36,6 +36,17 @@ EXECUTORS = config_registry.EXECUTORS
 TRANSPORTS = config_registry.TRANSPORTS
 
 
+def register_executor(cls: type) -> type:
+  """Class decorator: a single-device executor class (``expert_parallel = False``), under
+  its ``name``; configs choose it with ``moe.execution.executor``. The class builds
+  itself with ``for_layer(cfg, execution, backend)`` (:mod:`moejax.execution.executor`)."""
+  if getattr(cls, "expert_parallel", None) is not False:
+    raise RegistryError(f"{cls.__name__}: a single-device executor sets "
+                        "expert_parallel = False. Fix: add that class attribute, or "
+                        "register an expert-parallel one with register_dispatch")
+  return EXECUTORS.register(cls)
+
+
 def register_dispatch(cls: type) -> type:
   """Class decorator: an expert-parallel executor class, under its ``name`` (a dispatch unit)."""
   return EXECUTORS.register(cls)

@@ -64,6 +64,7 @@ DAMAGED_DIR = "damaged_checkpoints"
 # it computes. The one list; dotted prefixes of ExperimentConfig paths.
 BACKEND_FIELD = "model.moe.execution.backend"          # see moejax.execution.gmm
 BACKEND_INTERPRET_FIELD = "model.moe.execution.interpret"
+EXECUTOR_FIELD = "model.moe.execution.executor"     # single-device executors: one function
 BACKEND_ORIGIN_FIELD = "model.moe.execution.derived_from"  # "auto on cpu" (ExperimentConfig.for_platform)
 # auto's shape rule (moejax.execution.shape_choice): which backend runs each shape.
 BACKEND_RULE_FIELDS = ("model.moe.execution.large_group_backend",
@@ -77,6 +78,7 @@ RESUME_FREE_FIELDS = (
     "train.peak_tflops", "train.profile_steps",        # observation: MFU's peak, a trace
     "train.wandb_project", "train.wandb_mode",         # logging: the optional W&B copy
     BACKEND_FIELD, BACKEND_INTERPRET_FIELD,            # execution backend: identical parameters
+    EXECUTOR_FIELD,
     BACKEND_ORIGIN_FIELD, *BACKEND_RULE_FIELDS,
     "parallel",                                        # device layout: same state shapes and values
 )

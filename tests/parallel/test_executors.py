@@ -48,7 +48,7 @@ def test_registering_a_taken_name_raises():
 
 def test_unknown_or_unnamed_is_a_clear_error():
   with pytest.raises(C.ConfigError, match=r"^parallel\.dispatch_unit='warp': no "
-                                          r"expert-parallel dispatch unit of that name.*token"):
+                                          r"executor of that name.*token"):
     registry.EXECUTORS.get("warp")
   with pytest.raises(C.ConfigError, match="parallel.dispatch_unit='warp'"):
     C.ParallelConfig(dispatch_unit="warp")
@@ -57,9 +57,10 @@ def test_unknown_or_unnamed_is_a_clear_error():
 
 
 def test_registered_names_are_the_configs():
-  assert set(registry.EXECUTORS.names()) == {"token", "copy", "node"}
+  assert set(config_registry.executor_names(True)) == {"token", "copy", "node"}
+  assert {"grouped", "reference"} <= set(config_registry.executor_names(False))
   assert set(registry.TRANSPORTS.names()) == set(registry.TRANSPORT_NAMES)
-  for name in registry.EXECUTORS.names():
+  for name in config_registry.executor_names(True):
     cls = registry.EXECUTORS.get(name)
     assert issubclass(cls, dispatch.ExpertParallelExecutor) and cls.name == name
 
@@ -70,7 +71,7 @@ UNIT_CLASS = {"copy": dispatch.CopyExecutor, "token": dispatch.TokenExecutor,
 
 @pytest.mark.parametrize("platform", ["cpu", "gpu", "tpu"])
 def test_select_picks_the_class_and_transport_of_every_combination(platform):
-  combos = itertools.product(config_registry.DISPATCHES, config_registry.EXECUTORS.names(),
+  combos = itertools.product(config_registry.DISPATCHES, config_registry.executor_names(True),
                              config_registry.RAGGED_IMPLS)
   for dispatch_name, unit, impl in combos:
     pcfg = C.ParallelConfig(dispatch=dispatch_name, dispatch_unit=unit, ragged_impl=impl)
@@ -113,7 +114,7 @@ def selected_executors(request):
 
 
 @pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.slow) if n == "node" else n
-                                  for n in registry.EXECUTORS.names()])
+                                  for n in config_registry.executor_names(True)])
 def test_executor_agrees_with_reference(name, selected_executors):
   out = selected_executors[name]
   assert out.endswith(f"OK {name}"), out

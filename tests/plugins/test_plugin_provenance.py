@@ -221,7 +221,7 @@ def test_a_plugin_layer_kind_and_executor_are_recorded_too():
     assert record["module"] == __name__
     assert [(i["registry"], i["name"], i["field"]) for i in record["ideas"]] == [
         ("layer kind", Kind.name, "model.moe.kind"),
-        ("expert-parallel dispatch unit", Executor.name, "parallel.dispatch_unit")]
+        ("executor", Executor.name, "parallel.dispatch_unit")]
   finally:
     LAYERS.unregister(Kind.name)
     EXECUTORS.unregister(Executor.name)
