@@ -322,6 +322,11 @@ def _check_parallel(pcfg: ParallelConfig, model: ModelConfig) -> None:
   if model.moe is None:
     raise ConfigError("parallel.expert", pcfg.expert, "the model has no MoE layer",
                       "set parallel.expert=1 (data parallelism)")
+  if model.moe.execution.executor != reg.LOCAL_EXECUTOR:
+    raise ConfigError("model.moe.execution.executor", model.moe.execution.executor,
+                      f"is a single-device executor; with parallel.expert={pcfg.expert} "
+                      f"parallel.dispatch_unit={pcfg.dispatch_unit!r} computes the experts",
+                      f"leave it at {reg.LOCAL_EXECUTOR!r}, or set parallel.expert=1")
   check_experts(pcfg, model.moe)
   if model.d_model % pcfg.fsdp:
     raise ConfigError("parallel.fsdp", pcfg.fsdp,

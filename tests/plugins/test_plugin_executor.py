@@ -69,3 +69,11 @@ def test_a_run_naming_the_executor_records_its_module():
   (record,) = plugins_lib.used(tree)
   assert record["module"] == MODULE and record["ideas"] == [
       {"registry": "executor", "name": "all_dense", "field": "model.moe.execution.executor"}]
+
+
+def test_under_expert_parallelism_the_dispatch_unit_chooses():
+  from tests.train import helpers  # pylint: disable=g-import-not-at-top
+  with pytest.raises(ConfigError, match=r"model\.moe\.execution\.executor='all_dense': is a "
+                                        r"single-device executor; with parallel\.expert=2"):
+    helpers.experiment("tiny", model__moe__execution__executor="all_dense",
+                       parallel__expert=2)
