@@ -17,6 +17,8 @@ from moejax.interop.families import (FAMILIES, Family, block_gaps, expressing_fa
                                      get_family, hf_fields_from_moe, moe_config_from_hf,
                                      moe_layers, register_family)
 from moejax.interop.tensors import dequantize_blocks, open_source, save_safetensors
+# The whole-model families register themselves (moejax.interop.models.WHOLE_MODELS).
+from moejax.interop import deepseek_v3, qwen3_moe  # noqa: F401,E402
 
 __all__ = [
     "FAMILIES", "LAYOUTS", "ExportedBlock", "Family", "ImportedBlock", "InteropError",

@@ -32,7 +32,9 @@ from moejax.interop.errors import InteropError
 from moejax.interop.tensors import open_source
 
 DENSE_SUPPORTED = ("mistral", "llama")
-DENSE_MISSING = {"qwen2": whole.MISSING["qwen2_moe"], "qwen3": whole.MISSING["qwen3_moe"]}
+DENSE_MISSING = {"qwen2": whole.MISSING["qwen2_moe"],
+                 "qwen3": "a dense reader of its per-head RMSNorm of queries and keys "
+                          "(q_norm / k_norm; its MoE sibling qwen3_moe imports whole)"}
 MLP = ("gate_proj", "up_proj", "down_proj")
 
 
@@ -80,7 +82,7 @@ def model_config_from_hf_dense(hf_config: Any, base: Optional[ModelConfig] = Non
       n_kv_heads=None if m == n else m, head_dim=None if h * n == d else h,
       attention_bias=False, dense_ff_width=fam.hf_get(hf_config, "intermediate_size"),
       dense_activation="swiglu", moe_layout="all", first_dense_layers=0, tie_embeddings=False,
-      rope_base=whole._rope_theta(hf_config),  # pylint: disable=protected-access
+      rope_base=whole.rope_theta(hf_config),
       norm_eps=float(fam.hf_get(hf_config, "rms_norm_eps")), expert_sharing_group=1,
       mod_every=0, moe_schedule="serial", dense_twin="none", moe=None)
 

@@ -1,5 +1,7 @@
 """Whole Hugging Face causal LMs <-> the moejax Transformer (embeddings, attention, norms,
-MoE blocks, head), for the families the Transformer expresses exactly: Mixtral.
+MoE blocks, head), for the families the Transformer expresses exactly: Mixtral here;
+Qwen3-MoE (:mod:`moejax.interop.qwen3_moe`) and DeepSeek-V3
+(:mod:`moejax.interop.deepseek_v3`) register their own :class:`WholeModel`.
 
 Legend: V vocabulary, d model width, N query heads, M key/value heads, H head
 width, L layers.
@@ -29,9 +31,9 @@ out]): ``model.embed_tokens.weight`` [V, d] -> ``embed.embedding``;
 Every tensor is a transpose or a copy, so import -> export returns
 bit-identical arrays.
 
-The other MoE families convert block by block (docs/interop.md), but not
-as whole models: each needs an attention the Transformer does not build,
-named by :data:`MISSING` in the one-line error.
+Qwen2-MoE converts block by block (docs/interop.md), but not as a whole
+model: it needs an attention the Transformer does not build, named by
+:data:`MISSING` in the one-line error.
 """
 
 from __future__ import annotations
@@ -49,15 +51,53 @@ from moejax.interop.errors import InteropError, TensorShapeError
 from moejax.interop.tensors import TensorStore, open_source
 from moejax.routing.topk import TopK
 
-SUPPORTED = ("mixtral",)
 # model_type -> what the moejax Transformer lacks to compute it exactly.
 MISSING = {
     "qwen2_moe": "attention with q/k/v biases but no output-projection bias "
                  "(model.attention_bias puts a bias on all four projections or none)",
-    "qwen3_moe": "per-head RMSNorm of queries and keys (q_norm / k_norm) in attention",
-    "deepseek_v3": "multi-head latent attention (low-rank q / kv projections, decoupled RoPE)",
 }
 ATTENTION = ("q_proj", "k_proj", "v_proj", "o_proj")
+
+
+@dataclasses.dataclass(frozen=True)
+class WholeModel:
+  """How whole causal LMs of one Hugging Face family convert (Mixtral's is :data:`MIXTRAL`).
+
+  Attributes:
+    model_type: the HF ``config.model_type``.
+    causal_lm: its transformers class (``architectures`` in config.json).
+    model_config: (hf_config, base ModelConfig) -> the ModelConfig computing it.
+    read: (store, hf_config, cfg, dtype) -> ImportedModel.
+    hf_config: cfg -> the family's complete config.json dict (after :func:`hf_config_of`'s
+      checks).
+    write: (params, router_state, cfg, layout) -> the HF state dict.
+    gaps: cfg -> what the model has outside its MoE blocks that the family lacks.
+    export_config: (a shipped config, what it is and how to make it fit the family) for
+      the export error's fix.
+  """
+
+  model_type: str
+  causal_lm: str
+  model_config: Callable[[Any, ModelConfig], ModelConfig]
+  read: Callable[..., "ImportedModel"]
+  hf_config: Callable[[ModelConfig], dict]
+  write: Callable[..., dict]
+  gaps: Callable[[ModelConfig], list]
+  export_config: tuple
+
+
+WHOLE_MODELS: dict[str, WholeModel] = {}
+
+
+def register_whole_model(spec: WholeModel) -> WholeModel:
+  """Adds (or replaces) the whole-model converter of ``spec.model_type``."""
+  WHOLE_MODELS[spec.model_type] = spec
+  return spec
+
+
+def supported() -> tuple[str, ...]:
+  """The model_types that convert as whole models."""
+  return tuple(WHOLE_MODELS)
 
 
 class ImportedModel(NamedTuple):
@@ -75,19 +115,19 @@ class ExportedModel(NamedTuple):
 
 def check_supported(model_type: Any) -> None:
   """InteropError in one line unless ``model_type`` converts as a whole model."""
-  if model_type in SUPPORTED:
+  if model_type in WHOLE_MODELS:
     return
   if model_type in MISSING:
     raise InteropError(f"model_type={model_type!r}: the moejax Transformer cannot compute this "
                        f"model exactly; it lacks {MISSING[model_type]}. Fix: import its MoE "
                        f"blocks with moejax.interop.import_moe_block, or fine-tune a "
-                       f"{' / '.join(SUPPORTED)} model")
+                       f"{' / '.join(supported())} model")
   fam.get_family(model_type)  # unknown families: the block converter's error
   raise InteropError(f"model_type={model_type!r} has no whole-model converter. Fix: use "
-                     f"{', '.join(SUPPORTED)}")
+                     f"{', '.join(supported())}")
 
 
-def _rope_theta(hf: Any) -> float:
+def rope_theta(hf: Any) -> float:
   params = fam.hf_get(hf, "rope_parameters", "rope_scaling", default=None) or {}
   if not isinstance(params, Mapping):
     params = dict(params)
@@ -101,7 +141,13 @@ def _rope_theta(hf: Any) -> float:
 
 def model_config_from_hf(hf_config: Any, base: Optional[ModelConfig] = None) -> ModelConfig:
   """The ModelConfig computing the HF model (see the module docstring)."""
-  check_supported(fam.hf_get(hf_config, "model_type"))
+  model_type = fam.hf_get(hf_config, "model_type")
+  check_supported(model_type)
+  return WHOLE_MODELS[model_type].model_config(hf_config, base or ModelConfig())
+
+
+def llama_config(hf_config: Any, base: ModelConfig) -> ModelConfig:
+  """Mixtral's ModelConfig: Llama-layout attention, every layer MoE (the module docstring)."""
   window = fam.hf_get(hf_config, "sliding_window", default=None)
   if window:
     raise InteropError(f"sliding_window={window}: moejax attention is full causal attention. "
@@ -111,14 +157,14 @@ def model_config_from_hf(hf_config: Any, base: Optional[ModelConfig] = None) -> 
   n = fam.hf_get(hf_config, "num_attention_heads")
   m = fam.hf_get(hf_config, "num_key_value_heads", default=None) or n
   h = fam.hf_get(hf_config, "head_dim", default=None) or d // n
-  base = base or ModelConfig()
   moe = fam.moe_config_from_hf(hf_config, base.moe)
   return dataclasses.replace(
       base, vocab_size=fam.hf_get(hf_config, "vocab_size"), d_model=d,
       n_layers=fam.hf_get(hf_config, "num_hidden_layers"), n_heads=n,
       n_kv_heads=None if m == n else m, head_dim=None if h * n == d else h,
+      attention="mha", attention_options=None, mtp_depth=0,
       attention_bias=False, moe_layout="all", first_dense_layers=0, tie_embeddings=False,
-      rope_base=_rope_theta(hf_config), norm_eps=float(fam.hf_get(hf_config, "rms_norm_eps")),
+      rope_base=rope_theta(hf_config), norm_eps=float(fam.hf_get(hf_config, "rms_norm_eps")),
       expert_sharing_group=1, mod_every=0, moe_schedule="serial", dense_twin="none", moe=moe)
 
 
@@ -140,8 +186,17 @@ def import_model(source: Any, hf_config: Any = None, *, base: Optional[ModelConf
   """
   hf_config = _resolve_config(source, hf_config)
   cfg = model_config_from_hf(hf_config, base)
-  store = open_source(source)
-  router_state: dict = {"blocks": {}}
+  return WHOLE_MODELS[cfg_type(hf_config)].read(open_source(source), hf_config, cfg, dtype)
+
+
+def cfg_type(hf_config: Any) -> str:
+  return fam.hf_get(hf_config, "model_type")
+
+
+def moe_ffn_reader(store, hf_config: Any, cfg: ModelConfig, dtype: Any,
+                   router_state: dict) -> Callable[[int, Callable, Callable], dict]:
+  """``ffn(layer, get, cast)`` for :func:`decoder_params` reading layer's MoE block (its
+  router state into ``router_state['blocks']``)."""
 
   def ffn(i: int, get, cast) -> dict:
     block = import_moe_block(store, hf_config, layer=i, base_cfg=cfg.moe, dtype=dtype)
@@ -149,20 +204,44 @@ def import_model(source: Any, hf_config: Any = None, *, base: Optional[ModelConf
         "bias": jnp.asarray(block.state.bias, jnp.float32),
         "step": jnp.asarray(block.state.step, jnp.int32)}}}
     return {"params": block.params}
+  return ffn
 
+
+def _read_mixtral(store, hf_config: Any, cfg: ModelConfig, dtype: Any) -> "ImportedModel":
+  router_state: dict = {"blocks": {}}
+  ffn = moe_ffn_reader(store, hf_config, cfg, dtype, router_state)
   params = decoder_params(store, hf_config, cfg, dtype, ffn, "MixtralForCausalLM")
   return ImportedModel(cfg, params, router_state)
 
 
+def llama_attention(cfg: ModelConfig) -> Callable[[Callable, Callable], dict]:
+  """``attn(get, cast)`` reading one layer's q / k / v / o projections (and Qwen3's q / k
+  norms with ``qk_norm``)."""
+  d, h, n, m = cfg.d_model, cfg.attn_head_dim, cfg.n_heads, cfg.kv_heads
+  shapes = {"q_proj": (n * h, d), "k_proj": (m * h, d), "v_proj": (m * h, d),
+            "o_proj": (d, n * h)}
+
+  def attn(get, cast) -> dict:
+    out = {name: {"kernel": cast(get(f"self_attn.{name}.weight", shapes[name],
+                                     "[out, in]").T)} for name in ATTENTION}
+    if getattr(cfg.attention_options, "qk_norm", False):
+      for name in ("q_norm", "k_norm"):
+        out[name] = {"scale": cast(get(f"self_attn.{name}.weight", (h,), "[head_dim]"))}
+    return out
+  return attn
+
+
 def decoder_params(store, hf_config: Any, cfg: ModelConfig, dtype: Any,
-                   ffn: Callable[[int, Callable, Callable], dict], causal_lm: str) -> dict:
-  """moejax params of a whole HF decoder: embedding, norms, attention and head read here,
-  each block's ``ffn`` from ``ffn(layer, get, cast)`` (``get(key, shape, why)`` reads a
-  tensor and checks its shape; ``cast`` converts to ``dtype``). ``causal_lm``: the HF class
+                   ffn: Callable[[int, Callable, Callable], dict], causal_lm: str,
+                   attn: Optional[Callable[[Callable, Callable], dict]] = None) -> dict:
+  """moejax params of a whole HF decoder: embedding, norms and head read here, each
+  block's ``ffn`` from ``ffn(layer, get, cast)`` (``get(key, shape, why)`` reads a
+  tensor of the layer and checks its shape; ``cast`` converts to ``dtype``), its attention
+  from ``attn(get, cast)`` (default: :func:`llama_attention`). ``causal_lm``: the HF class
   the missing-head error names."""
   p = _prefix(store)
   d, v = cfg.d_model, cfg.vocab_size
-  h, n, m = cfg.attn_head_dim, cfg.n_heads, cfg.kv_heads
+  attn = attn or llama_attention(cfg)
 
   def get(key: str, want: tuple, why: str) -> np.ndarray:
     w = store.get(key)
@@ -174,16 +253,14 @@ def decoder_params(store, hf_config: Any, cfg: ModelConfig, dtype: Any,
   params: dict = {"embed": {"embedding": cast(get(p + "embed_tokens.weight", (v, d), "[V, d]"))},
                   "blocks": {}, "final_norm": {"scale": cast(get(p + "norm.weight", (d,),
                                                                   "[d]"))}}
-  shapes = {"q_proj": (n * h, d), "k_proj": (m * h, d), "v_proj": (m * h, d),
-            "o_proj": (d, n * h)}
   for i in range(cfg.n_layers):
     lp = f"{p}layers.{i}."
+    layer_get = lambda key, want, why, lp=lp: get(lp + key, want, why)
     params["blocks"][i] = {
         "attn_norm": {"scale": cast(get(lp + "input_layernorm.weight", (d,), "[d]"))},
-        "attn": {name: {"kernel": cast(get(f"{lp}self_attn.{name}.weight", shapes[name],
-                                           "[out, in]").T)} for name in ATTENTION},
+        "attn": attn(layer_get, cast),
         "ffn_norm": {"scale": cast(get(lp + "post_attention_layernorm.weight", (d,), "[d]"))},
-        "ffn": ffn(i, lambda key, want, why, lp=lp: get(lp + key, want, why), cast),
+        "ffn": ffn(i, layer_get, cast),
     }
   if "lm_head.weight" in store:
     head = get("lm_head.weight", (v, d), "[V, d]")
@@ -196,19 +273,10 @@ def decoder_params(store, hf_config: Any, cfg: ModelConfig, dtype: Any,
   return params
 
 
-# Per whole-model family, the shipped config of configs/default.py's model routed as that
-# family routes: the export error's fix names it (the default model is what a new user has
-# trained, and it routes DeepSeek-V3 style).
-EXPORT_CONFIGS = {"mixtral": ("configs/default_mixtral.py", "softmax top-2, no selection bias")}
-
-
-def _transformer_gaps(cfg: ModelConfig) -> list[str]:
-  """What the model has outside its MoE blocks that no whole-model family holds."""
+def common_gaps(cfg: ModelConfig) -> list[str]:
+  """What the model has outside attention and its FFN layout that no whole-model family
+  holds."""
   gaps = []
-  if cfg.moe is not None and not all(cfg.is_moe_layer(i) for i in range(cfg.n_layers)):
-    gaps.append(f"model.moe_layout={cfg.moe_layout!r} (every layer must be MoE)")
-  if not cfg.attention_spec.llama_layout:
-    gaps.append(f"model.attention={cfg.attention!r} (needs q / k / v / o projections: 'mha')")
   for field, ok, what in (("attention_bias", not cfg.attention_bias, "False"),
                           ("tie_embeddings", not cfg.tie_embeddings, "False (moejax scales a "
                            "tied head by d^-1/2)"),
@@ -218,6 +286,18 @@ def _transformer_gaps(cfg: ModelConfig) -> list[str]:
     if not ok:
       gaps.append(f"model.{field}={getattr(cfg, field)!r} (needs {what})")
   return gaps
+
+
+def _mixtral_gaps(cfg: ModelConfig) -> list[str]:
+  """What the model has outside its MoE blocks that Mixtral lacks."""
+  gaps = []
+  if cfg.moe is not None and not all(cfg.is_moe_layer(i) for i in range(cfg.n_layers)):
+    gaps.append(f"model.moe_layout={cfg.moe_layout!r} (every layer must be MoE)")
+  if not cfg.attention_spec.llama_layout:
+    gaps.append(f"model.attention={cfg.attention!r} (needs q / k / v / o projections: 'mha')")
+  elif getattr(cfg.attention_options, "qk_norm", False):
+    gaps.append("model.attention_options.qk_norm=True (Mixtral has no q / k norms)")
+  return gaps + common_gaps(cfg)
 
 
 def _block_gaps(cfg: ModelConfig, model_type: str) -> list[str]:
@@ -238,6 +318,16 @@ def _other_families(cfg: ModelConfig, model_type: str) -> str:
   others = [f for f in fam.expressing_families(cfg.moe, cfg.d_model) if f != model_type]
   if not others:
     return ""
+  whole = [f for f in others if f in WHOLE_MODELS]
+  for f in whole:
+    if not WHOLE_MODELS[f].gaps(cfg):
+      return f" Its MoE blocks are {f} blocks and the rest fits: export it as model_type={f!r}."
+  if whole:
+    f = whole[0]
+    return (f" Its MoE blocks are {' / '.join(others)} blocks (moejax.interop.export_moe_block "
+            f"writes them one by one); as a whole {f} model it has "
+            f"{'; '.join(WHOLE_MODELS[f].gaps(cfg))} ({WHOLE_MODELS[f].export_config[0]} is "
+            "a model that fits).")
   lacks = "; ".join(f"{f}'s {MISSING[f]}" for f in others if f in MISSING)
   return (f" Its MoE blocks are {' / '.join(others)} blocks (moejax.interop.export_moe_block "
           f"writes them one by one), but no whole model of that family can be written: the "
@@ -246,15 +336,16 @@ def _other_families(cfg: ModelConfig, model_type: str) -> str:
 
 def check_export_family(model_type: str) -> None:
   """InteropError in one line unless whole moejax models export as ``model_type``."""
-  if model_type in SUPPORTED:
+  if model_type in WHOLE_MODELS:
     return
   if model_type in MISSING:
+    first = supported()[0]
     raise InteropError(f"model_type={model_type!r}: a whole moejax model cannot be written as "
                        f"{model_type}: its attention is {MISSING[model_type]}, which the moejax "
                        f"Transformer lacks (its MoE blocks alone export: "
                        f"moejax.interop.export_moe_block). Fix: export as model_type="
-                       f"{SUPPORTED[0]!r} a model {SUPPORTED[0]} expresses (e.g. a run of "
-                       f"{EXPORT_CONFIGS[SUPPORTED[0]][0]})")
+                       f"{first!r} a model {first} expresses (e.g. a run of "
+                       f"{WHOLE_MODELS[first].export_config[0]})")
   check_supported(model_type)   # an unknown family: its own error
 
 
@@ -264,24 +355,29 @@ def _check_exportable(cfg: ModelConfig, model_type: str) -> None:
   if cfg.moe is None or not cfg.moe.layer.routed:
     kind = None if cfg.moe is None else cfg.moe.kind
     gaps, other = [f"model.moe={'None' if kind is None else f'kind={kind!r}'}: no sparse MoE "
-                   f"layer (every {model_type} layer is a sparse MoE block)"], ""
+                   f"layer (a {model_type} model's MoE layers are sparse MoE blocks)"], ""
   else:
     gaps, other = _block_gaps(cfg, model_type), _other_families(cfg, model_type)
-  gaps += _transformer_gaps(cfg)
+  gaps += WHOLE_MODELS[model_type].gaps(cfg)
   if gaps:
-    path, routing = EXPORT_CONFIGS[model_type]
+    path, what = WHOLE_MODELS[model_type].export_config
     raise InteropError(f"{model_type} cannot express this model: {'; '.join(gaps)}.{other} "
                        f"Fix: train a model with those fields as {model_type} has them and "
-                       f"export that run ({path} is configs/default.py routed as "
-                       f"{model_type} routes: {routing})")
+                       f"export that run ({path} is {what})")
 
 
 def hf_config_of(cfg: ModelConfig, model_type: str = "mixtral") -> dict:
   """A complete HF config.json dict for ``cfg`` (InteropError if ``model_type`` cannot hold it)."""
   _check_exportable(cfg, model_type)
+  return WHOLE_MODELS[model_type].hf_config(cfg)
+
+
+def llama_fields(cfg: ModelConfig, model_type: str, causal_lm: str) -> dict:
+  """The config.json of a Llama-layout MoE model (Mixtral, Qwen3-MoE): the MoE block's
+  fields and the attention, norm, rotary and head fields."""
   fields = fam.hf_fields_from_moe(cfg.moe, model_type, cfg.d_model)
   return {
-      **fields, "architectures": ["MixtralForCausalLM"], "vocab_size": cfg.vocab_size,
+      **fields, "architectures": [causal_lm], "vocab_size": cfg.vocab_size,
       "num_hidden_layers": cfg.n_layers, "num_attention_heads": cfg.n_heads,
       "num_key_value_heads": cfg.kv_heads, "head_dim": cfg.attn_head_dim,
       "rms_norm_eps": cfg.norm_eps, "rope_theta": cfg.rope_base,
@@ -302,28 +398,70 @@ def export_model(params: Mapping, router_state: Optional[Mapping], cfg: ModelCon
   (transformers >= 5's in-memory module parameters).
   """
   hf_config = hf_config_of(cfg, model_type)
-  t = lambda a: np.ascontiguousarray(np.asarray(a).T)
+  return ExportedModel(WHOLE_MODELS[model_type].write(params, router_state, cfg, layout),
+                       hf_config)
+
+
+def t(a: Any) -> np.ndarray:
+  """A moejax kernel [in, out] as a torch Linear weight [out, in]."""
+  return np.ascontiguousarray(np.asarray(a).T)
+
+
+def llama_attention_tensors(attn: Mapping, cfg: ModelConfig) -> dict:
+  """One layer's q / k / v / o weights (and q / k norms with ``qk_norm``), keys relative to
+  ``self_attn.``."""
+  out = {f"{name}.weight": t(attn[name]["kernel"]) for name in ATTENTION}
+  if getattr(cfg.attention_options, "qk_norm", False):
+    out.update({f"{n}.weight": np.asarray(attn[n]["scale"]) for n in ("q_norm", "k_norm")})
+  return out
+
+
+def moe_block_tensors(block: Mapping, router_state: Optional[Mapping], cfg: ModelConfig,
+                      model_type: str, i: int, layout: str) -> dict:
+  """Layer ``i``'s MoE block under the family's full key names."""
+  from moejax.routing.types import RouterState  # pylint: disable=g-import-not-at-top
+  state = None
+  if router_state is not None:
+    rs = router_state["blocks"][i]["ffn"]["router_state"]
+    state = RouterState(bias=jnp.asarray(rs["bias"]), step=jnp.asarray(rs["step"]))
+  return export_moe_block(block["ffn"]["params"], state, cfg.moe, model_type, layer=i,
+                          layout=layout).state_dict
+
+
+def decoder_tensors(params: Mapping, cfg: ModelConfig,
+                    layer: Callable[[int, Mapping], dict]) -> dict:
+  """The HF state dict of a decoder: embedding, block norms, final norm and head here,
+  each block's attention and FFN tensors from ``layer(i, block_params)`` (full keys)."""
   sd = {"model.embed_tokens.weight": np.asarray(params["embed"]["embedding"]),
         "model.norm.weight": np.asarray(params["final_norm"]["scale"]),
         "lm_head.weight": t(params["lm_head"]["kernel"])}
-  from moejax.routing.types import RouterState  # pylint: disable=g-import-not-at-top
   for i in range(cfg.n_layers):
     block = params["blocks"][i]
     lp = f"model.layers.{i}."
     sd[lp + "input_layernorm.weight"] = np.asarray(block["attn_norm"]["scale"])
     sd[lp + "post_attention_layernorm.weight"] = np.asarray(block["ffn_norm"]["scale"])
-    for name in ATTENTION:
-      sd[f"{lp}self_attn.{name}.weight"] = t(block["attn"][name]["kernel"])
-    state = None
-    if router_state is not None:
-      rs = router_state["blocks"][i]["ffn"]["router_state"]
-      state = RouterState(bias=jnp.asarray(rs["bias"]), step=jnp.asarray(rs["step"]))
-    exported = export_moe_block(block["ffn"]["params"], state, cfg.moe, model_type, layer=i,
-                                layout=layout)
-    sd.update(exported.state_dict)
-  return ExportedModel(sd, hf_config)
+    sd.update(layer(i, block))
+  return sd
 
 
-__all__ = ["ExportedModel", "ImportedModel", "EXPORT_CONFIGS", "MISSING", "SUPPORTED",
-           "check_export_family", "check_supported",
-           "export_model", "hf_config_of", "import_model", "model_config_from_hf"]
+def _write_mixtral(params: Mapping, router_state: Optional[Mapping], cfg: ModelConfig,
+                   layout: str) -> dict:
+  def layer(i, block):
+    out = {f"model.layers.{i}.self_attn.{k}": v
+           for k, v in llama_attention_tensors(block["attn"], cfg).items()}
+    return {**out, **moe_block_tensors(block, router_state, cfg, "mixtral", i, layout)}
+  return decoder_tensors(params, cfg, layer)
+
+
+# configs/default.py's model routed as Mixtral routes: the export error's fix names it (the
+# default model is what a new user has trained, and it routes DeepSeek-V3 style).
+MIXTRAL = register_whole_model(WholeModel(
+    "mixtral", "MixtralForCausalLM", llama_config, _read_mixtral,
+    lambda cfg: llama_fields(cfg, "mixtral", "MixtralForCausalLM"), _write_mixtral,
+    _mixtral_gaps, ("configs/default_mixtral.py", "configs/default.py routed as mixtral routes: "
+                    "softmax top-2, no selection bias")))
+
+
+__all__ = ["ExportedModel", "ImportedModel", "MISSING", "WHOLE_MODELS", "WholeModel",
+           "check_export_family", "check_supported", "export_model", "hf_config_of",
+           "import_model", "model_config_from_hf", "register_whole_model", "supported"]

@@ -203,10 +203,10 @@ def test_the_default_model_as_mixtral_names_what_it_has_and_the_fix():
   assert str(e.value) == (
       "mixtral cannot express this model: model.moe.routing.score_fn='sigmoid' (mixtral: "
       "'softmax'); model.moe.routing.use_bias=True (mixtral: False). Its MoE blocks are "
-      "deepseek_v3 blocks (moejax.interop.export_moe_block writes them one by one), but no "
-      "whole model of that family can be written: the moejax Transformer lacks deepseek_v3's "
-      "multi-head latent attention (low-rank q / kv projections, decoupled RoPE). Fix: train "
-      "a model with those fields as mixtral has them and export that run "
+      "deepseek_v3 blocks (moejax.interop.export_moe_block writes them one by one); as a "
+      "whole deepseek_v3 model it has model.attention='mha' (DeepSeek-V3 attends with "
+      "multi-head latent attention: 'mla') (configs/deepseek_v3_small.py is a model that "
+      "fits). Fix: train a model with those fields as mixtral has them and export that run "
       "(configs/default_mixtral.py is configs/default.py routed as mixtral routes: softmax "
       "top-2, no selection bias)")
   # The config the fix names exports, and differs from the default model only in routing.
@@ -217,16 +217,30 @@ def test_the_default_model_as_mixtral_names_what_it_has_and_the_fix():
   assert dataclasses.replace(twin, moe=default.moe) == default
 
 
-def test_whole_model_families_other_than_mixtral_are_one_line_with_the_fix():
+def test_whole_model_families_the_transformer_cannot_compute_are_one_line_with_the_fix():
+  from moejax.interop import models  # pylint: disable=g-import-not-at-top
+  with pytest.raises(InteropError) as e:
+    models.hf_config_of(_model("default"), "qwen2_moe")
+  assert str(e.value) == (
+      "model_type='qwen2_moe': a whole moejax model cannot be written as qwen2_moe: its "
+      "attention is attention with q/k/v biases but no output-projection bias "
+      "(model.attention_bias puts a bias on all four projections or none), which the moejax "
+      "Transformer lacks (its MoE blocks alone export: moejax.interop.export_moe_block). Fix: "
+      "export as model_type='mixtral' a model mixtral expresses (e.g. a run of "
+      "configs/default_mixtral.py)")
+
+
+def test_the_default_model_as_deepseek_v3_names_its_attention_and_the_config_that_fits():
   from moejax.interop import models  # pylint: disable=g-import-not-at-top
   with pytest.raises(InteropError) as e:
     models.hf_config_of(_model("default"), "deepseek_v3")
   assert str(e.value) == (
-      "model_type='deepseek_v3': a whole moejax model cannot be written as deepseek_v3: its "
-      "attention is multi-head latent attention (low-rank q / kv projections, decoupled "
-      "RoPE), which the moejax Transformer lacks (its MoE blocks alone export: "
-      "moejax.interop.export_moe_block). Fix: export as model_type='mixtral' a model mixtral "
-      "expresses (e.g. a run of configs/default_mixtral.py)")
+      "deepseek_v3 cannot express this model: model.attention='mha' (DeepSeek-V3 attends with "
+      "multi-head latent attention: 'mla'). Fix: train a model with those fields as "
+      "deepseek_v3 has them and export that run (configs/deepseek_v3_small.py is "
+      "configs/default.py with DeepSeek-V3's multi-head latent attention (its MTP module is "
+      "left out of an export))")
+  assert models.hf_config_of(_model("deepseek_v3_small"), "deepseek_v3")["kv_lora_rank"] == 72
   with pytest.raises(InteropError, match=r"^mixtral cannot express this model: model\.moe="
                                          r"None: no sparse MoE layer"):
     models.hf_config_of(_model("dense"), "mixtral")
