@@ -1,131 +1,84 @@
 """A model's routing under numerical perturbations, against its reference forward.
 
-It lives with serving, not in ``moejax.evaluate``: cached decoding is one of
-the perturbations, and serving builds on training, which evaluation feeds.
+It lives with serving, not in ``moejax.evaluate``: cached decoding and
+quantised experts are perturbations, and serving builds on training, which
+evaluation feeds.
 
-Legend: B sequences, S tokens per sequence.
+Legend: B sequences, S tokens per sequence, K slots per token.
 
-Each perturbation is a registered :class:`Perturbation`: a name, whether it
-applies to a model (``why_not``), and ``selections(model, tokens)``, the
-per-layer selections of the perturbed forward on the same tokens. The
-reference is the model's own full forward (float32 as configured).
-:func:`measure` compares each with :func:`moejax.evaluate.consistency.compare`.
+Each perturbation is a registered
+:class:`~moejax.serve.perturbation.Perturbation`: a name, whether it
+applies to a model and tokens (``why_not``), and ``selections(model,
+tokens)``, the per-layer selections of the perturbed forward on the same
+tokens. The reference is the model's own jitted forward (as configured,
+``train=False``), except for a perturbation that makes its own
+(``own_reference``). :func:`measure` compares each with
+:func:`moejax.evaluate.consistency.compare`.
 
-Shipped here:
+Shipped (in registration order):
 
-- ``bf16``: the model rebuilt with ``model.compute_dtype='bfloat16'``, the
-  same weights;
-- ``decode``: KV-cached decoding, the first token as the prompt, then one
-  token per step (n/a for non-causal routers, e.g. expert choice);
-- ``microbatch4``: the batch in 4 row chunks, one forward each (batch-wide
-  routers and capacity see a quarter of the batch).
+- :mod:`moejax.serve.perturb_numeric`: ``bf16``, ``int8``, ``int4``, ``remat``;
+- :mod:`moejax.serve.perturb_layout`: ``decode``, ``microbatch4``, ``ep1``,
+  ``ep2``, ``ep8``;
+- ``hf``: the round trip through ``transformers`` of a model Mixtral
+  expresses (:mod:`moejax.interop.routing_roundtrip`).
+
+:func:`measure` runs them in name order by default.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from typing import Callable, Optional
+from typing import Optional
 
-import jax
 import jax.numpy as jnp
 import numpy as np
-from flax import nnx
 
-from moejax.config import ConfigError, apply_overrides
 from moejax.evaluate import consistency as consistency_lib
-from moejax.routing.replay import RoutingReplay
-from moejax.serve import decode as decode_lib
+from moejax.interop import routing_roundtrip
+from moejax.serve import perturb_layout  # noqa: F401  (registers its perturbations)
+from moejax.serve import perturb_numeric  # noqa: F401  (registers its perturbations)
+from moejax.serve.perturbation import (PERTURBATIONS, Perturbation, reference_selections,
+                                       register)
+
+register(Perturbation("hf", lambda model, tokens: routing_roundtrip.selections(model, tokens),
+                      lambda model, tokens: routing_roundtrip.why_not(model),
+                      description="exported to transformers' Mixtral and run there"))
 
 
-def _selections(model, tokens) -> dict[str, RoutingReplay]:
-  aux = model(jnp.asarray(tokens, jnp.int32))[1]
-  return {n: layer["selection"] for n, layer in aux["moe"].items() if "selection" in layer}
-
-
-def _rebuilt(model, **overrides):
-  """``model`` with config ``overrides`` and the same state (an abstract rebuild, no init)."""
-  cfg = apply_overrides(model.cfg, overrides)
-  new = nnx.eval_shape(lambda: type(model)(cfg, rngs=nnx.Rngs(0)))
-  nnx.update(new, nnx.state(model))
-  return new
-
-
-def _bf16(model, tokens):
-  return _selections(_rebuilt(model, compute_dtype="bfloat16"), tokens)
-
-
-def _decode(model, tokens):
-  tokens = np.asarray(tokens, np.int32)
-  b, s = tokens.shape
-  dec = decode_lib.Decoder(model)
-  caches = dec.init_caches(b, s)
-  seen = []
-  for t in range(s):
-    _, caches, info = dec.extend(tokens[:, t:t + 1], np.full((b, 1), t, np.int32),
-                                 np.ones((b, 1), bool), caches, t)
-    seen.append(info["routing"])
-  return {n: RoutingReplay(jnp.concatenate([c[n]["expert_ids"] for c in seen], axis=1),
-                           jnp.concatenate([c[n]["valid"] for c in seen], axis=1))
-          for n in seen[0]}
-
-
-def _decode_why_not(model) -> str:
-  try:
-    decode_lib.check_decodable(model.cfg)
-  except ConfigError as err:
-    return str(err)
-  return ""
-
-
-def _microbatch(model, tokens, parts: int = 4):
-  tokens = np.asarray(tokens, np.int32)
-  chunks = [_selections(model, c) for c in np.array_split(tokens, parts)]
-  return {n: RoutingReplay(jnp.concatenate([c[n].expert_ids for c in chunks]),
-                           jnp.concatenate([c[n].valid for c in chunks])) for n in chunks[0]}
-
-
-@dataclasses.dataclass(frozen=True)
-class Perturbation:
-  """A perturbed forward: ``selections(model, tokens)``; ``why_not(model)`` '' when it applies."""
-
-  name: str
-  selections: Callable
-  why_not: Callable = lambda model: ""
-
-
-PERTURBATIONS: dict[str, Perturbation] = {}
-
-
-def register(p: Perturbation) -> Perturbation:
-  if p.name in PERTURBATIONS:
-    raise ValueError(f"perturbation {p.name!r} is registered twice")
-  PERTURBATIONS[p.name] = p
-  return p
-
-
-register(Perturbation("bf16", _bf16))
-register(Perturbation("decode", _decode, _decode_why_not))
-register(Perturbation("microbatch4", _microbatch))
+def check_names(names) -> tuple[str, ...]:
+  """``names`` as a tuple, or ValueError naming the unknown ones and the registered."""
+  names = tuple(names)
+  unknown = [n for n in names if n not in PERTURBATIONS]
+  if unknown:
+    raise ValueError(f"routing consistency: unknown perturbations {unknown}. Fix: use some "
+                     f"of {list(PERTURBATIONS)}")
+  return names
 
 
 def measure(model, tokens, names: Optional[tuple[str, ...]] = None) -> dict:
   """``{name: {'flip_rate', 'token_flip_share', 'layer_flip_rate'} or {'n/a': why}}``."""
-  names = tuple(PERTURBATIONS) if names is None else tuple(names)
-  unknown = [n for n in names if n not in PERTURBATIONS]
-  if unknown:
-    raise ValueError(f"routing consistency: unknown perturbations {unknown}. Fix: use some "
-                     f"of {sorted(PERTURBATIONS)}")
+  names = tuple(sorted(PERTURBATIONS)) if names is None else check_names(names)
   if model.cfg.moe is None:
     raise ValueError("routing consistency: the model has no MoE layer. Fix: measure a MoE model")
-  reference = _selections(model, tokens)
+  tokens = np.asarray(tokens, np.int32)
+  reference = None
   out = {}
   for name in names:
     p = PERTURBATIONS[name]
-    why = p.why_not(model)
+    why = p.why_not(model, tokens)
     if why:
       out[name] = {"n/a": why}
       continue
-    got = consistency_lib.compare(reference, p.selections(model, tokens),
-                                  model.cfg.moe.num_routed)
+    if p.own_reference:
+      ref, other = p.selections(model, tokens)
+    else:
+      if reference is None:
+        reference = reference_selections(model, tokens)
+      ref, other = reference, p.selections(model, tokens)
+    got = consistency_lib.compare(ref, other, model.cfg.moe.num_routed)
     out[name] = dataclasses.asdict(got)
   return out
+
+
+__all__ = ["PERTURBATIONS", "Perturbation", "check_names", "measure", "register"]

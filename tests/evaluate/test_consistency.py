@@ -89,7 +89,8 @@ def test_measure_under_perturbations():
               dense_ff_width=64)
   hashed = ModelConfig(**base, moe=moe_config(num_experts=4, expert_width=16,
                                               routing=RoutingConfig.build(kind="hash", top_k=2)))
-  got = perturbed.measure(Transformer(hashed, rngs=nnx.Rngs(0)), tokens)
+  got = perturbed.measure(Transformer(hashed, rngs=nnx.Rngs(0)), tokens,
+                          ("bf16", "decode", "microbatch4"))
   assert sorted(got) == ["bf16", "decode", "microbatch4"]
   for name, row in got.items():
     assert row["flip_rate"] == 0.0 and row["token_flip_share"] == 0.0, name
