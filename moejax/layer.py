@@ -47,6 +47,7 @@ expert-parallel executor and the mesh axes as ``axis_names``.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, Optional, Sequence
 
 import jax
@@ -157,7 +158,7 @@ def _sparse_layer(params, x, shared_x, state, cfg, *, token_ids, rng, train, axi
   with jax.named_scope(scopes.BALANCE):
     router_load = metrics.expert_load(decision, cfg.num_routed, axis_names)
     aux = MoEAux.for_kind(
-        "sparse",
+        cfg.layer,
         losses=losses.balance_losses(decision, cfg, batch_shape=batch_shape,
                                      axis_names=axis_names, context=context,
                                      state=state.ideas),
@@ -179,20 +180,20 @@ def _soft_layer(params, x, cfg, batch_shape, axis_names):
   """
   b, s = batch_shape
   xs = x.reshape(b, s, -1)
-  t = cfg.topology
+  t, p = cfg.topology, cfg.layer_options.slots_per_expert
   mask = experts_lib.width_mask(cfg) if t.expert_widths is not None else None
 
   def one(x_sd):
     dispatch, combine, _ = soft_lib.soft_weights(params["router"], x_sd, cfg)
     slots = jnp.einsum("sp,sd->pd", dispatch.astype(x_sd.dtype), x_sd)
-    slots = slots.reshape(cfg.num_experts, t.slots_per_expert, -1)  # [E, p, d]
+    slots = slots.reshape(cfg.num_experts, p, -1)  # [E, p, d]
     out = experts_lib.experts_dense(params["experts"], slots, t.activation, mask)
-    out = out.reshape(cfg.num_experts * t.slots_per_expert, -1)  # [P, d]
+    out = out.reshape(cfg.num_experts * p, -1)  # [P, d]
     return jnp.einsum("sp,pd->sd", combine.astype(out.dtype), out), dispatch, combine
 
   y, dispatch, combine = jax.vmap(one)(xs)
   zero = jnp.zeros((), jnp.float32)
-  aux = MoEAux.for_kind("soft", losses={"total": zero},
+  aux = MoEAux.for_kind(cfg.layer, losses={"total": zero},
                         metrics=metrics.soft_metrics(dispatch, combine, cfg,
                                                      axis_names=axis_names))
   return y.reshape(x.shape), aux
@@ -200,7 +201,7 @@ def _soft_layer(params, x, cfg, batch_shape, axis_names):
 
 def _peer_layer(params, x, cfg, axis_names):
   y, peer_aux = peer_lib.peer_apply(params["peer"], x, cfg)
-  aux = MoEAux.for_kind("peer", losses={"total": jnp.zeros((), jnp.float32)},
+  aux = MoEAux.for_kind(cfg.layer, losses={"total": jnp.zeros((), jnp.float32)},
                         metrics=metrics.peer_metrics(peer_aux["expert_ids"], cfg,
                                                      axis_names=axis_names))
   return y, aux
@@ -351,13 +352,18 @@ def ep_moe_layer(params: Params, x: jax.Array, state: Optional[RouterState], cfg
                        replay=a.get("replay"))
     return y, aux.reduce_on_exit(lambda v: stats.pmean(v, ex.axes))
 
-  out_specs = (tok, MoEAux.out_specs(tok, cfg.kind))
+  out_specs = (tok, MoEAux.out_specs(tok, cfg.layer))
   return jax.shard_map(body, mesh=mesh, in_specs=(in_specs,), out_specs=out_specs,
                        check_vma=False)(args)
 
 
 # ---------------------------------------------------------------------------
 # Layer kinds: one registered object each (moejax.config.registry.LAYERS).
+
+@dataclasses.dataclass(frozen=True)
+class NoOptions:
+  """A layer kind without options of its own."""
+
 
 class LayerKind:
   """A kind of MoE layer: its parameters, its forward, and what it can do.
@@ -370,7 +376,7 @@ class LayerKind:
     zero-computation experts);
   - ``expert_bank``: the layer has routed FFN experts as [E, ...] weights
     (expert sharing across layers, expert LoRA, the expert memory);
-  - ``product_keys``: PEER's product-key retrieval (the ``peer_*`` fields);
+  - ``product_keys``: PEER's product-key retrieval;
   - ``causal``: a token's output depends on it and earlier tokens only
     (decoding), else ``why_not_causal`` says why;
   - ``segmentable``: fine-grained segmentation applies;
@@ -379,6 +385,18 @@ class LayerKind:
     other field set away from its default is refused with ``why``;
   - ``components``: its parameter / FLOP accounting
     (:mod:`moejax.topology.accounting`).
+
+  What it carries:
+
+  - ``Options``: a frozen dataclass of its own fields, ``moe.layer_options``
+    in the config (Soft MoE's slots, PEER's keys; checked in its
+    ``__post_init__``, each error naming ``moe.layer_options.<field>``);
+    :meth:`check` ties them to the other sections;
+  - ``aux_fields`` / ``metric_fields``: the :class:`~moejax.balance.aux.MoEAux`
+    and :class:`~moejax.balance.aux.LayerMetrics` fields its layer fills (the
+    others are None; ``MoEAux.for_kind(kind, ...)`` checks it), and ``Aux``:
+    the type of its own aux beyond them (a ``flax.struct`` dataclass, in
+    ``aux.kind_aux``; None: it has none).
   """
 
   name = ""
@@ -395,6 +413,13 @@ class LayerKind:
   routing_fix = "use moe.kind='sparse'"
   components = None
   router_component = "router"  # what the budget audit counts its params["router"] as
+  Options: type = NoOptions
+  aux_fields: tuple = ("losses", "metrics")
+  metric_fields: tuple = ()
+  Aux: Optional[type] = None
+
+  def check(self, cfg: MoEConfig) -> None:
+    """Rules tying ``cfg.layer_options`` to the other sections (a ConfigError; none by default)."""
 
   def has_router_weights(self, cfg: MoEConfig) -> bool:
     """Whether the layer has router weights (what fine-tuning can freeze)."""
@@ -419,6 +444,9 @@ class LayerKind:
 
 def register_kind(kind: LayerKind) -> LayerKind:
   """Registers a layer kind (an instance); a name already registered is an error."""
+  if not (dataclasses.is_dataclass(kind.Options) and kind.Options.__dataclass_params__.frozen):
+    raise TypeError(f"layer kind {kind.name!r}: Options must be a frozen dataclass, got "
+                    f"{kind.Options!r}. Fix: decorate it with @dataclasses.dataclass(frozen=True)")
   return LAYERS.register(kind)
 
 
@@ -437,6 +465,10 @@ class SparseKind(LayerKind):
   }
   why = "a routed (sparse) layer has no Soft MoE slots or PEER keys"
   components = staticmethod(accounting_lib.sparse_components)
+  aux_fields = ("losses", "metrics", "load", "router_load", "num_dropped", "routing",
+                "selection", "execution", "observed")
+  metric_fields = ("load", "max_vio", "load_entropy", "active_mean", "active_var",
+                   "active_over_max", "zero_compute_fraction", "coactivation", "drop_rate")
 
   def has_router_weights(self, cfg):
     return cfg.router.param_count(1, cfg) > 0
@@ -471,7 +503,7 @@ class SoftKind(LayerKind):
                     "output depends on later tokens")
   honoured = {
       "topology": {"num_experts", "expert_width", "expert_widths", "activation",
-                   "slots_per_expert", "granularity", "isolate_shared", "derived_from"},
+                   "granularity", "isolate_shared", "derived_from"},
       "routing": {"freeze", "router_dtype"}, "balance": set(), "execution": {"interpret"},
   }
   why = ("Soft MoE mixes every token into every slot: there is no per-token routing, "
@@ -479,6 +511,8 @@ class SoftKind(LayerKind):
   routing_fix = "use moejax.routing.soft.soft_weights"
   router_component = "soft_moe"
   components = staticmethod(accounting_lib.soft_components)
+  Options = soft_lib.SoftOptions
+  metric_fields = ("load", "max_vio", "load_entropy", "dispatch_entropy", "combine_entropy")
 
   def has_router_weights(self, cfg):
     return True
@@ -506,14 +540,15 @@ class PeerKind(LayerKind):
   segmentable = False
   why_not_segmentable = "PEER experts are single neurons and cannot be segmented"
   honoured = {
-      "topology": {"activation", "peer_num_keys", "peer_heads", "peer_top_k",
-                   "peer_key_dim", "derived_from"},
+      "topology": {"activation", "derived_from"},
       "routing": set(), "balance": set(), "execution": {"interpret"},
   }
   why = ("PEER retrieves singleton experts by product keys: it has no router, balance "
-         "loss, capacity or grouped-matmul backend, and only the peer_* topology fields")
+         "loss, capacity or grouped-matmul backend; its sizes are moe.layer_options")
   routing_fix = "PEER retrieves experts by product keys, not through this router"
   components = staticmethod(accounting_lib.peer_components)
+  Options = peer_lib.PeerOptions
+  metric_fields = ("max_vio", "load_entropy", "experts_touched", "key_max_vio", "key_entropy")
 
   def init(self, key, d_model, cfg, dtype):
     _, k_experts, _, _ = jax.random.split(key, 4)

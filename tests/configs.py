@@ -4,7 +4,10 @@
 balance=dict(aux_loss_coef=1e-2))`` builds the same MoEConfig as the
 sectioned tree ``{'topology': {...}, 'routing': {...}, 'balance': {...}}``;
 ``capacity_factor`` / ``drop_priority`` go to balance and ``backend`` /
-``interpret`` to execution, so tiny hand-made cases stay one line.
+``interpret`` to execution, and a layer kind's options may be given by their
+old flat names (``slots_per_expert``, ``peer_num_keys``, ...; the table of
+relocated keys, ``moejax.config.core.RELOCATED``) into ``layer_options``, so
+tiny hand-made cases stay one line.
 """
 
 from __future__ import annotations
@@ -12,8 +15,12 @@ from __future__ import annotations
 import dataclasses
 
 from moejax.config import MoEConfig, RoutingConfig, TopologyConfig, from_dict
+from moejax.config.core import RELOCATED
 
 _TOPOLOGY = {f.name for f in dataclasses.fields(TopologyConfig)}
+# Old flat topology name -> the layer kind's option (moe.layer_options.<name>).
+_LAYER_OPTIONS = {old: new for (cls, old), (sibling, new) in RELOCATED.items()
+                  if cls == "TopologyConfig" and sibling == "layer_options"}
 _SECTION = {"capacity_factor": "balance", "drop_priority": "balance", "backend": "execution",
             "interpret": "execution"}
 
@@ -35,6 +42,8 @@ def moe_config(kind: str = "sparse", *, routing=None, balance=None, execution=No
   for key, value in flat.items():
     if key in _TOPOLOGY:
       tree["topology"][key] = value
+    elif key in _LAYER_OPTIONS:
+      tree.setdefault("layer_options", {})[_LAYER_OPTIONS[key]] = value
     elif key in _SECTION:
       section = tree[_SECTION[key]]
       if not isinstance(section, dict):  # a built section: replace one field
@@ -50,6 +59,9 @@ def replace_moe(cfg: MoEConfig, **flat) -> MoEConfig:
   """``cfg`` with flat topology fields (and the section shortcuts) replaced."""
   sections = {}
   for key, value in flat.items():
+    if key in _LAYER_OPTIONS:
+      sections.setdefault("layer_options", {})[_LAYER_OPTIONS[key]] = value
+      continue
     section = "topology" if key in _TOPOLOGY else _SECTION.get(key)
     if section is None:
       raise TypeError(f"replace_moe: {key!r} is not a topology field or a section shortcut")

@@ -166,7 +166,7 @@ def test_soft_moe_layer_matches_naive_slots():
     slots = np.asarray(disp).T @ np.asarray(x[b])  # [P, d]
     outs = []
     for p in range(slots.shape[0]):
-      e = p // cfg.topology.slots_per_expert
+      e = p // cfg.layer_options.slots_per_expert
       p_e = jax.tree.map(lambda a: a[e], params["experts"])
       outs.append(np.asarray(experts_lib.expert_ffn(p_e, slots[p:p + 1], cfg.topology.activation))[0])
     expect = np.asarray(comb) @ np.stack(outs)

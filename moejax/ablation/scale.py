@@ -87,15 +87,15 @@ DEFAULT_SCALE = "s"
 # module depends on (update it when a field moves).
 WIDTH_FIELDS = ("model.d_model", "model.dense_ff_width", "model.head_dim",
                 "model.moe.topology.expert_width", "model.moe.topology.expert_widths",
-                "model.moe.topology.shared_expert_width", "model.moe.topology.peer_key_dim")
+                "model.moe.topology.shared_expert_width", "model.moe.layer_options.key_dim")
 DEPTH_FIELDS = ("model.n_layers", "model.first_dense_layers")
 SEQ_FIELDS = ("data.seq_len",)
 BATCH_FIELDS = ("data.batch_size",)
 STEP_FIELDS = ("train.steps", "train.warmup_steps", "train.log_every", "train.eval_every",
                "train.checkpoint_every", "model.moe.balance.bias_freeze_step")
-# A field scaled only when another has a value (the config refuses a PEER
-# field set away from its default on a routed layer).
-ONLY_WHEN = {"model.moe.topology.peer_key_dim": ("model.moe.kind", "peer")}
+# A field scaled only when another has a value (a layer kind's options are
+# its own: PEER's query width is scaled on PEER layers only).
+ONLY_WHEN = {"model.moe.layer_options.key_dim": ("model.moe.kind", "peer")}
 FIELDS = {"width": WIDTH_FIELDS, "depth": DEPTH_FIELDS, "seq": SEQ_FIELDS,
           "batch": BATCH_FIELDS, "steps": STEP_FIELDS}
 GROUPS = tuple(FIELDS)
@@ -118,10 +118,10 @@ UNSCALED = {
                                             "machine (moejax.execution.shape_choice)",
     "model.moe.topology.copy_experts": "count",
     "model.moe.topology.constant_experts": "count",
-    "model.moe.topology.slots_per_expert": "count",
-    "model.moe.topology.peer_num_keys": "count",
-    "model.moe.topology.peer_heads": "count",
-    "model.moe.topology.peer_top_k": "count",
+    "model.moe.layer_options.slots_per_expert": "count",
+    "model.moe.layer_options.num_keys": "count",
+    "model.moe.layer_options.heads": "count",
+    "model.moe.layer_options.top_k": "count",
     "model.moe.topology.granularity": "an arm's axis (applied to the scaled width)",
     "model.moe.topology.isolate_shared": "count",
     "model.moe.routing.top_k": "count",

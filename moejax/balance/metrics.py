@@ -214,7 +214,7 @@ def soft_metrics(dispatch: jax.Array, combine: jax.Array, cfg: MoEConfig, *,
   its whole sequence, 0 = it copies one token); ``combine_entropy``: mean
   over tokens of the entropy of its slot mixture / log P.
   """
-  e, p = cfg.num_experts, cfg.topology.slots_per_expert
+  e, p = cfg.num_experts, cfg.layer_options.slots_per_expert
   b, s, n = combine.shape
   mass = jnp.sum(combine.astype(jnp.float32), axis=(0, 1)).reshape(e, p).sum(-1)
   load = stats.psum(mass, axis_names)
@@ -239,7 +239,7 @@ def peer_metrics(expert_ids: jax.Array, cfg: MoEConfig, *,
   experts; ``max_vio`` of them; ``key_max_vio`` / ``key_entropy``: the same
   for the 2n sub-keys (how evenly the product keys are used).
   """
-  n = cfg.topology.peer_num_keys
+  n = cfg.layer_options.num_keys
   flat = expert_ids.reshape(-1)
   counts = stats.psum(jnp.zeros((n * n,), jnp.float32).at[flat].add(1.0), axis_names)
   keys = jnp.concatenate([counts.reshape(n, n).sum(1), counts.reshape(n, n).sum(0)])

@@ -114,16 +114,33 @@ def unwrap_optional(tp):
 
 # --- Moved and removed keys. -------------------------------------------------
 
+# Keys that moved from a section into a sibling of it and that old config files
+# (the config.json of committed runs) still hold: (section class name, old key)
+# -> (the sibling, the key there). Loading moves the value (:func:`from_dict`;
+# the sibling then checks it: a layer kind's options drop another kind's
+# option left at its default and refuse one that was set); an override of the
+# old key names the new place (:data:`MOVED`).
+RELOCATED: dict[tuple[str, str], tuple[str, str]] = {
+    # A layer kind's own fields live in its options (moejax.layer's LayerKind.Options).
+    ("TopologyConfig", "slots_per_expert"): ("layer_options", "slots_per_expert"),
+    ("TopologyConfig", "peer_num_keys"): ("layer_options", "num_keys"),
+    ("TopologyConfig", "peer_heads"): ("layer_options", "heads"),
+    ("TopologyConfig", "peer_top_k"): ("layer_options", "top_k"),
+    ("TopologyConfig", "peer_key_dim"): ("layer_options", "key_dim"),
+}
+
 # (config class name, old key) -> where it lives now, relative to that class's
-# section (a leading "/" means an absolute path from the experiment root), or
-# a sentence explaining its removal. Keeps old config files and overrides
-# failing with one line that names the new place.
+# section (a leading "/" means an absolute path from the experiment root, a
+# leading "../" a path from the section's parent), or a sentence explaining
+# its removal. Keeps old config files and overrides failing with one line
+# that names the new place.
 MOVED: dict[tuple[str, str], str] = {
     **{("MoEConfig", k): f"topology.{k}" for k in (
         "num_experts", "expert_width", "expert_widths", "activation", "num_shared_experts",
         "shared_expert_width", "shared_expert_gate", "zero_experts", "copy_experts",
-        "constant_experts", "slots_per_expert", "peer_num_keys", "peer_heads", "peer_top_k",
-        "peer_key_dim")},
+        "constant_experts")},
+    **{("MoEConfig", k): f"layer_options.{new}" for (_, k), (_, new) in RELOCATED.items()},
+    **{key: f"../{sibling}.{new}" for key, (sibling, new) in RELOCATED.items()},
     ("MoEConfig", "router"): "routing",
     ("MoEConfig", "capacity_factor"): "balance.capacity_factor",
     ("MoEConfig", "drop_priority"): "balance.drop_priority",
@@ -154,6 +171,8 @@ def _moved_message(cls_name: str, key: str, where: str) -> Optional[str]:
   if new.startswith("/"):
     return f"moved to {new[1:]}"
   parent = where.rsplit(".", 1)[0] if "." in where else ""
+  if new.startswith("../"):
+    new, parent = new[3:], parent.rsplit(".", 1)[0] if "." in parent else ""
   return f"moved to {parent + '.' if parent else ''}{new}"
 
 
@@ -164,7 +183,7 @@ def moved_hint(dotted: str) -> Optional[str]:
   Used by the binaries to turn an override of an old key into one line.
   """
   owners = {"model": "ModelConfig", "moe": "MoEConfig", "parallel": "ParallelConfig",
-            "routing": "RoutingConfig"}
+            "routing": "RoutingConfig", "topology": "TopologyConfig"}
   parts = dotted.split(".")
   if len(parts) >= 2 and parts[-2] in owners:
     return _moved_message(owners[parts[-2]], parts[-1], dotted)
@@ -183,6 +202,7 @@ def from_dict(cls, data: Mapping[str, Any] | None, path: str = ""):
     data = data.to_dict()
   hints = typing.get_type_hints(cls)
   fields = {f.name: f for f in dataclasses.fields(cls) if f.init}
+  data = _relocate(data, hints, path)
   # A class may build a field from its siblings (routing.options by routing.kind):
   # ``build_field(name, value, data, where)`` (None: not such a field);
   # ``complete(kwargs)`` adds what a built config holds besides the given keys;
@@ -214,6 +234,39 @@ def from_dict(cls, data: Mapping[str, Any] | None, path: str = ""):
   obj = cls(**(complete(kwargs) if complete is not None else kwargs))
   resolved = getattr(obj, "resolved", None)
   return resolved() if callable(resolved) else obj
+
+
+def _relocate(data: Mapping[str, Any], hints: dict, path: str) -> Mapping[str, Any]:
+  """``data`` with the :data:`RELOCATED` keys of its sections moved to their siblings.
+
+  A new dict: the caller's mapping (a loaded config.json) is left as it was.
+  """
+  moves = []
+  for key, value in data.items():
+    tp = unwrap_optional(hints.get(key))
+    if not (dataclasses.is_dataclass(tp) and isinstance(value, Mapping)):
+      continue
+    moves += [(key, old, *RELOCATED[(tp.__name__, old)]) for old in value
+              if (tp.__name__, old) in RELOCATED]
+  if not moves:
+    return data
+  out = {k: (dict(v) if isinstance(v, Mapping) else v) for k, v in data.items()}
+  for section, old, sibling, new in moves:
+    value = out[section].pop(old)
+    here = f"{path}.{sibling}" if path else sibling
+    target = out.get(sibling)
+    if target is None:
+      target = out[sibling] = {}
+    if not isinstance(target, dict):
+      raise ConfigError(f"{path}.{section}.{old}" if path else f"{section}.{old}", value,
+                        f"moved to {here}.{new}, which is given as {target!r}",
+                        f"give {here}.{new} there and remove {section}.{old}")
+    if new in target and target[new] != value:
+      raise ConfigError(f"{here}.{new}", target[new],
+                        f"given together with its old key {section}.{old}={value!r}",
+                        f"remove {section}.{old}")
+    target[new] = value
+  return out
 
 
 def _tuples(value):

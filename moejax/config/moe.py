@@ -3,8 +3,9 @@
 ::
 
     moe:
-      kind          sparse | soft | peer
-      topology:     which experts exist (counts, widths, shared, zero-compute, PEER)
+      kind          sparse | soft | peer (a registered layer kind)
+      layer_options the kind's own options (Soft MoE's slots, PEER's keys)
+      topology:     which experts exist (counts, widths, shared, zero-compute)
       routing:      which experts a token uses, with what weight
       balance:      losses, the bias controller, capacity and dropping
       execution:    how the expert computation runs (backend)
@@ -256,9 +257,6 @@ class TopologyConfig:
     (Qwen-MoE); width defaults to expert_width.
   zero_experts / copy_experts / constant_experts: zero-computation experts
     (MoE++): routed like FFN experts, outputting 0, x, or a*x + b*v.
-  slots_per_expert: Soft MoE slots p per expert.
-  peer_*: PEER, N = peer_num_keys**2 singleton experts, peer_heads heads,
-    peer_top_k experts per head, peer_key_dim query width.
   granularity m / isolate_shared K_s: DeepSeekMoE's fine-grained
     segmentation (m E experts of width f / m, top m K) and shared-expert
     isolation (K_s of them always on, m K - K_s routed), at equal total and
@@ -278,11 +276,6 @@ class TopologyConfig:
   zero_experts: int = 0
   copy_experts: int = 0
   constant_experts: int = 0
-  slots_per_expert: int = 1
-  peer_num_keys: int = 32
-  peer_heads: int = 4
-  peer_top_k: int = 8
-  peer_key_dim: int = 128
   granularity: int = 1
   isolate_shared: int = 0
   derived_from: str = ""
@@ -292,8 +285,7 @@ class TopologyConfig:
     if isinstance(self.expert_widths, list):
       object.__setattr__(self, "expert_widths", tuple(self.expert_widths))
     check_choice(f"{p}.activation", self.activation, reg.ACTIVATIONS)
-    for name in ("num_experts", "expert_width", "slots_per_expert", "peer_num_keys",
-                 "peer_heads", "peer_top_k", "peer_key_dim", "granularity"):
+    for name in ("num_experts", "expert_width", "granularity"):
       check_count(f"{p}.{name}", getattr(self, name))
     for name in ("num_shared_experts", "zero_experts", "copy_experts", "constant_experts",
                  "isolate_shared"):
@@ -376,11 +368,18 @@ class ExecutionConfig:
 class MoEConfig:
   """One MoE layer: ``kind`` plus the topology, routing, balance and execution sections.
 
-  kind: ``sparse`` (routed experts), ``soft`` (Soft MoE slots) or ``peer``
-    (product-key retrieval over singleton experts).
+  kind: a registered layer kind (:data:`moejax.config.registry.LAYERS`; the
+    shipped ones: ``sparse`` (routed experts), ``soft`` (Soft MoE slots) or
+    ``peer`` (product-key retrieval over singleton experts); a plugin's own).
+  layer_options: the kind's own options, an instance of its ``Options``
+    dataclass (Soft MoE's ``slots_per_expert``; PEER's ``num_keys``,
+    ``heads``, ``top_k``, ``key_dim``; none for ``sparse``). None means the
+    kind's defaults; the built config always holds the instance, so
+    ``config.json`` and ``--print_config`` show it.
   """
 
   kind: str = "sparse"
+  layer_options: Any = None
   topology: TopologyConfig = dataclasses.field(default_factory=TopologyConfig)
   routing: RoutingConfig = dataclasses.field(default_factory=RoutingConfig)
   balance: BalanceConfig = dataclasses.field(default_factory=BalanceConfig)
@@ -414,6 +413,31 @@ class MoEConfig:
     """The registered layer kind of ``kind`` (moejax.layer's LayerKind)."""
     return reg.LAYERS.get(self.kind)
 
+  @classmethod
+  def build_field(cls, name: str, value: Any, data: Mapping[str, Any], where: str):
+    """``layer_options`` from a mapping, typed by ``kind`` (from_dict's hook; None otherwise)."""
+    if name == "layer_options" and (isinstance(value, Mapping) or hasattr(value, "to_dict")):
+      kind = reg.LAYERS.get(data.get("kind", cls.kind), "moe.kind")
+      return reg.options_from_dict(kind.Options, value, where, reg.LAYERS, "moe.kind")
+    return None
+
+  def config_dict_extras(self) -> dict:
+    """Every other registered layer kind's options with their defaults, so
+    ``--config.model.moe.kind=peer --config.model.moe.layer_options.num_keys=8``
+    works on a file that names ``sparse`` (a name two kinds default differently is left out)."""
+    defaults: dict[str, Any] = {}
+    clash = set()
+    for name in reg.LAYERS.names():
+      if name == self.kind:
+        continue
+      opts = reg.LAYERS.get(name).Options()
+      for f in dataclasses.fields(opts):
+        value = getattr(opts, f.name)
+        if f.name in defaults and defaults[f.name] != value:
+          clash.add(f.name)
+        defaults.setdefault(f.name, value)
+    return {"layer_options": {k: v for k, v in defaults.items() if k not in clash}}
+
   @property
   def router(self):
     """The registered router spec of ``routing.kind`` (``routing.spec``)."""
@@ -443,5 +467,14 @@ class MoEConfig:
                        f"cfg.resolved() (configs built from files are resolved)")
 
   def __post_init__(self):
-    reg.LAYERS.get(self.kind, "moe.kind")
+    kind = reg.LAYERS.get(self.kind, "moe.kind")
+    if self.layer_options is None:
+      # Normalised at construction, so every built config and config.json hold the instance.
+      object.__setattr__(self, "layer_options", kind.Options())
+    elif type(self.layer_options) is not kind.Options:
+      raise ConfigError("moe.layer_options", self.layer_options,
+                        f"are not the options of moe.kind={self.kind!r} "
+                        f"({kind.Options.__module__}.{kind.Options.__name__})",
+                        f"pass {kind.Options.__name__}(...) or layer_options=None for its "
+                        "defaults")
     rules.check_moe(self)

@@ -47,20 +47,10 @@ def honoured_by_kind(cfg) -> None:
                           f"has no effect with moe.kind={cfg.kind!r}: {kind.why}", fix)
 
 
-def peer_keys(cfg) -> None:
-  """PEER takes top-k per sub-key set and splits the query in two halves."""
-  if not cfg.layer.product_keys:
-    return
-  t = cfg.topology
-  if t.peer_top_k > t.peer_num_keys:
-    raise ConfigError("moe.topology.peer_top_k", t.peer_top_k,
-                      f"exceeds moe.topology.peer_num_keys={t.peer_num_keys} "
-                      "(top-k is taken per sub-key set)",
-                      "set moe.topology.peer_top_k <= moe.topology.peer_num_keys")
-  if t.peer_key_dim % 2:
-    raise ConfigError("moe.topology.peer_key_dim", t.peer_key_dim,
-                      "the query is split into two halves for product keys",
-                      "use an even key dimension")
+def layer_kind_rules(cfg) -> None:
+  """The layer kind's own rules tying its options to the other sections (its ``check``;
+  rules within its options are the options' own, checked when they are built)."""
+  cfg.layer.check(cfg)
 
 
 def top_k_within_experts(cfg) -> None:
@@ -164,7 +154,7 @@ def device_losses_need_devices(cfg) -> None:
 
 RULES: tuple[Callable[..., None], ...] = (
     honoured_by_kind,
-    peer_keys,
+    layer_kind_rules,
     top_k_within_experts,
     groups_divide_experts,
     router_rules,

@@ -19,11 +19,28 @@ mixes all T tokens, so Soft MoE is not causal.
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 
 from moejax.config import MoEConfig
+from moejax.config.core import check_count
 from moejax.routing.scores import router_dtype
+
+
+@dataclasses.dataclass(frozen=True)
+class SoftOptions:
+  """Soft MoE's options (``moe.layer_options`` with ``moe.kind='soft'``).
+
+  Attributes:
+    slots_per_expert: p slots per expert; a sequence fills E p slots.
+  """
+
+  slots_per_expert: int = 1
+
+  def __post_init__(self):
+    check_count("moe.layer_options.slots_per_expert", self.slots_per_expert)
 
 
 def _l2norm(v: jax.Array, axis: int) -> jax.Array:
@@ -33,7 +50,7 @@ def _l2norm(v: jax.Array, axis: int) -> jax.Array:
 
 def init_soft_params(key: jax.Array, d_model: int, cfg: MoEConfig) -> dict:
   """{'phi': f32[d, E*p] LeCun normal (the paper's init), 'scale': f32[] = 1}."""
-  n = cfg.num_experts * cfg.topology.slots_per_expert
+  n = cfg.num_experts * cfg.layer_options.slots_per_expert
   phi = jax.nn.initializers.lecun_normal()(key, (d_model, n), jnp.float32)
   return {"phi": phi, "scale": jnp.ones((), jnp.float32)}
 
@@ -44,14 +61,14 @@ def soft_weights(params: dict, x: jax.Array, cfg: MoEConfig):
   Args:
     params: {'phi': [d, N], 'scale': []} from :func:`init_soft_params`.
     x: f32/bf16[T, d] tokens.
-    cfg: the layer config (num_experts, slots_per_expert, router.router_dtype,
+    cfg: the layer config (num_experts, layer_options.slots_per_expert, router.router_dtype,
       router.freeze).
 
   Returns:
     (dispatch f32[T, N], combine f32[T, N], logits f32[T, N]); dispatch
     columns and combine rows sum to 1. Computed in router_dtype.
   """
-  n = cfg.num_experts * cfg.topology.slots_per_expert
+  n = cfg.num_experts * cfg.layer_options.slots_per_expert
   if x.ndim != 2:
     raise ValueError(f"x has shape {x.shape}; soft_weights takes token-major x[T, d]. "
                      "Fix: reshape [B, S, d] to [B*S, d] (or vmap over B for per-sequence slots).")
@@ -59,7 +76,7 @@ def soft_weights(params: dict, x: jax.Array, cfg: MoEConfig):
   if phi.shape != (x.shape[1], n):
     raise ValueError(f"params['phi'] has shape {phi.shape}, expected ({x.shape[1]}, {n}) = "
                      f"(d_model, moe.topology.num_experts={cfg.num_experts} * "
-                     f"moe.topology.slots_per_expert={cfg.topology.slots_per_expert}). "
+                     f"moe.layer_options.slots_per_expert={cfg.layer_options.slots_per_expert}). "
                      "Fix: build params with init_soft_params for this config.")
   if cfg.routing.freeze:
     phi, scale = jax.lax.stop_gradient(phi), jax.lax.stop_gradient(scale)

@@ -188,9 +188,9 @@ def peer_components(moe: MoEConfig, d_model: int, seq_len: int) -> dict[str, Com
   """PEER: N^2 singleton experts, h heads of top-k retrieval over product keys."""
   del seq_len
   d = d_model
-  t = moe.topology
-  h, n, dk, k = t.peer_heads, t.peer_num_keys, t.peer_key_dim, t.peer_top_k
-  per_expert = (3 if t.activation == "swiglu" else 2) * d
+  o = moe.layer_options
+  h, n, dk, k = o.heads, o.num_keys, o.key_dim, o.top_k
+  per_expert = (3 if moe.topology.activation == "swiglu" else 2) * d
   query = h * d * dk + 2 * h * dk  # W_q and the query LayerNorm
   keys = n * dk  # two halves of n sub-keys, D/2 wide
   total = n * n * per_expert + query + keys
@@ -206,7 +206,7 @@ def soft_components(moe: MoEConfig, d_model: int, seq_len: int) -> dict[str, Com
   out: dict[str, Component] = {}
   # Each group of S tokens (one sequence) fills E p slots; every expert
   # processes its p slots, so a token's share is p sum_e size_e / S.
-  p = moe.topology.slots_per_expert
+  p = moe.layer_options.slots_per_expert
   share = p * sum(sizes) / seq_len
   out["routed_experts"] = Component(sum(sizes), share, share, 2.0 * share)
   slots = moe.topology.num_experts * p

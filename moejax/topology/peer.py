@@ -1,8 +1,9 @@
 """PEER: parameter-efficient expert retrieval (He 2024, arXiv 2407.04153).
 
 Legend: T tokens, d model width, H retrieval heads, N = n^2 singleton
-experts, n sub-keys per half (``MoEConfig.peer_num_keys``), k experts per
-head (``peer_top_k``), D query width (``peer_key_dim``), D/2 half width.
+experts, n sub-keys per half (:class:`PeerOptions` ``num_keys``, in
+``moe.layer_options``), k experts per head (``top_k``), D query width
+(``key_dim``), D/2 half width.
 
 Expert i is a single hidden neuron: e_i(x) = act(u_i . x) v_i (SwiGLU:
 silu(g_i . x) (u_i . x) v_i). Retrieval uses product keys (Lample et al.
@@ -31,12 +32,14 @@ centring, per token, without batch statistics.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 
 from moejax.config import ConfigError, MoEConfig
+from moejax.config.core import check_count
 from moejax.topology import roles
 
 Params = dict[str, Any]
@@ -51,6 +54,36 @@ def _trunc_normal(key: jax.Array, shape: tuple, std: float) -> jax.Array:
   return jax.random.truncated_normal(key, -2.0, 2.0, shape, jnp.float32) * (std / _TRUNC_STD)
 
 
+@dataclasses.dataclass(frozen=True)
+class PeerOptions:
+  """PEER's options (``moe.layer_options`` with ``moe.kind='peer'``).
+
+  Attributes:
+    num_keys: n sub-keys per half; N = n^2 singleton experts.
+    heads: H retrieval heads, each with its own query network.
+    top_k: k experts per head (taken per sub-key set first, so k <= n).
+    key_dim: D query width, split into two halves for the product keys.
+  """
+
+  num_keys: int = 32
+  heads: int = 4
+  top_k: int = 8
+  key_dim: int = 128
+
+  def __post_init__(self):
+    p = "moe.layer_options"
+    for name in ("num_keys", "heads", "top_k", "key_dim"):
+      check_count(f"{p}.{name}", getattr(self, name))
+    if self.top_k > self.num_keys:
+      raise ConfigError(f"{p}.top_k", self.top_k,
+                        f"exceeds {p}.num_keys={self.num_keys} (top-k is taken per sub-key set)",
+                        f"set {p}.top_k <= {p}.num_keys")
+    if self.key_dim % 2:
+      raise ConfigError(f"{p}.key_dim", self.key_dim,
+                        "the query is split into two halves for product keys",
+                        "use an even key dimension")
+
+
 def _check(cfg: MoEConfig) -> None:
   if not cfg.layer.product_keys:
     raise ConfigError("moe.kind", cfg.kind, "PEER functions need a PEER layer config",
@@ -58,8 +91,8 @@ def _check(cfg: MoEConfig) -> None:
 
 
 def num_peer_experts(cfg: MoEConfig) -> int:
-  """N = peer_num_keys ** 2."""
-  return cfg.topology.peer_num_keys ** 2
+  """N = num_keys ** 2."""
+  return cfg.layer_options.num_keys ** 2
 
 
 def init_peer(key: jax.Array, d_model: int, cfg: MoEConfig, dtype=jnp.float32) -> Params:
@@ -75,7 +108,8 @@ def init_peer(key: jax.Array, d_model: int, cfg: MoEConfig, dtype=jnp.float32) -
   them; v fan-in H k, the number of hidden neurons a token activates.
   """
   _check(cfg)
-  h, n, dk, k = cfg.topology.peer_heads, cfg.topology.peer_num_keys, cfg.topology.peer_key_dim, cfg.topology.peer_top_k
+  o = cfg.layer_options
+  h, n, dk, k = o.heads, o.num_keys, o.key_dim, o.top_k
   big_n = n * n
   k_q, k_keys, k_u, k_v, k_g = jax.random.split(key, 5)
   params = {
@@ -155,7 +189,7 @@ def peer_apply(params: Params, x: jax.Array, cfg: MoEConfig) -> tuple[jax.Array,
     raise ValueError(f"peer_apply: x has shape {x.shape}; expected [T, d]")
   q = peer_queries(params, x)
   s1, s2 = sub_key_scores(params, q)
-  scores, ids = product_key_topk(s1, s2, cfg.topology.peer_top_k)
+  scores, ids = product_key_topk(s1, s2, cfg.layer_options.top_k)
   gates = jax.nn.softmax(scores, axis=-1)  # [T, H, k]
   u = params["u"].astype(x.dtype)[ids]  # [T, H, k, d]
   pre = jnp.einsum("td,thkd->thk", x, u)

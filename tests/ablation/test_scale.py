@@ -12,6 +12,7 @@ import pytest
 from moejax.ablation import bases, runner, scale as scale_lib, suite as suite_lib
 from moejax.ablation.budget import arm_budget, spread
 from moejax.config import ConfigError, to_dict, unwrap_optional
+from moejax.config.registry import LAYERS
 from moejax.train.config import ExperimentConfig, experiment_from_dict
 from tests.ablation import helpers
 
@@ -169,6 +170,11 @@ def test_every_integer_field_is_scaled_or_deliberately_not():
   """A new width or step field must be added to scale.FIELDS (or to UNSCALED, with a reason)."""
   scaled = {p for paths in scale_lib.FIELDS.values() for p in paths}
   fields = {p for p in _int_fields(ExperimentConfig, "") if not p.startswith("parallel.")}
+  # The shipped layer kinds' own options (model.moe.layer_options, typed by the kind).
+  for name in LAYERS.names():
+    kind = LAYERS.get(name)
+    if type(kind).__module__.startswith("moejax."):
+      fields |= set(_int_fields(kind.Options, "model.moe.layer_options"))
   assert not scaled & set(scale_lib.UNSCALED)
   assert fields - scaled - set(scale_lib.UNSCALED) == set()
   assert (scaled | set(scale_lib.UNSCALED)) - fields == set()  # no stale path either

@@ -112,8 +112,6 @@ def test_moved_hint_for_command_line_overrides():
     ("peer", dict(routing=dict(score_fn="sigmoid")), "moe.routing.score_fn"),
     ("peer", dict(balance=dict(bias_update="sign")), "moe.balance.bias_update"),
     ("peer", dict(num_experts=4), "moe.topology.num_experts"),
-    ("sparse", dict(slots_per_expert=2), "moe.topology.slots_per_expert"),
-    ("sparse", dict(peer_heads=2), "moe.topology.peer_heads"),
 ])
 def test_fields_a_layer_kind_cannot_honour_are_refused(kind, kw, field):
   with pytest.raises(C.ConfigError) as info:

@@ -71,7 +71,7 @@ def _brute_peer(params, x, cfg):
   """PEER computed over all N experts: dense scores, exact top-k, all outputs."""
   q = peer.peer_queries(params, x)
   s1, s2 = peer.sub_key_scores(params, q)
-  scores, ids = _brute_topk(s1, s2, cfg.topology.peer_top_k)  # [T, H, k]
+  scores, ids = _brute_topk(s1, s2, cfg.layer_options.top_k)  # [T, H, k]
   gates = jax.nn.softmax(scores, axis=-1)
   pre = x @ params["u"].T  # [T, N]: every expert's hidden neuron
   if cfg.topology.activation == "swiglu":
@@ -125,7 +125,7 @@ def test_heads_sum(gelu_layer):
   cfg, params, x = gelu_layer
   one = replace_moe(cfg, peer_heads=1)
   parts = []
-  for h in range(cfg.topology.peer_heads):
+  for h in range(cfg.layer_options.heads):
     ph = dict(params, w_q=params["w_q"][h:h + 1],
               q_norm=jax.tree.map(lambda a: a[h:h + 1], params["q_norm"]))
     parts.append(peer.peer_apply(ph, x, one)[0])
