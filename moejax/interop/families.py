@@ -115,7 +115,10 @@ def compose(base: Optional[MoEConfig], topology: dict, router: dict) -> MoEConfi
   ``base.routing``'s; balance and execution settings of ``base`` are kept.
   """
   base = base or MoEConfig()
-  router = {"kind": "topk", "options": None, **router}
+  # The linear top-k router has no options that change its function; a base built from a
+  # config dict holds them completed (NoOptions()), which the result keeps.
+  options = base.routing.options if base.routing.kind == "topk" else None
+  router = {"kind": "topk", "options": options, **router}
   if router.get("n_groups", 1) == 1:
     router.setdefault("group_score", base.routing.group_score)  # no effect without groups
   rc = dataclasses.replace(base.routing, **router)
