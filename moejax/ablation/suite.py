@@ -127,16 +127,17 @@ def merge(base: Mapping[str, Any], overrides: Mapping[str, Any], path: str = "")
   """``base`` with ``overrides`` merged in; an override key absent from the base is an error.
 
   A sub-config that is None in the base (a dense model's ``moe``) may be
-  replaced by a whole dict. A router's ``options`` belong to its kind: an
-  override that changes ``routing.kind`` replaces them (with its own
-  ``options``, or the new kind's defaults), instead of merging into the old
-  kind's.
+  replaced by a whole dict. An idea's options belong to its kind (a router's
+  ``options``, a layer kind's ``layer_options``): an override that changes
+  ``routing.kind`` or ``moe.kind`` replaces them (with its own options, or the
+  new kind's defaults), instead of merging into the old kind's.
   """
   out = copy.deepcopy(dict(base))
-  if "kind" in overrides and "options" in (set(out) | set(overrides)) and (
-      overrides["kind"] != out.get("kind")):
-    out["options"] = copy.deepcopy(overrides.get("options") or {})
-    overrides = {k: v for k, v in overrides.items() if k != "options"}
+  if "kind" in overrides and overrides["kind"] != out.get("kind"):
+    for opts in ("options", "layer_options"):
+      if opts in set(out) | set(overrides):
+        out[opts] = copy.deepcopy(overrides.get(opts) or {})
+    overrides = {k: v for k, v in overrides.items() if k not in ("options", "layer_options")}
   for key, value in overrides.items():
     where = f"{path}.{key}" if path else key
     if key not in out:
