@@ -66,6 +66,12 @@ def peft_adapters(params: dict, model_type: str = "mixtral") -> tuple[dict, list
     prefix = f"{_PEFT}model.layers.{i}."
     for name, lin in block.get("attn", {}).items():
       lora = lin.get("lora") if isinstance(lin, dict) else None
+      if lora and name not in hf_models.ATTENTION:
+        # Latent attention's projections have other HF names and DeepSeek-V3 interleaves
+        # their rotary rows: adapters under these names would load nowhere, or wrongly.
+        raise InteropError(f"lora='separate': layer {i}'s attention adapter on {name!r} has no "
+                           f"PEFT name in {model_type} (adapters are written for q / k / v / "
+                           "o projections only). Fix: export with lora='merge'")
       if lora:
         sd[f"{prefix}self_attn.{name}.lora_A.weight"] = _t(lora["lora_a"])
         sd[f"{prefix}self_attn.{name}.lora_B.weight"] = _t(lora["lora_b"])

@@ -186,8 +186,8 @@ def _hf_source(cfg: ExperimentConfig, path: str) -> Source:
     model_cfg = hf_models.model_config_from_hf(hf_config, cfg.model)
   except InteropError as e:
     raise ConfigError(FIELD, path, f"does not convert: {e}".rstrip("."),
-                      "pass a Hugging Face Mixtral checkpoint directory (config.json + "
-                      "safetensors)") from e
+                      "pass a Hugging Face Mixtral, Qwen3-MoE or DeepSeek-V3 checkpoint "
+                      "directory (config.json + safetensors)") from e
   notes = _check_shapes(cfg, model_cfg, path)
 
   def load():
@@ -279,7 +279,8 @@ def _hf_model(ft_source: str, tree: Optional[dict] = None) -> ModelConfig:
                                           ExperimentConfig().model)
   except InteropError as e:
     raise ConfigError(FIELD, ft_source, f"does not convert: {e}".rstrip("."),
-                      "pass a Hugging Face Mixtral checkpoint directory") from e
+                      "pass a Hugging Face Mixtral, Qwen3-MoE or DeepSeek-V3 checkpoint "
+                      "directory") from e
 
 
 register_format(SourceFormat("moejax", _moejax_source, _moejax_model, "moejax run"))

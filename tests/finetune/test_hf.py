@@ -73,6 +73,21 @@ def test_init_from_a_tiny_hf_mixtral_reproduces_its_logits(mixtral_dir, ft_data_
   np.testing.assert_allclose(np.asarray(got), _hf_logits(model), rtol=1e-4, atol=1e-5)
 
 
+@pytest.mark.parametrize("model_type", [
+    pytest.param("qwen3_moe", marks=pytest.mark.slow),  # the default run checks the import
+    "deepseek_v3"])
+def test_init_from_a_tiny_hf_qwen3_moe_or_deepseek_v3_reproduces_its_logits(
+    tmp_path, ft_data_dir, model_type):
+  """The whole-model families beyond Mixtral as fine-tuning sources (LoRA on their own
+  attention projections: Qwen3's q / k / v / o, DeepSeek-V3's latent projections)."""
+  model = hf_models.tiny_model(model_type, init_std=0.1, bias_std=0.1)
+  cfg = _experiment(_save(model, tmp_path / model_type), ft_data_dir,
+                    lora=("attention", "experts"), lora_rank=2)
+  graphdef, state = _initial(cfg)
+  got, _ = nnx.merge(graphdef, state.params, state.router_state, state.other)(IDS)
+  np.testing.assert_allclose(np.asarray(got), _hf_logits(model), rtol=1e-4, atol=1e-5)
+
+
 @pytest.mark.slow  # an edge of the import the default run's Mixtral does not have
 def test_a_tied_head_imports_as_an_untied_copy(tmp_path, ft_data_dir):
   model = hf_models.tiny_model("mixtral", init_std=0.1, tie_word_embeddings=True)
@@ -141,3 +156,13 @@ def test_lora_export_merged_and_separate_load_into_transformers(mixtral_dir, ft_
     np.testing.assert_allclose(w, merged_sd.get(name), rtol=1e-5, atol=1e-6)
     n += 1
   assert n == 2 * 4 + 2 * 8 * 3   # 2 layers: 4 attention projections, 8 experts x 3 matrices
+
+
+def test_separate_adapters_on_latent_attention_are_a_one_line_error():
+  """MLA's kv_a / kv_b have no PEFT names (and DeepSeek-V3 interleaves their rotary rows)."""
+  from moejax.interop.errors import InteropError  # pylint: disable=g-import-not-at-top
+  lora = {"lora": {"lora_a": np.zeros((8, 2)), "lora_b": np.zeros((2, 4))}}
+  with pytest.raises(InteropError, match=r"^lora='separate': layer 0's attention adapter on "
+                                         r"'kv_a' has no PEFT name in deepseek_v3") as e:
+    export_lib.peft_adapters({"blocks": {0: {"attn": {"kv_a": lora}}}}, "deepseek_v3")
+  assert "\n" not in str(e.value)
