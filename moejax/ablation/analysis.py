@@ -25,6 +25,9 @@ Everything here reads a finished run's checkpoints (never trains):
   causal model they are equal; a router that selects over the whole chunk
   (expert choice) can use future tokens in the teacher-forced pass, and the
   relative gap measures that leak (Wang et al. 2408.15664, Sec. 5.2).
+- :func:`routing_consistency`: the flip rates of the final checkpoint's
+  routing under numerical perturbations and its near-tie margins
+  (:mod:`moejax.serve.consistency_report`).
 """
 
 from __future__ import annotations
@@ -186,3 +189,19 @@ def causal_probe(model, batches, positions: Sequence[int]) -> dict:
   return {"probe_teacher_forced_loss": tf, "probe_prefix_loss": pre,
           "probe_leak_gap": (pre - tf) / pre if pre else 0.0,
           "probe_positions": list(positions), "probe_tokens": count}
+
+
+# Validation batches of the routing sample the consistency measurement reads (the first ones):
+# decoding and the Hugging Face round trip run eagerly per token or in torch.
+CONSISTENCY_BATCHES = 4
+
+
+def routing_consistency(model, batches, names: Sequence[str]) -> dict:
+  """``flip_rate_<name>`` / ``token_flip_share_<name>`` per perturbation that applies, the
+  margins' median and small share, and ``consistency_na``: why the others did not run."""
+  from moejax.serve import consistency_report  # pylint: disable=g-import-not-at-top
+  report = consistency_report.evaluate(model, [b["inputs"] for b in batches], names)
+  out = consistency_report.columns(report)
+  out["consistency_na"] = {n: r["n/a"] for n, r in report.perturbations.items() if "n/a" in r}
+  out["consistency_tokens"] = report.tokens
+  return out

@@ -57,6 +57,17 @@ METRICS.update({
 })
 VERDICT_METRICS = VERDICT_METRICS + ("speedup_steps", "speedup_time", "forgetting",
                                      "target_gain", "spec_change")
+# Routing consistency (suite.analysis.routing_consistency, moejax.serve.consistency_report):
+# per perturbation the share of selected (token, expert) pairs another forward moved, and the
+# share of tokens with a moved pair; the shipped perturbations (tests check the registry).
+CONSISTENCY_PERTURBATIONS = ("bf16", "decode", "ep1", "ep2", "ep8", "hf", "int4", "int8",
+                             "microbatch4", "remat")
+for _name in CONSISTENCY_PERTURBATIONS:
+  METRICS[f"flip_rate_{_name}"] = (f"flip rate {_name}", "share of selected pairs", -1)
+  METRICS[f"token_flip_share_{_name}"] = (f"tokens flipped {_name}", "share of tokens", -1)
+METRICS["margin_median"] = ("near-tie margin median", "K-th - (K+1)-th selection key", 0)
+METRICS["margin_share_below_1e-3"] = ("margins < 1e-3", "share of tokens x layers", 0)
+VERDICT_METRICS = VERDICT_METRICS + tuple(f"flip_rate_{n}" for n in CONSISTENCY_PERTURBATIONS)
 BUDGET_KEYS = (("total", "total params"), ("active", "active/token"),
                ("flops_per_token", "FLOPs/token"), ("tokens", "train tokens"))
 NOTE_KEYS = (("a2a_bytes_per_token", "a2a_note"), ("exposed_comm", "exposed_comm_note"),
@@ -70,7 +81,8 @@ ARM_COLUMNS = ("val_loss", "max_vio_batch", "max_vio_global", "drop_rate",
                "a2a_bytes_per_token", "moe_latency_p99_ms", "probe_teacher_forced_loss",
                "probe_prefix_loss", "probe_leak_gap",
                # fine-tuning against the suite's source (moejax.ablation.sources)
-               "target_gain", "forgetting", "spec_change")
+               "target_gain", "forgetting", "spec_change",
+               *(f"flip_rate_{n}" for n in CONSISTENCY_PERTURBATIONS), "margin_median")
 # The speed-up table (moejax.ablation.speedup), for suites with a speed-up reference.
 SPEEDUP_COLUMNS = ("val_loss", "steps_to_reference", "speedup_steps", "speedup_time",
                    "tokens_per_s")

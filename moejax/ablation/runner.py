@@ -290,6 +290,10 @@ def analyse(exp: ExperimentConfig, run_path: str, options: dict, say,
     positions = sorted({s // 8, s // 4, s // 2, s - 1})
     say(f"causal-leak probe at positions {positions}")
     res.update(analysis_lib.causal_probe(model, batches[:2], positions))
+  if options.get("routing_consistency"):
+    say(f"routing consistency under {', '.join(options['routing_consistency'])}")
+    res.update(analysis_lib.routing_consistency(
+        model, batches[:analysis_lib.CONSISTENCY_BATCHES], tuple(options["routing_consistency"])))
   return res, routing
 
 

@@ -27,7 +27,9 @@ returns an ``ml_collections.ConfigDict`` (or a plain dict) with:
   ``latency`` (bool, True) and ``latency_reps`` (30), ``routing_batches``
   (validation batches of the routing pass, 4), ``speedup_reference`` (an
   arm: every arm's steps and wall time to reach that arm's final validation
-  loss, :mod:`moejax.ablation.speedup`);
+  loss, :mod:`moejax.ablation.speedup`), ``routing_consistency`` (perturbation names of
+  :mod:`moejax.serve.routing_consistency`: each arm's flip rates under them, on the
+  routing sample's first batches, :data:`moejax.ablation.analysis.CONSISTENCY_BATCHES`);
 - ``exempt``: ``{arm: (quantity, ...)}``: reference arms the budget check
   does not hold to those fixed quantities (a dense model with the MoE's
   total parameters cannot also match its active FLOPs); printed as exempt;
@@ -66,7 +68,7 @@ SUITE_KEYS = SUITE_KEYS + ("exempt", "compare_to", "source", "effects")
 SUITE_SOURCE = "suite:source"   # finetune.source of arms that start from the suite's source run
 NO_COMPARISON = "-"
 ANALYSIS_KEYS = ("causal_probe", "comm_devices", "latency", "latency_reps", "routing_batches",
-                 "speedup_reference")
+                 "speedup_reference", "routing_consistency")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -203,6 +205,8 @@ def suite_from_dict(tree: Mapping[str, Any] | Any) -> Suite:
     if key not in ANALYSIS_KEYS:
       raise ConfigError(f"suite.analysis.{key}", analysis[key], "is not an analysis option",
                         f"use one of {', '.join(ANALYSIS_KEYS)}")
+  if analysis.get("routing_consistency"):
+    _check_perturbations(analysis["routing_consistency"])
   scale = scale_lib.get_scale(tree.get("scale") or scale_lib.DEFAULT_SCALE)
   references = _references(tree, arms_tree, scale)
   effects = _effects(tree.get("effects") or {})
@@ -224,6 +228,21 @@ def suite_from_dict(tree: Mapping[str, Any] | Any) -> Suite:
       name=name, description=tree.get("description", ""), arms=tuple(arms), fixed=fixed,
       seeds=seeds, analysis=analysis, baseline=baseline, reproduction=reproduction,
       scale=scale.name, effects=effects, **references))
+
+
+def _check_perturbations(names) -> None:
+  """``suite.analysis.routing_consistency``: registered perturbation names, before training."""
+  # pylint: disable=g-import-not-at-top
+  from moejax.serve.perturbation import PERTURBATIONS
+  from moejax.serve import routing_consistency  # noqa: F401  (registers the shipped ones)
+  field = "suite.analysis.routing_consistency"
+  if isinstance(names, str) or not all(isinstance(n, str) for n in names):
+    raise ConfigError(field, names, "must be a list of perturbation names",
+                      "write e.g. ('bf16', 'int8', 'int4')")
+  unknown = [n for n in names if n not in PERTURBATIONS]
+  if unknown:
+    raise ConfigError(field, list(names), f"names unknown perturbations {unknown}",
+                      f"pick from {', '.join(sorted(PERTURBATIONS))}")
 
 
 def suite_effects(tree: Mapping[str, Any] | Any) -> dict:
