@@ -33,7 +33,9 @@ class ConsistencyReport:
     perturbations: ``{name: {'flip_rate', 'token_flip_share', 'layer_flip_rate'}`` or
       ``{'n/a': why}}``.
     margins: ``{'layer_<i>': {'edges', 'counts', 'median', 'share_below_1e-3'}}``, the
-      histogram of each layer's near-tie margins, plus ``'all'`` over every layer.
+      histogram of each layer's near-tie margins, plus ``'all'`` over every layer; the bins
+      span [0, the 99th percentile of every layer's margins] (the long tail is cut, the
+      median and the small share count every margin).
     margins_na: why there are no margins ('' when there are).
   """
 
