@@ -322,9 +322,24 @@ def largest_relative(recorded, now) -> float:
 
 
 def config_changes(recorded: Mapping[str, Any], now: Mapping[str, Any]) -> list[str]:
-  """Recorded config fields whose value changed (fields added since do not count)."""
-  return [f"{k}: {recorded[k]!r} -> {now.get(k, '(removed)')!r}" for k in sorted(recorded)
-          if now.get(k, "(removed)") != recorded[k]]
+  """Recorded config fields whose value changed (fields added since do not count; a field
+  that moved since is read in today's layout, :func:`moejax.train.config.current_layout`)."""
+  from moejax.train.config import current_layout  # pylint: disable=g-import-not-at-top
+  today = flat_config(current_layout(_unflatten(recorded)))
+  # A recorded field missing from today's layout moved (or was a default dropped there).
+  return [f"{k}: {today[k]!r} -> {now.get(k, '(removed)')!r}" for k in sorted(recorded)
+          if k in today and now.get(k, "(removed)") != today[k]]
+
+
+def _unflatten(flat: Mapping[str, Any]) -> dict:
+  tree: dict = {}
+  for key, value in flat.items():
+    *parents, leaf = key.split(".")
+    node = tree
+    for p in parents:
+      node = node.setdefault(p, {})
+    node[leaf] = value
+  return tree
 
 
 @dataclasses.dataclass(frozen=True)

@@ -52,7 +52,7 @@ from moejax.config import plugins as plugins_lib
 from moejax.config import to_dict
 from moejax.train import damage, idea_restore, integrity, writable
 from moejax.train import write_errors
-from moejax.train.config import ExperimentConfig, diff, experiment_to_json
+from moejax.train.config import ExperimentConfig, current_layout, diff, experiment_to_json
 
 CONFIG_FILE = "config.json"
 HISTORY_FILE = "history.jsonl"
@@ -116,10 +116,11 @@ def with_defaults(saved: dict, requested: dict, _default=None) -> dict:
   and refuse to resume older runs. Only keys absent from ``saved`` are
   filled, and only where ``requested`` has them too.
   """
-  if _default is None:
-    _default = json.loads(experiment_to_json(ExperimentConfig()))
   if not isinstance(saved, dict) or not isinstance(requested, dict):
     return saved
+  if _default is None:  # the top level: fields that moved since are read at their new place
+    _default = json.loads(experiment_to_json(ExperimentConfig()))
+    saved = current_layout(saved)
   out = dict(saved)
   for key, value in requested.items():
     fallback = _default.get(key) if isinstance(_default, dict) else None

@@ -397,3 +397,17 @@ def diff(a: Any, b: Any, path: str = "") -> list[str]:
     return out
   norm = lambda v: list(v) if isinstance(v, tuple) else v
   return [] if norm(a) == norm(b) else [f"{path}: {a!r} -> {b!r}"]
+
+
+def current_layout(tree: Mapping[str, Any]) -> Any:
+  """A stored experiment tree (a run's config.json, a record's config) in today's layout.
+
+  Loading applies the moved-field tables (:data:`moejax.config.MOVED`), so a
+  field that moved (a layer kind's option out of the topology section) is
+  compared at its new place and an option dropped at its default is not a
+  change; a tree that no longer loads is returned as it is.
+  """
+  try:
+    return json.loads(experiment_to_json(experiment_from_dict(tree)))
+  except Exception:  # pylint: disable=broad-except  (compared as stored, as before)
+    return tree
