@@ -117,7 +117,8 @@ def compose(base: Optional[MoEConfig], topology: dict, router: dict) -> MoEConfi
   base = base or MoEConfig()
   # The linear top-k router has no options that change its function; a base built from a
   # config dict holds them completed (NoOptions()), which the result keeps.
-  options = base.routing.options if base.routing.kind == "topk" else None
+  topk = dataclasses.replace(base.routing, kind="topk", options=None).spec
+  options = base.routing.options if type(base.routing.options) is topk.Options else None
   router = {"kind": "topk", "options": options, **router}
   if router.get("n_groups", 1) == 1:
     router.setdefault("group_score", base.routing.group_score)  # no effect without groups
