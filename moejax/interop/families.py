@@ -125,7 +125,8 @@ def compose(base: Optional[MoEConfig], topology: dict, router: dict) -> MoEConfi
   rc = dataclasses.replace(base.routing, **router)
   tc = dataclasses.replace(base.topology, activation="swiglu", expert_widths=None,
                            zero_experts=0, copy_experts=0, constant_experts=0, **topology)
-  return dataclasses.replace(base, kind="sparse", topology=tc, routing=rc)
+  # A base of another layer kind keeps nothing of its options (they are that kind's).
+  return dataclasses.replace(base, kind="sparse", layer_options=None, topology=tc, routing=rc)
 
 
 # ---------------------------------------------------------------------------

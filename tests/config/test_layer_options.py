@@ -116,3 +116,9 @@ def test_the_command_line_can_switch_the_kind_and_set_its_options():
   moe = experiment_from_dict(tree).model.moe
   assert moe.layer_options == PeerOptions(num_keys=8)
   assert isinstance(tree, ml_collections.ConfigDict)
+
+
+def test_a_config_rebuilt_as_another_kind_takes_that_kinds_options():
+  from moejax.interop import families  # pylint: disable=g-import-not-at-top
+  out = families.compose(MoEConfig(kind="peer"), {"num_experts": 4}, {"top_k": 2})
+  assert out.kind == "sparse" and to_dict(out.layer_options) == {}
