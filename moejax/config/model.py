@@ -58,7 +58,8 @@ class ModelConfig:
     the same update.
   attention / attention_options: a registered attention kind
     (:data:`moejax.config.registry.ATTENTIONS`: ``mha``, multi-head with
-    GQA / MQA through n_kv_heads; ``mla``, DeepSeek-V2/V3 multi-head latent
+    GQA / MQA through n_kv_heads and Qwen3's per-head q / k RMSNorm through
+    its option ``qk_norm``; ``mla``, DeepSeek-V2/V3 multi-head latent
     attention; :mod:`moejax.nn.attention_kinds`) and its own options, an
     instance of its spec's ``Options`` (None: its defaults).
   mtp_depth / mtp_loss_weight: multi-token prediction (DeepSeek-V3, arXiv

@@ -2,7 +2,8 @@
 
 Import a MoE block of Mixtral, Qwen2-MoE, Qwen3-MoE or DeepSeek-V3 into
 moejax (params, RouterState, MoEConfig), export a moejax layer back, and
-analyse the routing of imported layers. torch / transformers are needed only
+analyse the routing of imported layers. Whole Mixtral, Qwen3-MoE and
+DeepSeek-V3 models convert both ways through :mod:`moejax.interop.models`. torch / transformers are needed only
 to read torch state dicts or run HF models (``pip install -e '.[interop]'``);
 safetensors files and numpy dicts convert with safetensors alone. See
 docs/interop.md.
