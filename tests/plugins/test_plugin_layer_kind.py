@@ -78,6 +78,7 @@ _ARM = {"model": {"moe": {
     "execution": {"backend": "auto"}}}}
 
 
+@pytest.mark.slow  # trains a two-arm suite (about 40 s on 2 cores); the layer itself: above
 def test_it_runs_as_a_suite_arm(tmp_path):
   base = helpers.tiny_base(steps=2)  # configs/tiny.py: d=32, E=4 experts of width 32
   base["model"]["n_layers"] = 1

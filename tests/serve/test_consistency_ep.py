@@ -12,7 +12,8 @@ from tests.parallel import children
 
 CHILD = pathlib.Path(__file__).with_name("consistency_ep_child.py")
 # topk is slow (a second model's compiles on 8 devices); hash covers the mechanism by default.
-GROUPS = ("hash", pytest.param("topk", marks=pytest.mark.slow))
+# An 8-device child process (~30 s); the library's perturbations run in the default tests.
+GROUPS = (pytest.param("hash", marks=pytest.mark.slow), pytest.param("topk", marks=pytest.mark.slow))
 
 
 @pytest.fixture(scope="module")

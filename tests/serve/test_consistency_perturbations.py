@@ -44,6 +44,7 @@ def test_the_registered_perturbations():
     rc.check_names(("bf16", "int3"))
 
 
+@pytest.mark.slow  # every perturbation's forward (~30 s); bf16 on hash: tests/evaluate
 def test_hash_routing_flips_nothing_under_every_perturbation():
   got = rc.measure(_model(kind="hash", top_k=2), TOKENS)
   assert list(got) == sorted(rc.PERTURBATIONS)
