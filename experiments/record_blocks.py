@@ -11,8 +11,9 @@ under ``results/`` and what to render from it::
 
 What can be rendered (:data:`KINDS`): ``provenance`` (the command, date,
 commit and machine the record carries, "not recorded" where it has none),
-``summary`` (each step's status) and the device check's ``gmm_timing``,
-``gather``, ``layer`` and ``train`` tables. Everything outside the blocks
+``summary`` (each step's status), the device check's ``gmm_timing``,
+``gather``, ``layer`` and ``train`` tables, and the serving bench's and the
+quantisation tables (results/serving/). Everything outside the blocks
 is hand-written: short notes on what the numbers show.
 tests/test_bench_record.py checks that the committed file is its render.
 """
@@ -131,9 +132,22 @@ def train(rec: Mapping) -> str:
   return "\n".join(lines) + "\n"
 
 
+def serving_bench(rec: Mapping) -> str:
+  from experiments.benchmarks import serving  # pylint: disable=g-import-not-at-top
+  return serving.markdown_tables(rec) + "\n"
+
+
+def _quantization(part: str) -> Callable[[Mapping], str]:
+  def render_part(rec: Mapping) -> str:
+    from experiments import serving_tables  # pylint: disable=g-import-not-at-top
+    return serving_tables.quantization_table(rec[part]) + "\n"
+  return render_part
+
+
 KINDS: dict[str, Callable[[Mapping], str]] = {
     "provenance": provenance, "summary": summary, "gmm_timing": gmm_timing,
-    "gather": gather, "layer": layer, "train": train}
+    "gather": gather, "layer": layer, "train": train, "serving_bench": serving_bench,
+    "quantization_moejax": _quantization("moejax"), "quantization_hf": _quantization("hf")}
 
 
 def load(path: str, results: str = RESULTS) -> dict:
