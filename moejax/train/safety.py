@@ -8,7 +8,7 @@
     with safety.hold(plan.steps):         # the lock (heartbeats), SIGTERM / SIGINT handlers
       with safety.guarding(ckpt, writer, progress):
         ...                               # the steps; per step:
-        stop = safety.after_step(step)    #   a signal: this step is the last, checkpointed
+        stop = safety.after_step(step, steps)  # a signal: this step is the last
         safety.check_rows(rows, step)     #   NaN / inf in the rows read back
         safety.before_checkpoint(tree, step)   # NaN / inf anywhere in the state
       safety.end(step, progress.train_seconds)
