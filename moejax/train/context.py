@@ -39,6 +39,8 @@ from moejax.train import checkpoint as ckpt_lib
 from moejax.train import layer_load
 from moejax.train import metrics_log
 from moejax.train.config import ExperimentConfig
+from moejax.train.layout import DeviceLayout
+from moejax.train.safety import RunSafety
 
 
 class InitialState(Protocol):
@@ -126,16 +128,16 @@ class RunContext:
     writer: the :class:`moejax.train.metrics_log.MetricsWriter` of the workdir.
     progress: the :class:`moejax.train.metrics_log.Progress` line.
     say: prints one line of the run's output.
-    layout: the :class:`moejax.train.loop.DeviceLayout` (mesh and placement; typed
-      loosely here, as the loop that defines it imports this module).
+    layout: the :class:`moejax.train.layout.DeviceLayout` (mesh and placement).
+    safety: the run's :class:`moejax.train.safety.RunSafety` (asked after every
+      step whether a signal ends the run there; checks the rows read back and
+      the state before a checkpoint).
     final_eval: ``(params, router_state, other) -> metrics`` replacing the
       trainer's whole-split evaluation at the last step, or None (the
       trainer's own).
     initial: what a fresh run's initialised state becomes (an
       :class:`InitialState` from the :class:`StartHook`; fine-tuning: the
       source), or None (the initialisation itself).
-    stop: the run's :class:`moejax.train.preempt.Preemption` (asked after every
-      step whether a signal ends the run there), or None (no signal handling).
     probe: the :class:`Probe` reading back a fresh run's first steps, or None.
   """
 
@@ -150,8 +152,8 @@ class RunContext:
   writer: metrics_log.MetricsWriter
   progress: metrics_log.Progress
   say: Callable[[str], None]
-  layout: Any
+  layout: DeviceLayout
+  safety: RunSafety
   final_eval: Optional[Callable] = None
   initial: Optional[InitialState] = None
-  stop: Any = None
   probe: Optional[Probe] = None

@@ -1,0 +1,174 @@
+"""The generated blocks of docs/benchmarks.md, rendered from the committed result records.
+
+``python -m experiments.bench_record`` rewrites them (``--check``: exit 1
+when one is stale); this module defines no flags, so a test can render
+without importing a binary. A block is the text between two markers; the opening one names a record
+under ``results/`` and what to render from it::
+
+    <!-- moejax:record device/h200.json gmm_timing -->
+    ... (regenerated) ...
+    <!-- moejax:end record -->
+
+What can be rendered (:data:`KINDS`): ``provenance`` (the command, date,
+commit and machine the record carries, "not recorded" where it has none),
+``summary`` (each step's status), the device check's ``gmm_timing``,
+``gather``, ``layer`` and ``train`` tables, and the serving bench's and the
+quantisation tables (results/serving/). Everything outside the blocks
+is hand-written: short notes on what the numbers show.
+tests/test_bench_record.py checks that the committed file is its render.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from typing import Callable, Mapping
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+DOC = os.path.join(ROOT, "docs", "benchmarks.md")
+RESULTS = os.path.join(ROOT, "results")
+BLOCK = re.compile(r"(<!-- moejax:record (?P<path>\S+) (?P<kind>\w+) -->\n)(?P<body>.*?)"
+                   r"(<!-- moejax:end record -->)", re.S)
+
+
+class RecordError(ValueError):
+  """A block names a record or a kind that does not exist."""
+
+
+def _ms(r: Mapping) -> str:
+  return f"{1e3 * r['median_s']:.2f}" if "median_s" in r else _failed(r)
+
+
+def _failed(r: Mapping) -> str:
+  error = r.get("error", "no result")
+  return f"failed: {error if len(error) <= 100 else error[:100] + '...'}"
+
+
+def provenance(rec: Mapping) -> str:
+  env = rec.get("steps", {}).get("environment", {})
+  command = rec.get("command") or (
+      "python -m experiments.device_check " + " ".join(env.get("argv", [])[1:])).strip()
+  machine = rec.get("machine") or (
+      f"{len(env['devices'])} x {env['device_kind']}, {env['cpu_count']} CPU cores, "
+      f"JAX {env['jax']}, flax {env.get('flax_version', 'not recorded')}, Python "
+      f"{env['python']}" if "device_kind" in env else "not recorded")
+  note = f"- note: {rec['note']}\n" if rec.get("note") else ""
+  return (f"- command: `{command}`\n- date: {rec.get('date', 'not recorded')}\n"
+          f"- commit: {rec.get('commit', 'not recorded')}\n- machine: {machine}\n{note}")
+
+
+def summary(rec: Mapping) -> str:
+  steps = ", ".join(f"{name} {status}" for name, status in rec.get("summary", {}).items())
+  return f"Steps: {steps or 'none'}.\n"
+
+
+def gmm_timing(rec: Mapping) -> str:
+  g = rec["steps"]["gmm_timing"]
+  lines = [f"m={g['m']} k={g['k']} n={g['n']} G={g['groups']}, {g['dtype']}, median of the "
+           "timed runs:", "",
+           "| variant | fwd ms | fwd TFLOP/s | of dense | fwd+bwd ms |", "|---|---:|---:|---:|---:|"]
+  for name, row in g["variants"].items():
+    fwd, bwd = row.get("fwd", {}), row.get("fwdbwd")
+    cells = ([_ms(fwd), f"{fwd['tflops']:.0f}", f"{fwd['fraction_of_dense']:.2f}"]
+             if "median_s" in fwd else [_failed(fwd), "", ""])
+    lines.append(f"| `{name}` | {' | '.join(cells)} | {_ms(bwd) if bwd else '-'} |")
+  target = g.get("target")
+  if target:
+    lines += ["", f"Target ({target['what']}): {'met' if target['met'] else 'not met'}; best "
+              f"`{target['best_variant']}` at {target['fraction_of_dense']:.2f} of dense."]
+  return "\n".join(lines) + "\n"
+
+
+def gather(rec: Mapping) -> str:
+  g = rec["steps"]["gather"]
+  lines = [f"T={g['T']} K={g['K']} d={g['d']} ({g['rows']} rows):", "",
+           "| variant | ms | GB/s |", "|---|---:|---:|"]
+  for name, r in g["variants"].items():
+    lines.append(f"| `{name}` | {_ms(r)} | {r['gb_per_s']:.0f} |" if "median_s" in r
+                 else f"| `{name}` | {_failed(r)} | |")
+  exact = ", ".join(f"{k} {'exact' if v is True else v}" for k, v in g["exact"].items())
+  return "\n".join(lines) + f"\n\nAgainst XLA's take: {exact}.\n"
+
+
+def _ratio(r) -> str:
+  if not r or "ratio_to_dense" not in r:
+    return _failed(r or {})
+  return f"{r['ratio_to_dense']:.2f}"
+
+
+def layer(rec: Mapping) -> str:
+  out = []
+  for shape, s in rec["steps"]["layer"].items():
+    if not isinstance(s, Mapping) or "variants" not in s:
+      continue
+    dense = s["variants"].get("dense", {})
+    out += [f"{shape}: T={s['T']} d={s['d']} E={s['E']} K={s['K']} f={s['f']}, {s['dtype']}; "
+            "time as a ratio to the dense FFN of equal active FLOPs:", "",
+            "| path | fwd | fwd+bwd |", "|---|---:|---:|"]
+    for name, row in s["variants"].items():
+      fwd, bwd = _ratio(row.get("fwd")), _ratio(row.get("fwdbwd"))
+      if name == "dense":
+        fwd = f"1.00 ({_ms(dense['fwd'])} ms)" if "median_s" in dense.get("fwd", {}) else fwd
+        bwd = (f"1.00 ({_ms(dense['fwdbwd'])} ms)" if "median_s" in dense.get("fwdbwd", {})
+               else bwd)
+      out.append(f"| `{name}` | {fwd} | {bwd} |")
+    out.append("")
+  return "\n".join(out)
+
+
+def train(rec: Mapping) -> str:
+  lines = ["| model | params | batch x seq | tokens/s | MFU of the bf16 peak |",
+           "|---|---:|---|---:|---:|"]
+  for name, r in rec["steps"]["train"].items():
+    if not isinstance(r, Mapping):
+      continue  # the step's status and seconds
+    if not r.get("trained"):
+      lines.append(f"| {name} | {_failed(r) if 'error' in r else 'not trained'} | | | |")
+      continue
+    mfu = "n/a" if r["mfu_vs_peak_bf16"] is None else f"{100 * r['mfu_vs_peak_bf16']:.1f}%"
+    lines.append(f"| {name} | {r['params'] / 1e6:.1f}M | {r['batch']} x {r['seq_len']} | "
+                 f"{r['tokens_per_s'] / 1e3:.0f}k | {mfu} |")
+  return "\n".join(lines) + "\n"
+
+
+def serving_bench(rec: Mapping) -> str:
+  from experiments.benchmarks import serving  # pylint: disable=g-import-not-at-top
+  return serving.markdown_tables(rec) + "\n"
+
+
+def _quantization(part: str) -> Callable[[Mapping], str]:
+  def render_part(rec: Mapping) -> str:
+    from experiments import serving_tables  # pylint: disable=g-import-not-at-top
+    return serving_tables.quantization_table(rec[part]) + "\n"
+  return render_part
+
+
+KINDS: dict[str, Callable[[Mapping], str]] = {
+    "provenance": provenance, "summary": summary, "gmm_timing": gmm_timing,
+    "gather": gather, "layer": layer, "train": train, "serving_bench": serving_bench,
+    "quantization_moejax": _quantization("moejax"), "quantization_hf": _quantization("hf")}
+
+
+def load(path: str, results: str = RESULTS) -> dict:
+  full = os.path.join(results, path)
+  if not os.path.isfile(full):
+    raise RecordError(f"a block names results/{path}, which does not exist. Fix: correct the "
+                      "path in the marker, or commit the record")
+  with open(full, encoding="utf-8") as fh:
+    return json.load(fh)
+
+
+def render(text: str, results: str = RESULTS) -> str:
+  """``text`` with every record block regenerated from ``results``."""
+  def block(m):
+    kind = m.group("kind")
+    if kind not in KINDS:
+      raise RecordError(f"a block asks for {kind!r}; use one of {', '.join(KINDS)}")
+    try:
+      body = KINDS[kind](load(m.group("path"), results))
+    except KeyError as e:
+      raise RecordError(f"results/{m.group('path')} has no {e} for a {kind} block. Fix: "
+                        "pick a kind its steps recorded") from e
+    return m.group(1) + body + m.group(5)
+  return BLOCK.sub(block, text)

@@ -1,0 +1,58 @@
+"""docs/benchmarks.md's record blocks are what the committed results/ records render to."""
+
+import json
+import pathlib
+
+import pytest
+
+from experiments import record_blocks
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+
+
+def test_the_committed_record_file_is_its_render():
+  text = (ROOT / "docs" / "benchmarks.md").read_text(encoding="utf-8")
+  assert record_blocks.BLOCK.search(text)
+  assert record_blocks.render(text) == text, "run: python -m experiments.bench_record"
+
+
+def _write(tmp_path, name, rec):
+  (tmp_path / "device").mkdir(exist_ok=True)
+  (tmp_path / "device" / name).write_text(json.dumps(rec), encoding="utf-8")
+
+
+def test_a_block_is_regenerated_from_its_record_and_missing_fields_say_so(tmp_path):
+  timing = {"m": 8, "k": 4, "n": 2, "groups": 2, "dtype": "bfloat16", "variants": {
+      "dense": {"fwd": {"median_s": 0.002, "tflops": 1.0, "fraction_of_dense": 1.0}},
+      "kern": {"fwd": {"median_s": 0.004, "tflops": 0.5, "fraction_of_dense": 0.5},
+               "fwdbwd": {"median_s": 0.01}},
+      "big": {"fwd": {"error": "ValueError: too much shared memory"}}}}
+  _write(tmp_path, "r.json", {"date": "D", "command": "python -m x", "note": "n",
+                              "steps": {"gmm_timing": timing}, "summary": {"gmm_timing": "ok"}})
+  text = ("a\n<!-- moejax:record device/r.json provenance -->\nold\n<!-- moejax:end record -->\n"
+          "b\n<!-- moejax:record device/r.json gmm_timing -->\n<!-- moejax:end record -->\n")
+  got = record_blocks.render(text, str(tmp_path))
+  assert got == (
+      "a\n<!-- moejax:record device/r.json provenance -->\n"
+      "- command: `python -m x`\n- date: D\n- commit: not recorded\n- machine: not recorded\n"
+      "- note: n\n<!-- moejax:end record -->\n"
+      "b\n<!-- moejax:record device/r.json gmm_timing -->\n"
+      "m=8 k=4 n=2 G=2, bfloat16, median of the timed runs:\n\n"
+      "| variant | fwd ms | fwd TFLOP/s | of dense | fwd+bwd ms |\n|---|---:|---:|---:|---:|\n"
+      "| `dense` | 2.00 | 1 | 1.00 | - |\n| `kern` | 4.00 | 0 | 0.50 | 10.00 |\n"
+      "| `big` | failed: ValueError: too much shared memory |  |  | - |\n"
+      "<!-- moejax:end record -->\n")
+  assert record_blocks.render(got, str(tmp_path)) == got
+
+
+def test_a_block_naming_a_missing_record_or_kind_is_one_error(tmp_path):
+  _write(tmp_path, "r.json", {"steps": {}})
+  with pytest.raises(record_blocks.RecordError, match="results/device/none.json"):
+    record_blocks.render("<!-- moejax:record device/none.json summary -->\n"
+                         "<!-- moejax:end record -->", str(tmp_path))
+  with pytest.raises(record_blocks.RecordError, match="'tables'; use one of provenance"):
+    record_blocks.render("<!-- moejax:record device/r.json tables -->\n"
+                         "<!-- moejax:end record -->", str(tmp_path))
+  with pytest.raises(record_blocks.RecordError, match="has no 'layer' for a layer block"):
+    record_blocks.render("<!-- moejax:record device/r.json layer -->\n"
+                         "<!-- moejax:end record -->", str(tmp_path))
