@@ -143,8 +143,9 @@ def test_print_config_shows_every_field_and_dry_run_writes_nothing(tmp_path, pre
   tree = json.loads(shown.stdout)
   assert tree["train"]["steps"] == 7 and tree["train"]["nan_at_step"] == -1  # a default
   # The backend that runs, and that 'auto' chose it on this platform.
-  assert tree["model"]["moe"]["execution"] == {"backend": "blocked", "interpret": False,
-                                               "derived_from": "auto on cpu"}
+  assert tree["model"]["moe"]["execution"] == {
+      "backend": "blocked", "interpret": False, "derived_from": "auto on cpu",
+      "executor": "grouped", "large_group_backend": "", "large_group_rows": 0}
   assert set(tree) == {"model", "data", "train", "parallel", "finetune"}
   assert tree["finetune"]["source"] == ""  # a training run is no fine-tune unless told
   assert tree["model"]["moe"]["routing"]["top_k"] == 2
