@@ -6,6 +6,7 @@ import json
 import os
 import subprocess
 import sys
+import pytest
 
 from moejax.ablation import summary
 from tests.ablation import helpers
@@ -61,6 +62,7 @@ def test_no_results_is_an_error(tmp_path):
   assert proc.returncode == 1 and "no result.json" in proc.stderr
 
 
+@pytest.mark.slow  # two tiny suites (~9 s); the flags themselves: the tests above
 def test_corpus_mismatch_is_flagged(tmp_path):
   other = dict(CORPUS, python_version="3.12.1", config="py3.12.1", content_sha256="b" * 64,
                id="python_stdlib/py3.12.1:1.0.0 bytes sha256:bbbbbbbbbbbb")
@@ -73,6 +75,7 @@ def test_corpus_mismatch_is_flagged(tmp_path):
   assert "CORPUS MISMATCH" not in _compare(a, same).stdout
 
 
+@pytest.mark.slow  # two tiny suites (~9 s)
 def test_different_seed_counts_compare_and_say_so(tmp_path):
   a = _result(str(tmp_path), "one", "x", active=100.0, val=2.0)          # one seed
   for seed, val in ((0, 2.10), (1, 2.12), (2, 2.08)):

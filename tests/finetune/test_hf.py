@@ -74,8 +74,9 @@ def test_init_from_a_tiny_hf_mixtral_reproduces_its_logits(mixtral_dir, ft_data_
 
 
 @pytest.mark.parametrize("model_type", [
-    pytest.param("qwen3_moe", marks=pytest.mark.slow),  # the default run checks the import
-    "deepseek_v3"])
+    # Both slow (~9 s each): tests/interop/test_whole_models.py checks both imports by default.
+    pytest.param("qwen3_moe", marks=pytest.mark.slow),
+    pytest.param("deepseek_v3", marks=pytest.mark.slow)])
 def test_init_from_a_tiny_hf_qwen3_moe_or_deepseek_v3_reproduces_its_logits(
     tmp_path, ft_data_dir, model_type):
   """The whole-model families beyond Mixtral as fine-tuning sources (LoRA on their own

@@ -227,6 +227,7 @@ def _threshold_forward(model, tokens):
     mod_lib.select_tokens = orig
 
 
+@pytest.mark.slow  # ~9 s of decoding compiles; MoD selection itself: tests/test_model.py
 def test_mod_decodes_with_the_causal_threshold_rule():
   cfg = tiny(moe=moe(), n_layers=2, mod_every=1, mod_capacity=0.5)
   model = Transformer(cfg, rngs=nnx.Rngs(0))
