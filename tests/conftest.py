@@ -12,7 +12,7 @@ runs the rest:
 
 **No ignored-exception noise.** The reads orbax abandons when a damaged
 checkpoint fails to restore (which tests do on purpose) end inside the
-restore (moejax.train.checkpoint.draining_event_loops), so nothing is
+restore (moejax.train.event_loops), so nothing is
 reported later as "Exception ignored in" or "Event loop is closed";
 tests/train/test_resume.py checks it.
 """

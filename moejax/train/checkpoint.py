@@ -35,14 +35,11 @@ checksum-mismatching checkpoints and says so.
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
 import dataclasses
 import datetime
 import json
 import os
 import socket
-import threading
 from typing import Any, Callable, Optional
 
 import jax
@@ -51,7 +48,7 @@ import orbax.checkpoint as ocp
 from moejax.config import plugins as plugins_lib
 from moejax.config import to_dict
 from moejax.train import damage, idea_restore, integrity, writable
-from moejax.train import write_errors
+from moejax.train.event_loops import draining_event_loops, start_draining, stop_draining
 from moejax.train.config import ExperimentConfig, current_layout, diff, experiment_to_json
 
 CONFIG_FILE = "config.json"
@@ -298,81 +295,6 @@ def _placed(abstract_state: Any) -> Any:
   return jax.tree.map(place, abstract_state)
 
 
-# orbax (0.12) runs a save's writes and a restore's reads as tasks of a fresh
-# event loop (in the save's own thread), and when the first of them fails (a
-# full disk, a damaged checkpoint) it closes that loop with the others still
-# in flight. Those then report, at some later moment and from other threads,
-# everything Python cannot raise: "RuntimeError: Event loop is closed" (with
-# its traceback) each time TensorStore finishes one, "Task / Future exception
-# was never retrieved" with the TensorStore error when a finished one is
-# collected, and "Exception ignored in: <coroutine object ...>" with the whole
-# TensorStore spec when a suspended one is. While a Checkpointer is open (and
-# inside :func:`draining_event_loops`), a new event loop therefore cancels
-# and finishes its pending tasks before it closes, so the abandoned writes
-# and reads end there, quietly; and the errors of its tasks that nobody
-# retrieved are not printed when they are a write failure: the trainer reports
-# it in its one ``error:`` line (moejax.train.write_failure).
-def _quiet_owned(loop, context: dict) -> None:
-  """The loops' exception handler: drops cancellations and write failures, prints the rest."""
-  error = context.get("exception")
-  if error is not None and (isinstance(error, asyncio.CancelledError)
-                            or write_errors.classify(error) is not None):
-    return
-  loop.default_exception_handler(context)
-
-
-class _DrainingPolicy(asyncio.DefaultEventLoopPolicy):
-  """Event loops that cancel and await their pending tasks when closed."""
-
-  def new_event_loop(self):
-    loop = super().new_event_loop()
-    loop.set_exception_handler(_quiet_owned)
-    close = loop.close
-
-    def drain_then_close():
-      if not loop.is_closed() and not loop.is_running():
-        pending = [t for t in asyncio.all_tasks(loop) if not t.done()]
-        for task in pending:
-          task.cancel()
-        if pending:
-          loop.run_until_complete(asyncio.gather(*pending, return_exceptions=True))
-      close()
-    loop.close = drain_then_close
-    return loop
-
-
-# Counted, not nested: a Checkpointer may close after one opened later (a
-# restore's read-only one, a run's own), and the policy stays until the last.
-_draining = {"count": 0, "previous": None}
-_draining_lock = threading.Lock()
-
-
-def _start_draining() -> None:
-  with _draining_lock:
-    if _draining["count"] == 0:
-      _draining["previous"] = asyncio.get_event_loop_policy()
-      asyncio.set_event_loop_policy(_DrainingPolicy())
-    _draining["count"] += 1
-
-
-def _stop_draining() -> None:
-  with _draining_lock:
-    _draining["count"] -= 1
-    if _draining["count"] == 0:
-      asyncio.set_event_loop_policy(_draining["previous"])
-      _draining["previous"] = None
-
-
-@contextlib.contextmanager
-def draining_event_loops():
-  """Inside: every new event loop finishes its pending tasks (cancelled) before it closes."""
-  _start_draining()
-  try:
-    yield
-  finally:
-    _stop_draining()
-
-
 class Checkpointer:
   """Orbax CheckpointManager over ``WORKDIR/checkpoints``: a TrainState plus the data state.
 
@@ -395,7 +317,7 @@ class Checkpointer:
     handlers = {"state": ocp.StandardCheckpointHandler(), "data": ocp.JsonCheckpointHandler()}
     self.manager = ocp.CheckpointManager(os.path.abspath(os.path.join(workdir, CHECKPOINT_DIR)),
                                          options=options, item_handlers=handlers)
-    _start_draining()  # orbax's save and restore loops, until close (see above)
+    start_draining()  # orbax's save and restore loops, until close (moejax.train.event_loops)
     self._draining = True
 
   def latest_step(self) -> Optional[int]:
@@ -449,7 +371,7 @@ class Checkpointer:
     may not exist here. Idea state the checkpoint predates comes from ``fill``
     (:func:`moejax.train.idea_restore.initial`).
     """
-    with draining_event_loops():  # a damaged checkpoint's reads end here (see above)
+    with draining_event_loops():  # a damaged checkpoint's reads end here (moejax.train.event_loops)
       new_ideas = idea_restore.absent(
           _shapes(abstract_state), _shapes(self.manager.item_metadata(step)["state"]))
       out = self.manager.restore(step, args=ocp.args.Composite(
@@ -473,7 +395,7 @@ class Checkpointer:
     finally:
       if self._draining:
         self._draining = False
-        _stop_draining()
+        stop_draining()
 
   # A context manager, so that a one-off reader (a test, a tool) cannot leave orbax's
   # manager and its threads open until interpreter exit.

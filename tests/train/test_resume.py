@@ -19,7 +19,7 @@ import sys
 import pytest
 
 from moejax.train import checkpoint as ckpt_lib
-from moejax.train import loop, metrics_log
+from moejax.train import event_loops, loop, metrics_log
 from tests.train import helpers
 
 COMPARED = ("loss", "ce", "aux_loss", "grad_norm", "max_vio_batch", "active_experts_mean")
@@ -183,7 +183,7 @@ def test_a_restores_event_loop_finishes_the_reads_a_failure_abandoned():
     _restore_like_orbax()
   assert abandoned == ["read"]
   policy = asyncio.get_event_loop_policy()
-  with _unraisable_reports() as ignored, ckpt_lib.draining_event_loops():
+  with _unraisable_reports() as ignored, event_loops.draining_event_loops():
     _restore_like_orbax()
   assert ignored == []
   assert asyncio.get_event_loop_policy() is policy  # put back
