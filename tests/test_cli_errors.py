@@ -103,7 +103,7 @@ def test_a_section_given_at_the_top_of_an_experiment_points_to_its_place(capsys)
      "did you mean configs/ablations/quick.py? the config files in configs/ablations/ are "
      "balance_scope.py, balancing.py, capacity.py, deepseekmoe.py, dynamic.py, "
      "expert_choice_leak.py, finetune.py, granularity.py, lossfree.py, moe_vs_dense.py, "
-     "quick.py, routing_consistency.py, ..."),
+     "quick.py, recipe.py, ..."),
     ("confgs/nope.py", "error: --config=confgs/nope.py: no such file. Fix: the config files in "
      "configs/ are deepseek_v3_small.py, default.py, default_bpe.py, default_mixtral.py, "
      "dense.py, finetune.py, tiny.py, upcycle.py (more in configs/ablations/, configs/presets/)"),

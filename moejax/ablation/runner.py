@@ -350,7 +350,7 @@ def run_suite(suite: Suite, workdir: str, *, out: TextIO = sys.stdout,
         "baseline": suite.baseline, "reproduction": suite.reproduction,
         "scale": suite.scale, "scale_factors": scale_lib.get_scale(suite.scale).factors(),
         "exempt": {a: list(q) for a, q in suite.exempt.items()},
-        "compare_to": dict(suite.compare_to),
+        "compare_to": dict(suite.compare_to), "match_compute": dict(suite.match_compute),
         "effects": {k: dict(v) for k, v in suite.effects.items()},
         "source": (None if suite.source is None
                    else json.loads(experiment_to_json(suite.source))),

@@ -36,6 +36,11 @@ returns an ``ml_collections.ConfigDict`` (or a plain dict) with:
 - ``compare_to``: ``{arm: other arm}``: the arm its differences are taken
   against instead of ``baseline`` (``'-'``: no comparison), for suites
   whose arms pair up (router frozen vs unfrozen within each data mixture);
+- ``match_compute``: ``{arm: reference arm}``: the arm's ``train.steps`` are
+  set (after scaling) so that its training compute, FLOPs per token x tokens,
+  equals the reference's, rounded to whole steps: an arm that spends more
+  FLOPs per token (multi-token prediction's modules) trains on fewer tokens.
+  The budget check then holds ``compute`` like any other fixed quantity;
 - ``source``: an experiment tree trained first, once per seed, in
   ``DIR/source[/seed_<s>]``; arms with ``finetune.source='suite:source'``
   fine-tune from the run of their seed (:data:`SUITE_SOURCE`).
@@ -54,6 +59,7 @@ from typing import Any, Mapping
 
 from moejax.ablation import scale as scale_lib
 from moejax.config import ConfigError, to_dict
+from moejax.topology.accounting import budget as model_budget
 from moejax.train.config import ExperimentConfig, experiment_from_dict
 
 QUANTITIES = ("total", "active", "flops_per_token", "tokens", "optimizer")
@@ -64,7 +70,7 @@ MIN_REPRODUCTION_SEEDS = 3
 QUANTITIES = QUANTITIES + ("trainable",)
 # Compute including a fine-tuning arm's source (moejax.ablation.budget): upcycling suites.
 QUANTITIES = QUANTITIES + ("total_tokens", "compute")
-SUITE_KEYS = SUITE_KEYS + ("exempt", "compare_to", "source", "effects")
+SUITE_KEYS = SUITE_KEYS + ("exempt", "compare_to", "source", "effects", "match_compute")
 SUITE_SOURCE = "suite:source"   # finetune.source of arms that start from the suite's source run
 NO_COMPARISON = "-"
 ANALYSIS_KEYS = ("causal_probe", "comm_devices", "latency", "latency_reps", "routing_batches",
@@ -99,6 +105,7 @@ class Suite:
   # (moejax.ablation.power: bounded verdicts, seeds for 80% power).
   effects: Mapping[str, Mapping[str, Any]] = dataclasses.field(default_factory=dict)
   scale: str = scale_lib.DEFAULT_SCALE
+  match_compute: Mapping[str, str] = dataclasses.field(default_factory=dict)
 
   def arm(self, name: str) -> Arm:
     for a in self.arms:
@@ -224,10 +231,44 @@ def suite_from_dict(tree: Mapping[str, Any] | Any) -> Suite:
       at = f" at suite.scale={scale.name}" if scale.name != scale_lib.DEFAULT_SCALE else ""
       raise e.within(f"suite.arms.{arm_name} builds an invalid experiment{at}") from e
     arms.append(Arm(arm_name, overrides, exp))
+  match = _match_compute(tree, arms_tree)
+  arms = [_compute_matched(a, {b.name: b for b in arms}[match[a.name]]) if a.name in match
+          else a for a in arms]
   return _check_source_use(Suite(
       name=name, description=tree.get("description", ""), arms=tuple(arms), fixed=fixed,
       seeds=seeds, analysis=analysis, baseline=baseline, reproduction=reproduction,
-      scale=scale.name, effects=effects, **references))
+      scale=scale.name, effects=effects, match_compute=match, **references))
+
+
+def _match_compute(tree: Mapping[str, Any], arms_tree: Mapping[str, Any]) -> dict:
+  """``suite.match_compute`` checked: arms matched to arms that are not matched themselves."""
+  match = dict(tree.get("match_compute") or {})
+  for arm, ref in match.items():
+    if arm not in arms_tree or ref not in arms_tree:
+      raise ConfigError(f"suite.match_compute.{arm}", ref, "names an arm the suite does not have",
+                        f"map arms to reference arms among {list(arms_tree)}")
+    if ref == arm or ref in match:
+      raise ConfigError(f"suite.match_compute.{arm}", ref,
+                        "must name an arm whose steps are its own (not matched itself)",
+                        "match every arm to the same reference arm, e.g. the baseline")
+  return match
+
+
+def _compute_matched(arm: Arm, ref: Arm) -> Arm:
+  """``arm`` with the train.steps that spend ``ref``'s training compute (see the module doc)."""
+  def compute_per_step(exp):
+    fpt = model_budget(exp.model, exp.data.seq_len).flops_per_token
+    return fpt * exp.data.batch_size * exp.data.seq_len
+  r, e = ref.experiment, arm.experiment
+  steps = max(1, round(r.train.steps * compute_per_step(r) / compute_per_step(e)))
+  tree = to_dict(e)
+  tree["train"]["steps"] = steps
+  try:
+    exp = experiment_from_dict(tree)
+  except ConfigError as err:
+    raise err.within(f"suite.arms.{arm.name} at the {steps} steps that match the compute of "
+                     f"arm {ref.name!r} (suite.match_compute)") from err
+  return Arm(arm.name, arm.overrides, exp)
 
 
 def _check_perturbations(names) -> None:

@@ -48,7 +48,42 @@ def test_every_shipped_suite_names_its_baseline(name):
 def test_the_reproductions_are_declared():
   repro = {n for n in helpers.SUITES if suite_lib.load_suite(
       os.path.join(helpers.ROOT, "configs", "ablations", f"{n}.py")).reproduction}
-  assert repro == {"lossfree", "capacity", "deepseekmoe", "expert_choice_leak", "moe_vs_dense"}
+  assert repro == {"lossfree", "capacity", "deepseekmoe", "expert_choice_leak", "moe_vs_dense",
+                   "recipe"}
+
+
+def _mtp_suite(**changes) -> dict:
+  """tiny_suite with a third arm that adds one MTP module, steps matched to ``aux``'s compute."""
+  tree = helpers.tiny_suite(steps=300, **changes)
+  tree["arms"]["mtp"] = dict(model=dict(mtp_depth=1))
+  tree["fixed"] = dict(active=0.0, compute=0.01)
+  tree.setdefault("match_compute", {"mtp": "aux"})
+  return tree
+
+
+def test_match_compute_sets_the_steps_that_spend_the_reference_arms_compute():
+  from moejax.ablation import budget  # pylint: disable=g-import-not-at-top
+  suite = suite_lib.suite_from_dict(_mtp_suite())
+  exp = {a.name: a.experiment for a in suite.arms}
+  fpt = {n: budget.model_budget(e.model, e.data.seq_len).flops_per_token for n, e in exp.items()}
+  assert fpt["mtp"] > fpt["aux"]  # the module's block and head
+  assert exp["aux"].train.steps == exp["bias"].train.steps == 300
+  assert exp["mtp"].train.steps == round(300 * fpt["aux"] / fpt["mtp"]) < 300
+  assert suite.match_compute == {"mtp": "aux"}
+  budgets = {n: budget.ArmBudget(total=0, active=0.0, active_max=0.0, flops_per_token=fpt[n],
+                                 tokens=e.train.steps * e.data.batch_size * e.data.seq_len,
+                                 optimizer="") for n, e in exp.items()}
+  assert any(line.startswith("compute: spread") for line in budget.check(
+      budgets, {"compute": 0.01}))  # within 1%: whole steps of a 300-step run
+
+
+@pytest.mark.parametrize("match,message", [
+    ({"mtp": "gshard"}, r"suite\.match_compute\.mtp.*'gshard'.*names an arm"),
+    ({"mtp": "mtp"}, r"suite\.match_compute\.mtp.*not matched itself"),
+    ({"mtp": "aux", "aux": "bias"}, r"suite\.match_compute\.mtp.*'aux'.*not matched itself")])
+def test_match_compute_names_the_field_of_a_bad_reference(match, message):
+  with pytest.raises(ConfigError, match=message):
+    suite_lib.suite_from_dict(_mtp_suite(match_compute=match))
 
 
 def test_deepseekmoe_on_bpe_tokens_changes_only_the_data_and_vocabulary():
