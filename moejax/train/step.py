@@ -20,6 +20,8 @@ orbax call checkpoints it.
 
 from __future__ import annotations
 
+import dataclasses
+
 from typing import Any, Callable, Optional
 
 import jax
@@ -197,6 +199,30 @@ def balance_loss_summary(aux: dict, balance) -> dict[str, jax.Array]:
   return out
 
 
+KIND_AUX_LOG_PREFIX = "kind/"
+
+
+def kind_aux_summary(aux: dict) -> dict[str, jax.Array]:
+  """``kind/<field>`` f32[]: each scalar field of the layer kinds' own aux (``kind_aux``, a
+  registered kind's ``Aux``), averaged over the layers that return it, and
+  ``kind/<field>/layer_<i>`` per layer. Array fields are the kind's own business (not
+  logged); the shipped kinds have no aux of their own."""
+  out, per_field = {}, {}
+  for name, layer in aux["moe"].items():
+    own = layer.get("kind_aux")
+    if own is None:
+      continue
+    for field in dataclasses.fields(own):
+      value = getattr(own, field.name)
+      if isinstance(value, (jax.Array, float, int)) and jnp.ndim(value) == 0:
+        value = jnp.asarray(value, jnp.float32)
+        out[f"{KIND_AUX_LOG_PREFIX}{field.name}/{name}"] = value
+        per_field.setdefault(field.name, []).append(value)
+  for field, values in per_field.items():
+    out[KIND_AUX_LOG_PREFIX + field] = _mean(values)
+  return out
+
+
 def router_loads(aux: dict) -> dict[str, jax.Array]:
   """``{'layer_<i>': f32[E_r]}`` router loads of the routed MoE layers (controller input)."""
   return {name: layer["router_load"] for name, layer in aux["moe"].items()
@@ -256,7 +282,7 @@ def make_train_step(graphdef, cfg: ExperimentConfig,
       loss = loss + cfg.model.mtp_loss_weight * sums[mtp_lib.LOG_NAME]
     return loss, (ce, aux["loss"], (router_loads(aux), observations(aux)),
                   {**routing_summary(aux), **balance_loss_summary(aux, balance),
-                   **layer_loads(aux)}, sums)
+                   **layer_loads(aux), **kind_aux_summary(aux)}, sums)
 
   grad_fn = jax.value_and_grad(objective, has_aux=True)
 

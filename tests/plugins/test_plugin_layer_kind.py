@@ -68,6 +68,17 @@ def test_its_config_errors_are_one_line():
     from_dict(MoEConfig, {"kind": "dense_mix", "routing": dict(top_k=1)})
 
 
+def test_the_train_step_logs_its_scalar_aux_per_layer_and_averaged():
+  from moejax.train import step  # pylint: disable=g-import-not-at-top
+  own = lambda e: dense_mix_kind.DenseMixAux(gate_entropy=jnp.float32(e))
+  aux = {"moe": {"layer_0": {"kind_aux": own(1.0)}, "layer_1": {"losses": {}},
+                 "layer_2": {"kind_aux": own(0.5)}}}
+  logged = {k: float(v) for k, v in step.kind_aux_summary(aux).items()}
+  assert logged == {"kind/gate_entropy/layer_0": 1.0, "kind/gate_entropy/layer_2": 0.5,
+                    "kind/gate_entropy": 0.75}
+  assert step.kind_aux_summary({"moe": {"layer_0": {"losses": {}}}}) == {}
+
+
 # The arm: the tiny base's routing, balancing and backend back at their defaults
 # (a dense mixture reads none of them), the plugin kind with its option.
 _ARM = {"model": {"moe": {
@@ -98,6 +109,9 @@ def test_it_runs_as_a_suite_arm(tmp_path):
   assert [p["module"] for p in result["provenance"]["plugins"]] == [
       "tests.plugins.dense_mix_kind"]
   assert np.isfinite(result["val_loss"]) and result["max_vio_batch"] is not None
+  rows = [json.loads(line) for line in (work / "dense_mix" / "metrics.jsonl").open()]
+  train = [r for r in rows if r.get("split") == "train"]
+  assert train and all(0.0 < r["kind/gate_entropy"] <= 1.0 for r in train)  # its own aux
   summary = json.loads((work / "summary.json").read_text())
   assert set(summary["arms"]) == {"sparse", "dense_mix"}
   # The budget is the kind's own accounting: the same parameters (E experts, a d x E gate),
