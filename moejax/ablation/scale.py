@@ -6,9 +6,12 @@ tree (``{model, data, train, parallel}``, every default present) by its
 factors, and leaves every other field alone:
 
 - ``width`` w: every hidden width, ``model.d_model``, the dense FFN width,
-  the routed, per-expert and shared expert widths, an explicit head width
-  and the PEER query width (:data:`WIDTH_FIELDS`). Head counts stay, so the
-  head width grows w-fold;
+  the routed, per-expert and shared expert widths, an explicit head width,
+  multi-head latent attention's latent ranks and head widths, and the PEER
+  query width (:data:`WIDTH_FIELDS`). Head counts stay, so the head width
+  grows w-fold. A field the model's layer kind does not read (its
+  ``honoured`` fields; PEER's singleton experts have no expert width) or
+  its attention kind does not have is left alone;
 - ``depth`` L: ``model.n_layers`` and ``model.first_dense_layers``
   (:data:`DEPTH_FIELDS`): an ``every_other`` stack keeps its pattern, a
   ``first_dense`` stack its dense share;
@@ -54,6 +57,7 @@ import dataclasses
 from typing import Any, Mapping
 
 from moejax.config import ConfigError
+from moejax.config.registry import LAYERS
 
 
 @dataclasses.dataclass(frozen=True)
@@ -87,15 +91,15 @@ DEFAULT_SCALE = "s"
 # module depends on (update it when a field moves).
 WIDTH_FIELDS = ("model.d_model", "model.dense_ff_width", "model.head_dim",
                 "model.moe.topology.expert_width", "model.moe.topology.expert_widths",
-                "model.moe.topology.shared_expert_width", "model.moe.layer_options.key_dim")
+                "model.moe.topology.shared_expert_width", "model.moe.layer_options.key_dim",
+                "model.attention_options.q_lora_rank", "model.attention_options.kv_lora_rank",
+                "model.attention_options.qk_nope_head_dim",
+                "model.attention_options.qk_rope_head_dim", "model.attention_options.v_head_dim")
 DEPTH_FIELDS = ("model.n_layers", "model.first_dense_layers")
 SEQ_FIELDS = ("data.seq_len",)
 BATCH_FIELDS = ("data.batch_size",)
 STEP_FIELDS = ("train.steps", "train.warmup_steps", "train.log_every", "train.eval_every",
                "train.checkpoint_every", "model.moe.balance.bias_freeze_step")
-# A field scaled only when another has a value (a layer kind's options are
-# its own: PEER's query width is scaled on PEER layers only).
-ONLY_WHEN = {"model.moe.layer_options.key_dim": ("model.moe.kind", "peer")}
 FIELDS = {"width": WIDTH_FIELDS, "depth": DEPTH_FIELDS, "seq": SEQ_FIELDS,
           "batch": BATCH_FIELDS, "steps": STEP_FIELDS}
 GROUPS = tuple(FIELDS)
@@ -173,6 +177,19 @@ def _get(tree: Mapping[str, Any], path: str) -> Any:
   return node
 
 
+def _read_by_the_layer_kind(tree: Mapping[str, Any], path: str) -> bool:
+  """False for a ``model.moe.<section>.<field>`` the tree's layer kind does not honour
+  (scaling it would set a field the kind refuses); True for every other path. A kind's
+  own options (``layer_options``) and an attention kind's are in the tree only when
+  the kind has them."""
+  parts = path.split(".")
+  kind_name = _get(tree, "model.moe.kind")
+  if parts[:2] != ["model", "moe"] or len(parts) != 4 or kind_name is None:
+    return True
+  honoured = LAYERS.get(kind_name).honoured.get(parts[2])
+  return honoured is None or parts[3] in honoured
+
+
 def scale_experiment(tree: Mapping[str, Any], scale: Scale | str) -> dict:
   """A copy of the experiment ``tree`` at rung ``scale`` (a :class:`Scale` or its name).
 
@@ -185,7 +202,7 @@ def scale_experiment(tree: Mapping[str, Any], scale: Scale | str) -> dict:
   for group, paths in FIELDS.items():
     factor = getattr(scale, group)
     for path in paths:
-      if path in ONLY_WHEN and _get(out, ONLY_WHEN[path][0]) != ONLY_WHEN[path][1]:
+      if not _read_by_the_layer_kind(out, path):
         continue
       parent, leaf = path.rsplit(".", 1)
       node = _get(out, parent)

@@ -12,7 +12,7 @@ import pytest
 from moejax.ablation import bases, runner, scale as scale_lib, suite as suite_lib
 from moejax.ablation.budget import arm_budget, spread
 from moejax.config import ConfigError, to_dict, unwrap_optional
-from moejax.config.registry import LAYERS
+from moejax.config.registry import ATTENTIONS, LAYERS
 from moejax.train.config import ExperimentConfig, experiment_from_dict
 from tests.ablation import helpers
 
@@ -179,6 +179,10 @@ def test_every_integer_field_is_scaled_or_deliberately_not():
     kind = LAYERS.get(name)
     if type(kind).__module__.startswith("moejax."):
       fields |= set(_int_fields(kind.Options, "model.moe.layer_options"))
+  for name in ATTENTIONS.names():  # and the attention kinds' (model.attention_options)
+    kind = ATTENTIONS.get(name)
+    if type(kind).__module__.startswith("moejax.") and dataclasses.is_dataclass(kind.Options):
+      fields |= set(_int_fields(kind.Options, "model.attention_options"))
   assert not scaled & set(scale_lib.UNSCALED)
   assert fields - scaled - set(scale_lib.UNSCALED) == set()
   assert (scaled | set(scale_lib.UNSCALED)) - fields == set()  # no stale path either
@@ -210,3 +214,24 @@ def test_ladder_table_lists_every_rung_of_the_baseline_arm():
   assert lines[2].startswith("| s | identity | 64 | 2 | 64 x 16 x 300 | 460.10K |")
   assert lines[3].startswith("| m | width x2, depth x2, seq x2 | 128 | 4 | 128 x 16 x 300 |")
   assert lines[2].endswith("| 1.0 |") and lines[3].endswith("| 14.8 |")
+
+
+def test_mla_widths_grow_with_the_model_and_peer_keeps_its_singleton_experts():
+  """MLA's latent ranks and head widths scale like an MHA head (w-fold, heads kept); a PEER
+  layer's expert width, which PEER does not read, is not set by the ladder (it would be
+  refused), while its query width scales."""
+  mla = bases.small_experiment()
+  mla["model"].update(attention="mla", attention_options=dict(
+      q_lora_rank=0, kv_lora_rank=24, qk_nope_head_dim=16, qk_rope_head_dim=4,
+      v_head_dim=16))
+  m = experiment_from_dict(scale_lib.scale_experiment(to_dict(experiment_from_dict(mla)), "m"))
+  assert m.model.d_model == 128 and m.model.n_heads == 4
+  o = m.model.attention_options
+  assert (o.q_lora_rank, o.kv_lora_rank, o.qk_nope_head_dim, o.qk_rope_head_dim,
+          o.v_head_dim) == (0, 48, 32, 8, 32)
+  peer = bases.small_experiment(dict(kind="peer", layer_options=dict(
+      num_keys=16, heads=2, top_k=4, key_dim=16)))
+  tree = to_dict(experiment_from_dict(peer))
+  m = experiment_from_dict(scale_lib.scale_experiment(tree, "m"))
+  assert m.model.moe.topology.expert_width == tree["model"]["moe"]["topology"]["expert_width"]
+  assert m.model.moe.layer_options.key_dim == 32
