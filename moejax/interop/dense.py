@@ -80,6 +80,7 @@ def model_config_from_hf_dense(hf_config: Any, base: Optional[ModelConfig] = Non
       base, vocab_size=fam.hf_get(hf_config, "vocab_size"), d_model=d,
       n_layers=fam.hf_get(hf_config, "num_hidden_layers"), n_heads=n,
       n_kv_heads=None if m == n else m, head_dim=None if h * n == d else h,
+      attention="mha", attention_options=None, mtp_depth=0,
       attention_bias=False, dense_ff_width=fam.hf_get(hf_config, "intermediate_size"),
       dense_activation="swiglu", moe_layout="all", first_dense_layers=0, tie_embeddings=False,
       rope_base=whole.rope_theta(hf_config),

@@ -58,6 +58,17 @@ def test_a_dense_mistral_imports_with_its_logits(mistral):
   np.testing.assert_allclose(np.asarray(got), _logits(model), atol=1e-4)
 
 
+def test_a_base_with_mla_and_mtp_still_imports_the_dense_model_as_it_is(mistral):
+  """The base supplies what the checkpoint does not say (dtype, norms' defaults); the
+  checkpoint's attention (q / k / v / o: multi-head) and its lack of MTP modules win."""
+  from moejax.config.model import ModelConfig  # pylint: disable=g-import-not-at-top
+  _, path = mistral
+  base = ModelConfig(attention="mla", mtp_depth=1)
+  cfg = hf_dense.import_dense_model(path, base=base).cfg
+  assert cfg.attention == "mha" and cfg.mtp_depth == 0
+  assert cfg.attention_options == ModelConfig().attention_options
+
+
 def test_the_upcycled_mistral_keeps_its_logits_and_exports_as_mixtral(mistral, tmp_path):
   model, path = mistral
   tree = {"model": {"moe": _MOE}, "finetune": {"source": path, "source_format": "upcycle"},
