@@ -67,6 +67,14 @@ def finish(res: dict, keep_going: bool) -> None:
           file=sys.stderr)
 
 
+def record_provenance() -> dict:
+  """The command, commit, date and machine a benchmark record carries (docs/benchmarks.md's
+  provenance blocks read them; experiments/record_blocks.py)."""
+  from moejax.ablation import provenance  # pylint: disable=g-import-not-at-top
+  prov = provenance.run_provenance()
+  return {key: prov[key] for key in ("command", "commit", "date", "machine")}
+
+
 def main(argv):
   del argv
   bench_lib.PROGRESS[0] = sys.stdout  # a line per variant as it goes, before the table
@@ -76,6 +84,7 @@ def main(argv):
     cli.fail(f"{e}. Fix: see the error above; nothing was timed")
   print(f"\nconditions: {json.dumps(res['conditions'])}")
   if _JSON.value:
+    res = {**record_provenance(), **res}
     with open(_JSON.value, "w") as fh:
       json.dump(res, fh, indent=1)
     print(f"wrote {_JSON.value}")

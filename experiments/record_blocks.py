@@ -12,7 +12,8 @@ under ``results/`` and what to render from it::
 What can be rendered (:data:`KINDS`): ``provenance`` (the command, date,
 commit and machine the record carries, "not recorded" where it has none),
 ``summary`` (each step's status), the device check's ``gmm_timing``,
-``gather``, ``layer`` and ``train`` tables, and the serving bench's and the
+``gather``, ``layer`` and ``train`` tables, the layer bench's table
+(``layer_bench``, results/bench/), and the serving bench's and the
 quantisation tables (results/serving/). Everything outside the blocks
 is hand-written: short notes on what the numbers show.
 tests/test_bench_record.py checks that the committed file is its render.
@@ -117,6 +118,31 @@ def layer(rec: Mapping) -> str:
   return "\n".join(out)
 
 
+def layer_bench(rec: Mapping) -> str:
+  """``experiments.bench --suite=layer``'s record: per shape, each variant's medians and its
+  ratio to its own dense FFN (JAX rows to JAX's, torch rows to torch's)."""
+  out = []
+  for shape, s in rec["shapes"].items():
+    out += [f"{shape}: T={s['T']} d={s['d']} E={s['E']} K={s['K']} f={s['f']} (dense width "
+            f"{s['dense_width']}, {s['fwd_gflop']:.1f} GFLOP forward); auto runs "
+            f"`{s['auto']['backend']}` here:", "",
+            "| variant | fwd s | x dense | fwd+bwd s | **fwd+bwd x dense** | same, CPU time |",
+            "|---|---:|---:|---:|---:|---:|"]
+    for name, row in s["variants"].items():
+      cells = []
+      for mode in ("fwd", "fwdbwd"):
+        r = row.get(mode, {})
+        cells += ([f"{r['median_s']:.3f}", _ratio(r)] if "median_s" in r
+                  else [_failed(r), ""])
+      cpu = row.get("fwdbwd", {}).get("cpu_ratio_to_dense")
+      cells.append("-" if cpu is None else f"{cpu:.2f}")
+      out.append(f"| `{name}` | " + " | ".join(cells) + " |")
+    for name, why in s.get("skipped", {}).items():
+      out.append(f"| `{name}` | skipped: {why} | | | | |")
+    out.append("")
+  return "\n".join(out)
+
+
 def train(rec: Mapping) -> str:
   lines = ["| model | params | batch x seq | tokens/s | MFU of the bf16 peak |",
            "|---|---:|---|---:|---:|"]
@@ -146,7 +172,8 @@ def _quantization(part: str) -> Callable[[Mapping], str]:
 
 KINDS: dict[str, Callable[[Mapping], str]] = {
     "provenance": provenance, "summary": summary, "gmm_timing": gmm_timing,
-    "gather": gather, "layer": layer, "train": train, "serving_bench": serving_bench,
+    "gather": gather, "layer": layer, "layer_bench": layer_bench, "train": train,
+    "serving_bench": serving_bench,
     "quantization_moejax": _quantization("moejax"), "quantization_hf": _quantization("hf")}
 
 

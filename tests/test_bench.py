@@ -44,6 +44,19 @@ def test_layer_suite_times_jax_and_torch_side_by_side(tmp_path):
   assert shape["auto"]["backend"] == "blocked"
   assert shape["auto"]["rule"] == "blocked at every shape"
   assert f"auto here runs blocked: {shape['auto']['line']}" in r.stdout
+  # The record says what made it, and renders as docs/benchmarks.md's layer_bench block.
+  rec = json.loads(out.read_text())
+  assert rec["command"].startswith("python -m experiments.bench --suite=layer")
+  assert rec["commit"] and rec["date"] and rec["machine"]
+  from experiments import record_blocks  # pylint: disable=g-import-not-at-top
+  (tmp_path / "bench").mkdir()
+  (tmp_path / "bench" / "layer.json").write_text(out.read_text())
+  text = record_blocks.render("<!-- moejax:record bench/layer.json layer_bench -->\n"
+                              "<!-- moejax:end record -->\n", str(tmp_path))
+  dense = rows["dense"]["fwdbwd"]["median_s"]
+  assert (f"| `dense` | {rows['dense']['fwd']['median_s']:.3f} | 1.00 | {dense:.3f} | 1.00 |"
+          in text)
+  assert f"| `hf_mixtral` |" in text and "auto runs `blocked` here" in text
 
 
 def test_step_bench_times_each_part_after_its_compiling_run():

@@ -11,6 +11,7 @@ from __future__ import annotations
 import datetime
 import os
 import platform
+import re
 import shlex
 import subprocess
 import sys
@@ -50,9 +51,9 @@ def command_line(argv: Optional[Sequence[str]] = None) -> str:
   if not argv:
     return "(unknown)"
   script = argv[0].replace(os.sep, "/")
-  for name in ("ablate", "report", "compare", "train"):
-    if script.endswith(f"experiments/{name}.py"):
-      return shlex.join(["python", "-m", f"experiments.{name}", *argv[1:]])
+  binary = re.search(r"(?:^|/)experiments/(\w+)\.py$", script)
+  if binary:
+    return shlex.join(["python", "-m", f"experiments.{binary.group(1)}", *argv[1:]])
   return "(called from Python: " + shlex.join([os.path.basename(argv[0]), *argv[1:]]) + ")"
 
 
