@@ -1,15 +1,15 @@
 r"""Exports a (fine-tuned) run to a Hugging Face checkpoint directory:
 ``python -m experiments.export_hf --workdir=FT --out=DIR [--lora=merge|separate]``.
 
-Writes config.json and model.safetensors (``MixtralForCausalLM.from_pretrained(DIR)``
-loads them); LoRA adapters are merged into the weights (``--lora=merge``) or kept apart in
+Writes config.json and model.safetensors of the family ``--model_type`` names (mixtral,
+qwen3_moe or deepseek_v3: ``AutoModelForCausalLM.from_pretrained(DIR)`` loads them); LoRA
+adapters are merged into the weights (``--lora=merge``) or kept apart in
 adapter_model.safetensors + adapter_config.json (PEFT naming; ``--lora=separate``). The
-model must be one Mixtral expresses (every layer MoE, softmax top-k routing without a
-selection bias, untied head; e.g. a run of configs/default_mixtral.py, not of
-configs/default.py, which routes DeepSeek-V3 style): otherwise one ``error:`` line names
-each field the family lacks, the family whose blocks the model's MoE layers are, and the
-fix, before anything is written. Whole models export as Mixtral only (the other families'
-attentions are not the moejax Transformer's). See moejax/finetune/export.py,
+model must be one the family expresses (Mixtral: every layer MoE, softmax top-k routing
+without a selection bias, untied head, e.g. a run of configs/default_mixtral.py;
+DeepSeek-V3: MLA attention, e.g. configs/deepseek_v3_small.py): otherwise one ``error:``
+line names each field the family lacks, the family whose blocks the model's MoE layers
+are, and the fix, before anything is written. See moejax/finetune/export.py,
 docs/finetune.md and docs/interop.md ("What each family expresses").
 """
 
@@ -29,8 +29,8 @@ _LAYOUT = flags.DEFINE_enum("layout", "checkpoint", ["checkpoint", "fused"],
                             "fused: transformers >= 5 in-memory parameters.")
 _STEP = common_flags.step()
 _MODEL_TYPE = flags.DEFINE_string("model_type", "mixtral", "The Hugging Face family of the "
-                                  "whole model: mixtral, the one family whose attention the "
-                                  "moejax Transformer computes (docs/interop.md).")
+                                  "whole model: mixtral, qwen3_moe or deepseek_v3 "
+                                  "(docs/interop.md).")
 flags.mark_flags_as_required(["workdir", "out"])
 
 

@@ -299,9 +299,9 @@ BACKEND = gmm_lib.Backend(
     name="pallas_gpu", gmm=gpu_gmm, tgmm=gpu_tgmm, platforms=("gpu",),
     interpretable=plgpu is not None, availability=_availability,
     needs="an NVIDIA Hopper GPU (Pallas Mosaic GPU: TMA + wgmma)",
-    # Not auto's choice anywhere yet: it has only run interpreted. Add "gpu"
-    # once `python -m experiments.device_check` on a Hopper GPU reports
-    # gmm_correctness ok and gmm_timing's target met (docs/execution.md).
+    # Not auto's choice anywhere yet: on a Hopper GPU its device check passes
+    # gmm_correctness but not gmm_timing's target (docs/benchmarks.md). Add
+    # "gpu" once `python -m experiments.device_check` reports the target met.
     auto_on=(),
     # The dispatch folded into the row loads / stores: Pallas Triton kernels
     # (pointer-array row gathers, atomic scatter-add), not Mosaic GPU; they
