@@ -9,7 +9,10 @@ of 8 experts, 2 per token), 300 steps x 16 x 64 tokens, 3 seeds:
 - ``lossfree``: sigmoid scores with the aux-loss-free sign bias (Wang et al.
   2408.15664), u = 1e-2, no balance loss;
 - ``grouped``: softmax top-2 limited to the best 2 of 4 expert groups
-  (DeepSeek-V2/V3 group-limited routing), alpha = 1e-2;
+  (group-limited routing), groups ranked by the sum of their two best
+  scores (DeepSeek-V3's ``top2_sum``; ranked by their best score, V2's
+  ``max``, a top-2 choice always lies in the best 2 groups and the limit
+  never binds), alpha = 1e-2;
 - ``expert_choice``: each expert picks its top tokens, capacity 2 (Zhou et al.
   2202.09368), no balance loss;
 - ``hash``: experts fixed by the token id (Roller et al. 2106.04426): the
@@ -53,7 +56,8 @@ def get_config():
       arms={
           "topk": dict(model=dict(moe=_moe())),
           "lossfree": dict(model=dict(moe=_moe(score_fn="sigmoid", aux=0.0, bias=True))),
-          "grouped": dict(model=dict(moe=_moe(n_groups=4, topk_groups=2))),
+          "grouped": dict(model=dict(moe=_moe(n_groups=4, topk_groups=2,
+                                              group_score="top2_sum"))),
           "expert_choice": dict(model=dict(moe=_moe("expert_choice", aux=0.0,
                                                     options=dict(capacity=2.0)))),
           "hash": dict(model=dict(moe=_moe("hash", aux=0.0))),

@@ -52,6 +52,20 @@ def test_the_reproductions_are_declared():
                    "recipe"}
 
 
+@pytest.mark.parametrize("name", helpers.SUITES)
+def test_every_group_limited_arm_can_bind(name):
+  """Ranked by their best score, the groups of a token's top-k experts are always among its
+  best k groups: a limit of topk_groups >= top_k then changes nothing (an arm equal to
+  plain top-k in every number)."""
+  from moejax.routing import groups  # pylint: disable=g-import-not-at-top
+  suite = suite_lib.load_suite(os.path.join(helpers.ROOT, "configs", "ablations", f"{name}.py"))
+  for arm in suite.arms:
+    moe = arm.experiment.model.moe
+    r = moe.routing if moe is not None else None
+    if r is not None and r.n_groups > 1:
+      assert groups.resolve_group_score(r) != "max" or r.topk_groups < r.top_k, arm.name
+
+
 def _mtp_suite(**changes) -> dict:
   """tiny_suite with a third arm that adds one MTP module, steps matched to ``aux``'s compute."""
   tree = helpers.tiny_suite(steps=300, **changes)
