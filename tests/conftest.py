@@ -102,6 +102,9 @@ SLOW = {
         "test_a_run_stored_before_auto_resumes_with_auto (a backend change resumes, in process)",
     "evaluate/test_validation.py::test_per_document_sums_add_up_and_match_a_direct_computation":
         "ablation/test_runner.py: a suite run's per-document losses add up to its val_loss",
+    "ablation/test_power.py::test_report_effects_annotates_committed_summaries_from_their_suite_files":
+        "test_annotate_says_bounded_or_the_seeds_that_would_resolve and test_plan_rows_from_a_"
+        "pilot_summary (the same annotation on hand-made summaries)",
     "data/test_bpe.py::test_tiny_bpe_run_trains_end_to_end":
         "the tokenizer and data tests of data/test_bpe.py; test_binaries.py's train runs",
 }
