@@ -12,8 +12,8 @@ under ``results/`` and what to render from it::
 What can be rendered (:data:`KINDS`): ``provenance`` (the command, date,
 commit and machine the record carries, "not recorded" where it has none),
 ``summary`` (each step's status), the device check's ``gmm_timing``,
-``gather``, ``layer`` and ``train`` tables, the layer bench's table
-(``layer_bench``, results/bench/), and the serving bench's and the
+``gather``, ``layer`` and ``train`` tables, the layer and grouped-matmul
+benches' tables (``layer_bench``, ``gmm_bench``, results/bench/), and the serving bench's and the
 quantisation tables (results/serving/). Everything outside the blocks
 is hand-written: short notes on what the numbers show.
 tests/test_bench_record.py checks that the committed file is its render.
@@ -143,6 +143,26 @@ def layer_bench(rec: Mapping) -> str:
   return "\n".join(out)
 
 
+def gmm_bench(rec: Mapping) -> str:
+  """``experiments.bench --suite=gmm``'s record: each backend's median, rate, ratio to the
+  dense matmul of the same FLOPs, and its error against ragged_dot."""
+  lines = [f"m={rec['m']} k={rec['k']} n={rec['n']} G={rec['groups']}, {rec['dtype']}:", "",
+           "| variant | median s | TFLOP/s | x dense | rel err (out, d_lhs, d_rhs) |",
+           "|---|---:|---:|---:|---|"]
+  for name, r in rec["results"].items():
+    err = r.get("max_rel_err_vs_ragged_dot")
+    err_s = ", ".join(f"{v:.1e}" if isinstance(v, float) else str(v) for v in err.values()
+                      ) if err else ("reference" if name == "ragged_dot" else "")
+    lines.append(f"| `{name}` | {r['median_s']:.4g} | {r['tflops']:.3f} | "
+                 f"{r['fraction_of_dense']:.2f} | {err_s} |")
+  for name, r in rec.get("failed", {}).items():
+    lines.append(f"| `{name}` | {_failed(r) if 'error' in r else 'refused: ' + r['refused']} "
+                 "| | | |")
+  for name, why in rec.get("skipped", {}).items():
+    lines.append(f"| `{name}` | skipped: {why} | | | |")
+  return "\n".join(lines) + "\n"
+
+
 def train(rec: Mapping) -> str:
   lines = ["| model | params | batch x seq | tokens/s | MFU of the bf16 peak |",
            "|---|---:|---|---:|---:|"]
@@ -172,7 +192,8 @@ def _quantization(part: str) -> Callable[[Mapping], str]:
 
 KINDS: dict[str, Callable[[Mapping], str]] = {
     "provenance": provenance, "summary": summary, "gmm_timing": gmm_timing,
-    "gather": gather, "layer": layer, "layer_bench": layer_bench, "train": train,
+    "gather": gather, "layer": layer, "layer_bench": layer_bench, "gmm_bench": gmm_bench,
+    "train": train,
     "serving_bench": serving_bench,
     "quantization_moejax": _quantization("moejax"), "quantization_hf": _quantization("hf")}
 

@@ -56,3 +56,28 @@ def test_a_block_naming_a_missing_record_or_kind_is_one_error(tmp_path):
   with pytest.raises(record_blocks.RecordError, match="has no 'layer' for a layer block"):
     record_blocks.render("<!-- moejax:record device/r.json layer -->\n"
                          "<!-- moejax:end record -->", str(tmp_path))
+
+
+def test_a_gmm_bench_record_renders_its_rows_failures_and_skips(tmp_path):
+  (tmp_path / "bench").mkdir()
+  rec = {"m": 8, "k": 4, "n": 2, "groups": 2, "dtype": "float32", "results": {
+      "dense": {"median_s": 0.5, "tflops": 0.25, "fraction_of_dense": 1.0},
+      "ragged_dot": {"median_s": 2.0, "tflops": 0.0625, "fraction_of_dense": 0.25},
+      "blocked": {"median_s": 1.0, "tflops": 0.125, "fraction_of_dense": 0.5,
+                  "max_rel_err_vs_ragged_dot": {"out": 1e-7, "d_lhs": 2e-7, "d_rhs": 3e-7}}},
+      "failed": {"mine": {"error": "ValueError: boom"}},
+      "skipped": {"pallas_gpu": "needs a GPU"}}
+  (tmp_path / "bench" / "gmm.json").write_text(json.dumps(rec), encoding="utf-8")
+  got = record_blocks.render("<!-- moejax:record bench/gmm.json gmm_bench -->\n"
+                             "<!-- moejax:end record -->\n", str(tmp_path))
+  assert got == (
+      "<!-- moejax:record bench/gmm.json gmm_bench -->\n"
+      "m=8 k=4 n=2 G=2, float32:\n\n"
+      "| variant | median s | TFLOP/s | x dense | rel err (out, d_lhs, d_rhs) |\n"
+      "|---|---:|---:|---:|---|\n"
+      "| `dense` | 0.5 | 0.250 | 1.00 |  |\n"
+      "| `ragged_dot` | 2 | 0.062 | 0.25 | reference |\n"
+      "| `blocked` | 1 | 0.125 | 0.50 | 1.0e-07, 2.0e-07, 3.0e-07 |\n"
+      "| `mine` | failed: ValueError: boom | | | |\n"
+      "| `pallas_gpu` | skipped: needs a GPU | | | |\n"
+      "<!-- moejax:end record -->\n")
