@@ -9,8 +9,9 @@ under ``results/`` and what to render from it::
     ... (regenerated) ...
     <!-- moejax:end record -->
 
-What can be rendered (:data:`KINDS`): ``provenance`` (the command, date,
-commit and machine the record carries, "not recorded" where it has none),
+What can be rendered (:data:`KINDS`): ``provenance`` (the command and the
+machine the record carries, "not recorded" where it has none, and the
+record's path, which holds the date and the commit),
 ``summary`` (each step's status), the device check's ``gmm_timing``,
 ``gather``, ``layer`` and ``train`` tables, the layer and grouped-matmul
 benches' tables (``layer_bench``, ``gmm_bench``, results/bench/), and the serving bench's and the
@@ -55,8 +56,10 @@ def provenance(rec: Mapping) -> str:
       f"JAX {env['jax']}, flax {env.get('flax_version', 'not recorded')}, Python "
       f"{env['python']}" if "device_kind" in env else "not recorded")
   note = f"- note: {rec['note']}\n" if rec.get("note") else ""
-  return (f"- command: `{command}`\n- date: {rec.get('date', 'not recorded')}\n"
-          f"- commit: {rec.get('commit', 'not recorded')}\n- machine: {machine}\n{note}")
+  # The date and the commit stay in the record: the rendered file carries what a reader
+  # reruns (the command) and where it ran, not when.
+  return (f"- command: `{command}`\n- machine: {machine}\n"
+          f"- date and commit: in `{rec['record']}`\n{note}")
 
 
 def summary(rec: Mapping) -> str:
@@ -214,7 +217,9 @@ def render(text: str, results: str = RESULTS) -> str:
     if kind not in KINDS:
       raise RecordError(f"a block asks for {kind!r}; use one of {', '.join(KINDS)}")
     try:
-      body = KINDS[kind](load(m.group("path"), results))
+      # ``record``: the file's path, which the provenance block names.
+      body = KINDS[kind](dict(load(m.group("path"), results),
+                              record=f"results/{m.group('path')}"))
     except KeyError as e:
       raise RecordError(f"results/{m.group('path')} has no {e} for a {kind} block. Fix: "
                         "pick a kind its steps recorded") from e

@@ -34,7 +34,8 @@ def test_a_block_is_regenerated_from_its_record_and_missing_fields_say_so(tmp_pa
   got = record_blocks.render(text, str(tmp_path))
   assert got == (
       "a\n<!-- moejax:record device/r.json provenance -->\n"
-      "- command: `python -m x`\n- date: D\n- commit: not recorded\n- machine: not recorded\n"
+      "- command: `python -m x`\n- machine: not recorded\n"
+      "- date and commit: in `results/device/r.json`\n"
       "- note: n\n<!-- moejax:end record -->\n"
       "b\n<!-- moejax:record device/r.json gmm_timing -->\n"
       "m=8 k=4 n=2 G=2, bfloat16, median of the timed runs:\n\n"
