@@ -146,6 +146,12 @@ def layer_bench(rec: Mapping) -> str:
   return "\n".join(out)
 
 
+def rel_errors(err: Mapping) -> str:
+  """A gmm bench row's errors against ragged_dot (out, d_lhs, d_rhs), as the table prints
+  them (experiments/benchmarks/gmm.py's too)."""
+  return ", ".join(f"{v:.1e}" if isinstance(v, float) else str(v) for v in err.values())
+
+
 def gmm_bench(rec: Mapping) -> str:
   """``experiments.bench --suite=gmm``'s record: each backend's median, rate, ratio to the
   dense matmul of the same FLOPs, and its error against ragged_dot."""
@@ -154,8 +160,7 @@ def gmm_bench(rec: Mapping) -> str:
            "|---|---:|---:|---:|---|"]
   for name, r in rec["results"].items():
     err = r.get("max_rel_err_vs_ragged_dot")
-    err_s = ", ".join(f"{v:.1e}" if isinstance(v, float) else str(v) for v in err.values()
-                      ) if err else ("reference" if name == "ragged_dot" else "")
+    err_s = rel_errors(err) if err else ("reference" if name == "ragged_dot" else "")
     lines.append(f"| `{name}` | {r['median_s']:.4g} | {r['tflops']:.3f} | "
                  f"{r['fraction_of_dense']:.2f} | {err_s} |")
   for name, r in rec.get("failed", {}).items():

@@ -17,6 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 from absl import flags
 
+from experiments import record_blocks
 from experiments.benchmarks import common
 from experiments.benchmarks import lib as bench_lib
 from experiments.benchmarks import registry
@@ -84,8 +85,7 @@ def print_gmm_table(res: dict) -> None:
         "vs ragged_dot (out, d_lhs, d_rhs)")
   for name, r in res["results"].items():
     err = r.get("max_rel_err_vs_ragged_dot")
-    err_s = (", ".join(f"{v:.1e}" if isinstance(v, float) else str(v) for v in err.values())
-             if err else "")
+    err_s = record_blocks.rel_errors(err) if err else ""
     print(f"{name:<14}{r['median_s']:>12.5f}{r['tflops']:>10.3f}{r['fraction_of_dense']:>9.2f}"
           f"  {err_s}")
   for name, r in res.get("failed", {}).items():
