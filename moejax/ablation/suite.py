@@ -232,8 +232,8 @@ def suite_from_dict(tree: Mapping[str, Any] | Any) -> Suite:
       raise e.within(f"suite.arms.{arm_name} builds an invalid experiment{at}") from e
     arms.append(Arm(arm_name, overrides, exp))
   match = _match_compute(tree, arms_tree)
-  arms = [_compute_matched(a, {b.name: b for b in arms}[match[a.name]]) if a.name in match
-          else a for a in arms]
+  by_name = {a.name: a for a in arms}  # the references as built, before any is matched
+  arms = [_compute_matched(a, by_name[match[a.name]]) if a.name in match else a for a in arms]
   return _check_source_use(Suite(
       name=name, description=tree.get("description", ""), arms=tuple(arms), fixed=fixed,
       seeds=seeds, analysis=analysis, baseline=baseline, reproduction=reproduction,
