@@ -420,8 +420,9 @@ def _ragged_tgmm(lhs, grad, group_sizes, *, out_dtype, interpret):
 BACKEND = Backend(name="ragged_dot", gmm=_ragged_gmm, tgmm=_ragged_tgmm,
                   needs="nothing (any platform)", custom_vjp=False,
                   auto_on=(ANY_PLATFORM,),  # correct everywhere: auto's fallback
-                  # On an H200 at 4096 rows per expert (the layer bench's coarse shape,
-                  # fwd+bwd) whole_group ran at 1.76x its dense FFN and ragged_dot at
-                  # 14.9x (docs/benchmarks.md); smaller groups were not measured there.
-                  auto_large_groups=(("gpu", "whole_group", 4096),))
+                  # On an H200 whole_group was the fastest layer path at every group
+                  # size the device check measured, down to 1024 rows per expert
+                  # (fwd+bwd 2.2x its dense FFN there, ragged_dot far slower:
+                  # docs/benchmarks.md); smaller groups were not measured.
+                  auto_large_groups=(("gpu", "whole_group", 1024),))
 register_backend(BACKEND)

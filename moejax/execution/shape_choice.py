@@ -10,7 +10,7 @@ resolving ``auto`` fills in from the chosen backend's ``auto_large_groups``
 (:func:`moejax.execution.executor.resolve_execution`). On CPU none does:
 the layer suite found ``whole_group``'s one matmul per expert slower than
 ``blocked``'s tiled loop at every shape it measured. On a GPU, ``auto``'s
-``ragged_dot`` hands groups of 4096 rows or more to ``whole_group``, which
+``ragged_dot`` hands groups of 1024 rows or more to ``whole_group``, which
 the device check measured several times faster there (docs/benchmarks.md).
 Shapes are static under ``jit``, so the choice is made once per
 traced shape; :func:`choose` reports each distinct decision once per process

@@ -107,17 +107,19 @@ def test_each_distinct_decision_is_reported_once(monkeypatch):
 
 def test_shipped_rules_are_the_measured_ones():
   # CPU: the layer suite found whole_group slower than the tiled loop at every shape
-  # it measured, so no rule. GPU: auto's ragged_dot switches to whole_group from 4096
-  # rows per expert, where the device check measured it about 8x faster. TPU: none.
+  # it measured, so no rule. GPU: auto's ragged_dot switches to whole_group from 1024
+  # rows per expert, the smallest group the device check measured it fastest at. TPU: none.
   for platform in ("cpu", "tpu"):
     ex = executor_lib.resolve_execution(C.MoEConfig(), platform).execution
     assert (ex.large_group_backend, ex.large_group_rows) == ("", 0), platform
   gpu = executor_lib.resolve_execution(C.MoEConfig(), "gpu").execution
   assert (gpu.backend, gpu.large_group_backend, gpu.large_group_rows) == (
-      "ragged_dot", "whole_group", 4096)
+      "ragged_dot", "whole_group", 1024)
   rule = parallel.shape_rule_for(C.MoEConfig(), "gpu")
   assert rule.pick(16384 * 2, 8) == "whole_group"    # the measured coarse shape
-  assert rule.pick(16384 * 8, 64) == "ragged_dot"    # 2048 rows per expert: unmeasured
+  assert rule.pick(16384 * 8, 64) == "whole_group"   # the fine shape, 2048 rows per expert
+  assert rule.pick(16384 * 2, 32) == "whole_group"   # 1024 rows per expert, the smallest measured
+  assert rule.pick(16384 * 2, 64) == "ragged_dot"    # 512 rows per expert: unmeasured
   assert gmm_lib.get_backend("ragged_dot").large_groups_on("cpu") == ()
   assert gmm_lib.get_backend("blocked").large_groups_on("cpu") == ()
 
