@@ -138,7 +138,7 @@ def _expert_bytes(model) -> int:
     groups += [ffn.params.get("experts"), ffn.params.get("shared")]
   seen, total = set(), 0
   for g in groups:
-    for key in ("w_gate", "w_up", "w_down"):
+    for key in ("w_gate_up", "w_gate", "w_up", "w_down"):
       v = None if g is None else g.get(key)
       if v is not None and id(v) not in seen:
         seen.add(id(v))

@@ -344,7 +344,7 @@ def test_expert_sharing_shares_exactly_the_routed_experts():
     for name in ffn[a].params["experts"]:
       assert ffn[a].params["experts"][name] is ffn[b].params["experts"][name]
     assert ffn[a].params["router"] is not ffn[b].params["router"]
-  assert ffn[1].params["experts"]["w_up"] is not ffn[2].params["experts"]["w_up"]
+  assert ffn[1].params["experts"]["w_gate_up"] is not ffn[2].params["experts"]["w_gate_up"]
 
 
 def test_mod_block_around_moe_routes_only_selected_tokens():

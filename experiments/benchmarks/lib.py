@@ -25,6 +25,7 @@ from moejax.execution import gmm as gmm_lib
 from moejax.execution import grouped_ffn
 from moejax.execution import shape_choice
 from moejax.routing.types import RoutingResult
+from moejax.topology import experts as experts_lib
 
 # The two layer shapes of docs/execution.md (T = 8192, d = 512 by default), and two
 # more for ``auto``'s shape rule (--shapes): groups of M / E = 512 and 8192 rows.
@@ -268,15 +269,16 @@ def gshard_ffn(p, x, ids, weights, *, num_experts, capacity_factor, group):
   combine = dispatch * gate_e[..., None]
   xg = x.reshape(g, s, d)
   xe = jnp.einsum("gsec,gsd->egcd", dispatch, xg)
-  h = jax.nn.silu(jnp.einsum("egcd,edf->egcf", xe, p["w_gate"])) * jnp.einsum(
-      "egcd,edf->egcf", xe, p["w_up"])
+  a, b = experts_lib.split_gate_up(jnp.einsum("egcd,edf->egcf", xe, p["w_gate_up"]))
+  h = jax.nn.silu(a) * b
   ye = jnp.einsum("egcf,efd->egcd", h, p["w_down"])
   return jnp.einsum("gsec,egcd->gsd", combine, ye).reshape(t, d)
 
 
 def layer_problem(t: int, d: int, e: int, k: int, f: int, *, dtype=jnp.float32,
                   seed: int = 0) -> dict:
-  """Inputs, a fixed routing, MoE params [E, d, f] and dense params of width K*f."""
+  """Inputs, a fixed routing, MoE params (the gate|up layout: w_gate_up [E, d, 2f],
+  w_down [E, f, d]) and dense params of width K*f."""
   ks = jax.random.split(jax.random.PRNGKey(seed), 9)
   s_in, s_h = d ** -0.5, f ** -0.5
   cast = lambda a: a.astype(dtype)
@@ -285,8 +287,9 @@ def layer_problem(t: int, d: int, e: int, k: int, f: int, *, dtype=jnp.float32,
       "x": cast(jax.random.normal(ks[0], (t, d), jnp.float32)),
       "cot": cast(jax.random.normal(ks[1], (t, d), jnp.float32)),
       "routing": random_routing(ks[2], t, e, k),
-      "moe": {"w_gate": cast(jax.random.normal(ks[3], (e, d, f)) * s_in),
-              "w_up": cast(jax.random.normal(ks[4], (e, d, f)) * s_in),
+      "moe": {"w_gate_up": cast(experts_lib.fuse_gate_up(
+                  jax.random.normal(ks[3], (e, d, f)) * s_in,
+                  jax.random.normal(ks[4], (e, d, f)) * s_in)),
               "w_down": cast(jax.random.normal(ks[5], (e, f, d)) * s_h)},
       "dense": {"w_gate": cast(jax.random.normal(ks[6], (d, k * f)) * s_in),
                 "w_up": cast(jax.random.normal(ks[7], (d, k * f)) * s_in),

@@ -60,6 +60,7 @@ from moejax.config import (ExecutionConfig, ModelConfig, MoEConfig, RoutingConfi
 from moejax.model import Transformer, dense_equivalent, param_count
 from moejax.serve import Decoder
 from moejax.serve.generate import prefill_inputs
+from moejax.topology import experts as experts_lib
 
 _BATCHES = flags.DEFINE_list("serving_batches", ["1", "2", "4", "8", "16", "32", "64", "128",
                                                  "256"], "batch sizes")
@@ -165,8 +166,8 @@ def _gather_moe(params, x, top_k):
   vals, ids = jax.lax.top_k(x @ params["router"]["w"], top_k)
   w = jax.nn.softmax(vals, axis=-1)
   e = params["experts"]
-  h = jax.nn.silu(jnp.einsum("td,tkdf->tkf", x, e["w_gate"][ids])) * jnp.einsum(
-      "td,tkdf->tkf", x, e["w_up"][ids])
+  gate, up = experts_lib.split_gate_up(jnp.einsum("td,tkdf->tkf", x, e["w_gate_up"][ids]))
+  h = jax.nn.silu(gate) * up
   return jnp.einsum("tk,tkd->td", w, jnp.einsum("tkf,tkfd->tkd", h, e["w_down"][ids]))
 
 

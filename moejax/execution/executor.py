@@ -11,8 +11,8 @@ capacity, and hands an executor the routed experts' work::
 
     y[t] = sum_{k : valid, id < E} weights[t, k] * FFN_{id[t, k]}(x[t])
 
-``experts`` is the topology's expert pytree (``w_gate``/``w_up``/``w_down``
-[E, d, f] / [E, f, d]); ``result`` the routing after capacity (dropped
+``experts`` is the topology's expert pytree (``w_gate_up`` [E, d, 2f] or
+``w_up`` [E, d, f], and ``w_down`` [E, f, d]); ``result`` the routing after capacity (dropped
 slots already invalid); ``width_mask`` f32[E, f] zeroes padded hidden units
 of heterogeneous experts (None: equal widths); ``capacity`` is C when the
 layer drops (an executor may size buffers by it). ``extras`` is a dict of

@@ -11,7 +11,8 @@ tiles of the dropless layout (``permute.sort_by_expert``, tiles from
 ``tiling.expert_tiles``) are visited directly: each expert's n_e // tm full
 tm-row tiles (no row masks) and its remainder in *one* tile of the next
 static size (``tiling.remainder_sizes``). Per tile, with W1 = [W_gate |
-W_up] (one [d, 2f] matmul instead of two [d, f] ones):
+W_up] (the stored ``w_gate_up`` of the expert: one [d, 2f] matmul instead of
+two [d, f] ones, and no concatenation):
 
     forward:  x_t = x[tokens]            (gather from [T, d], which stays in cache)
               [a|b] = x_t W1, h = silu(a) * b, y_t = h W_down
@@ -36,9 +37,9 @@ them by kind of instruction):
 * An expert's remainder tile *sets* its gradient slices (no accumulator to
   zero-fill and add); its full tiles then run in one loop per expert
   (weights sliced once), accumulate in the loop carry and add one sum.
-* The gate and up gradients are written per expert into their own
-  [E, d, f] outputs (slicing the [d, 2f] accumulator), not split out of an
-  [E, d, 2f] array afterwards (at E=512: 512 MiB written twice).
+* The gate|up gradient of an expert is its [d, 2f] accumulator, written
+  once into the [E, d, 2f] gradient of ``w_gate_up`` (the layout of the
+  weight, so nothing is split or concatenated per expert).
 
 Rows of a remainder tile that belong to another expert gather token T (out
 of range, filled with zeros), so they add nothing and scatter nowhere. GELU
@@ -54,6 +55,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from moejax.execution import tiling
+from moejax.topology import experts as experts_lib
 
 
 def _gather(a, idx):
@@ -73,23 +75,19 @@ def _act_fwd(activation, a, b):
   return jax.nn.gelu(a)
 
 
-def _first_layer(params, g, gated):
-  """[d, F1] input weights of expert g: [w_gate | w_up] (F1 = 2f) or w_up.
+def _keys(activation):
+  """(first-layer key, 'w_down'): 'w_gate_up' [E, d, 2f] (F1 = 2f) or 'w_up' [E, d, f]."""
+  return experts_lib.FIRST_LAYER[activation], "w_down"
+
+
+def _expert_weights(params, activation, g):
+  """(W1 [d, F1], W_down [f, d]) of expert g: slices of the stored stacks.
 
   One [tm, d] x [d, 2f] matmul instead of two [d, f] ones: at fine expert
   widths (f = 256) the wider product runs measurably closer to peak on CPU.
   """
-  wu = lax.dynamic_index_in_dim(params["w_up"], g, keepdims=False)
-  if not gated:
-    return wu
-  wg = lax.dynamic_index_in_dim(params["w_gate"], g, keepdims=False)
-  return jnp.concatenate([wg, wu], axis=1)
-
-
-def _expert_weights(params, gated, g):
-  """(W1 [d, F1], W_down [f, d]) of expert g."""
-  return (_first_layer(params, g, gated),
-          lax.dynamic_index_in_dim(params["w_down"], g, keepdims=False))
+  return tuple(lax.dynamic_index_in_dim(params[k], g, keepdims=False)
+               for k in _keys(activation))
 
 
 def _rows(a, r0, size):
@@ -145,10 +143,10 @@ def _forward(activation, tm, ts, fine, params, x, w_rows, src_token, group_sizes
   """
   t, d = x.shape
   m = src_token.shape[0]
-  f = params["w_up"].shape[2]
+  f = experts_lib.hidden_width(params)
   gated = activation == "swiglu"
   tiles = tiling.expert_tiles(group_sizes, m, tm, ts, fine)
-  weights = functools.partial(_expert_weights, params, gated)
+  weights = functools.partial(_expert_weights, params, activation)
 
   def tile(w, size, r0, keep, carry):
     (w1, wd), (y, pre) = w, carry
@@ -204,34 +202,24 @@ def _tile_backward(activation, x, dy, w_rows, src_token, pre, w, size, r0, keep,
   return (dx, dw_rows), (_dot(xt, dab, _TN), dwd)
 
 
-def _write_grads(grads, g, acc, f, gated, add):
-  """grads (w_gate?, w_up, w_down) [E, ...] f32 with expert g's accumulator
-  (dW1 [d, F1], dWd [f, d]) written (``add``: added) at g.
-
-  Each of w_gate / w_up gets its own [E, d, f] gradient: slicing the
-  cache-resident [d, 2f] accumulator here is cheap, splitting an [E, d, 2f]
-  array after the loop is not (at E=512 it is 512 MiB written twice).
-  """
-  acc1, accd = acc
-  parts = (acc1[:, :f], acc1[:, f:], accd) if gated else (acc1, accd)
-
+def _write_grads(grads, g, acc, add):
+  """grads (W1, w_down) [E, ...] f32 with expert g's accumulator (dW1 [d, F1],
+  dWd [f, d]) written (``add``: added) at g."""
   def put(gg, p):
     if add:
       p = lax.dynamic_index_in_dim(gg, g, keepdims=False) + p
     return lax.dynamic_update_index_in_dim(gg, p, g, 0)
 
-  return tuple(put(gg, p) for gg, p in zip(grads, parts))
+  return tuple(put(gg, p) for gg, p in zip(grads, acc))
 
 
 def _backward(activation, tm, ts, fine, params, x, w_rows, src_token, group_sizes, pre, dy):
   t, d = x.shape
   m = src_token.shape[0]
-  f = params["w_up"].shape[2]
-  gated = activation == "swiglu"
   tiles = tiling.expert_tiles(group_sizes, m, tm, ts, fine)
-  weights = functools.partial(_expert_weights, params, gated)
+  weights = functools.partial(_expert_weights, params, activation)
   dy = dy.astype(x.dtype)
-  names = ("w_gate", "w_up", "w_down") if gated else ("w_up", "w_down")
+  names = _keys(activation)
   tile = functools.partial(_tile_backward, activation, x, dy, w_rows, src_token, pre)
 
   # An expert's remainder tile runs first and *sets* its gradient (no
@@ -239,7 +227,7 @@ def _backward(activation, tm, ts, fine, params, x, w_rows, src_token, group_size
   def rest(g, size, r0, keep, carry):
     rows, grads = carry
     rows, acc = tile(weights(g), size, r0, keep, rows)
-    return rows, _write_grads(grads, g, acc, f, gated, add=False)
+    return rows, _write_grads(grads, g, acc, add=False)
 
   def expert(g, carry):
     rows, grads = carry
@@ -251,7 +239,7 @@ def _backward(activation, tm, ts, fine, params, x, w_rows, src_token, group_size
       return rows, jax.tree.map(jnp.add, ca[1], acc_t)
 
     rows, acc = lax.fori_loop(1, tiles.full[g], more, (rows, acc))
-    return rows, _write_grads(grads, g, acc, f, gated, add=True)
+    return rows, _write_grads(grads, g, acc, add=True)
 
   carry = ((jnp.zeros((t, d), jnp.float32), jnp.zeros((m,), jnp.float32)),
            tuple(jnp.zeros(params[n].shape, jnp.float32) for n in names))
@@ -301,8 +289,7 @@ def blocked_ffn(params, x, weights, plan, *, activation: str,
   (``tiling.remainder_sizes``; default ``FUSED_TILE_FINE``, 0 for none).
   """
   tm, ts = tiling.fused_tiles(plan.num_rows, plan.group_sizes.shape[0], tile_m, tile_small)
-  keys = ("w_gate", "w_up", "w_down") if activation == "swiglu" else ("w_up", "w_down")
-  params = {k: params[k] for k in keys}
+  params = {k: params[k] for k in _keys(activation)}
   fine = tiling.FUSED_TILE_FINE if tile_fine is None else int(tile_fine)
   return _ffn(activation, tm, ts, fine, params, x, weights, plan.src_token, plan.src_slot,
               plan.dst, plan.group_sizes)

@@ -9,8 +9,10 @@ Zero-computation experts (ids >= E) and invalid slots are excluded here; the
 layer adds the zero-computation outputs itself. Expert parameters follow the
 topology contract (``moejax.topology.experts``):
 
-* swiglu: ``{'w_gate': [E, d, f], 'w_up': [E, d, f], 'w_down': [E, f, d]}``,
-  FFN(x) = (silu(x w_gate) * (x w_up)) w_down;
+* swiglu: ``{'w_gate_up': [E, d, 2f], 'w_down': [E, f, d]}``, with
+  [w_gate | w_up] side by side in ``w_gate_up``,
+  FFN(x) = (silu(x w_gate) * (x w_up)) w_down: one [*, 2f] matmul whose
+  output is split into its halves;
 * gelu: ``{'w_up': [E, d, f], 'w_down': [E, f, d]}``,
   FFN(x) = gelu(x w_up) w_down with ``jax.nn.gelu``'s default tanh
   approximation (``approximate=True``);
@@ -48,9 +50,9 @@ from moejax.execution import permute as permute_lib
 from moejax.execution import scopes
 from moejax.execution import shape_choice
 from moejax.routing.types import RoutingResult
+from moejax.topology import experts as experts_lib
 
-ACTIVATION_KEYS = {"swiglu": ("w_gate", "w_up", "w_down"),
-                   "gelu": ("w_up", "w_down")}
+ACTIVATION_KEYS = {act: (key, "w_down") for act, key in experts_lib.FIRST_LAYER.items()}
 
 
 def _check_params(params: Mapping[str, Any], d: int, num_experts: int,
@@ -61,12 +63,15 @@ def _check_params(params: Mapping[str, Any], d: int, num_experts: int,
   need = ACTIVATION_KEYS[activation]
   missing = [key for key in need if key not in params]
   if missing:
+    fix = ("moejax.topology.experts.fused_layout(params) joins separate 'w_gate' / 'w_up' "
+           "stacks" if "w_gate" in params else "build them with moejax.topology.experts "
+           "for the same activation")
     raise ValueError(f"expert params lack {missing} for activation={activation!r} "
-                     f"(have {sorted(params)}). Fix: build them with "
-                     "moejax.topology.experts for the same activation")
-  e, dd, f = params["w_up"].shape
+                     f"(have {sorted(params)}). Fix: {fix}")
+  f = experts_lib.hidden_width(params)
   for key in need:
-    want = (num_experts, f, d) if key == "w_down" else (num_experts, d, f)
+    width = 2 * f if key == experts_lib.GATE_UP else f
+    want = (num_experts, f, d) if key == "w_down" else (num_experts, d, width)
     if params[key].shape != want:
       raise ValueError(f"expert params[{key!r}] has shape {params[key].shape}, expected "
                        f"{want} (E={num_experts}, d={d}, f={f}). Fix: pass "
@@ -99,9 +104,10 @@ def _ffn_rows(params: Mapping[str, jax.Array], xs: jax.Array, group_sizes: jax.A
   width mask is already folded into ``params``.
   """
   kw = dict(backend=backend, interpret=interpret, **options)
-  if activation == "swiglu":
-    h = (jax.nn.silu(gmm_lib.gmm(xs, params["w_gate"], group_sizes, **kw))
-         * gmm_lib.gmm(xs, params["w_up"], group_sizes, **kw))
+  if activation == "swiglu":  # one [M, 2f] grouped matmul, split into gate and up
+    a, b = experts_lib.split_gate_up(
+        gmm_lib.gmm(xs, params[experts_lib.GATE_UP], group_sizes, **kw))
+    h = jax.nn.silu(a) * b
   else:
     h = jax.nn.gelu(gmm_lib.gmm(xs, params["w_up"], group_sizes, **kw))
   return gmm_lib.gmm(h.astype(xs.dtype), params["w_down"], group_sizes, **kw)
@@ -120,8 +126,9 @@ def _ffn_folded(params: Mapping[str, jax.Array], x: jax.Array, plan: permute_lib
   """
   kw = dict(backend=backend, interpret=interpret, **options)
   tok, gs = plan.src_token, plan.group_sizes
-  if activation == "swiglu":  # one gather of each tile's x rows for both matmuls
-    a, b = folded_gmm.gather_gmm(x, tok, (params["w_gate"], params["w_up"]), gs, **kw)
+  if activation == "swiglu":  # one gathered [M, 2f] matmul, split into gate and up
+    a, b = experts_lib.split_gate_up(
+        folded_gmm.gather_gmm(x, tok, params[experts_lib.GATE_UP], gs, **kw))
     h = jax.nn.silu(a) * b
   else:
     h = jax.nn.gelu(folded_gmm.gather_gmm(x, tok, params["w_up"], gs, **kw))
@@ -177,7 +184,7 @@ def routed_ffn(expert_params: Mapping[str, jax.Array], x: jax.Array,
   """
   if rule is not None:
     backend = shape_choice.choose(rule, x.shape[0], expert_ids.shape[-1], num_experts,
-                                  x.shape[-1], expert_params["w_up"].shape[-1])
+                                  x.shape[-1], experts_lib.hidden_width(expert_params))
   if backend == "reference":
     raise ValueError("backend='reference' is the layer's own per-expert loop "
                      "(moejax.layer with cfg.execution.backend='reference'). Fix: pick one of "

@@ -47,6 +47,7 @@ from moejax.execution import blocked as blocked_lib
 from moejax.execution import fused as fused_lib
 from moejax.execution import gmm as gmm_lib
 from moejax.execution import tiling
+from moejax.topology import experts as experts_lib
 
 # Capacity buckets as multiples of the balanced group size m / G: a call
 # runs the smallest that holds its largest group, else the tiled path.
@@ -163,15 +164,9 @@ def whole_group_tgmm(lhs, grad, group_sizes, *, out_dtype, interpret=False,
 # --- The routed FFN over [E, C] slots. ----------------------------------------
 #
 # The same math as fused.py's tile bodies, batched over the experts: W1 =
-# [W_gate | W_up] ([E, d, 2f]) or W_up, pre-activations [a|b] saved in the
+# the stored w_gate_up ([E, d, 2f]) or w_up, pre-activations [a|b] saved in the
 # sorted [M, F1] layout (the tiled path's residual), the combine and dx as
 # gathers of each token's K slots.
-
-
-def _w1(params, gated):
-  if not gated:
-    return params["w_up"]
-  return jnp.concatenate([params["w_gate"], params["w_up"]], axis=2)
 
 
 def _combine(s: _Slots, slot_rows, dst):
@@ -185,11 +180,11 @@ def _combine(s: _Slots, slot_rows, dst):
 def _bucket_forward(activation, c, params, x, w_rows, src_token, dst, group_sizes, save):
   """(y [T, d], pre [M, F1] or None) with every expert's rows in C slots."""
   m = src_token.shape[0]
-  f = params["w_up"].shape[2]
+  f = experts_lib.hidden_width(params)
   gated = activation == "swiglu"
   s = _Slots(group_sizes, m, c)
   xs = s.to_slots(x, src_token)  # [E, C, d]
-  ab = _bdot(xs, _w1(params, gated), "ecd,edf->ecf")
+  ab = _bdot(xs, params[fused_lib._keys(activation)[0]], "ecd,edf->ecf")
   h = fused_lib._act_fwd(activation, ab[..., :f], ab[..., f:]) if gated else (
       fused_lib._act_fwd(activation, ab, None))
   ws = s.to_slots(w_rows)  # [E, C] combine weights, 0 on empty slots
@@ -202,10 +197,11 @@ def _bucket_backward(activation, c, params, x, w_rows, src_token, dst, group_siz
                      dy):
   """(grads, dx [T, d], dw_rows [M]): the tiled path's backward, batched over experts."""
   m = src_token.shape[0]
-  f = params["w_up"].shape[2]
+  f = experts_lib.hidden_width(params)
   gated = activation == "swiglu"
   s = _Slots(group_sizes, m, c)
-  w1, wd = _w1(params, gated), params["w_down"]
+  names = fused_lib._keys(activation)
+  w1, wd = (params[n] for n in names)
   xs, dys = s.to_slots(x, src_token), s.to_slots(dy, src_token)
   ws = s.to_slots(w_rows)[..., None]
   ab = s.to_slots(pre).astype(jnp.float32)
@@ -227,9 +223,7 @@ def _bucket_backward(activation, c, params, x, w_rows, src_token, dst, group_siz
   dab = dab.astype(x.dtype)
   dx = _combine(s, _bdot(dab, w1, "ecf,edf->ecd"), dst)
   dw1 = _bdot(xs, dab, "ecd,ecf->edf")
-  parts = (dw1[..., :f], dw1[..., f:], dwd) if gated else (dw1, dwd)
-  names = ("w_gate", "w_up", "w_down") if gated else ("w_up", "w_down")
-  grads = {n: p.astype(params[n].dtype) for n, p in zip(names, parts)}
+  grads = {n: p.astype(params[n].dtype) for n, p in zip(names, (dw1, dwd))}
   return grads, dx.astype(x.dtype), dw_rows
 
 
@@ -297,8 +291,7 @@ def whole_group_ffn(params, x, weights, plan, *, activation: str, bucket_factors
   (:func:`moejax.execution.fused.blocked_ffn`).
   """
   m, e = plan.num_rows, plan.group_sizes.shape[0]
-  keys = ("w_gate", "w_up", "w_down") if activation == "swiglu" else ("w_up", "w_down")
-  params = {k: params[k] for k in keys}
+  params = {k: params[k] for k in fused_lib._keys(activation)}
   tm, ts = tiling.fused_tiles(m, e, tile_m, tile_small)
   fine = tiling.FUSED_TILE_FINE if tile_fine is None else int(tile_fine)
   return _ffn(activation, bucket_sizes(m, e, bucket_factors), (tm, ts, fine), params, x,

@@ -47,6 +47,7 @@ import numpy as np
 from moejax.config import ConfigError, ModelConfig, MoEConfig, from_dict
 from moejax.config.finetune import UpcycleConfig
 from moejax.finetune import source as source_lib
+from moejax.topology import experts as experts_lib
 from moejax.train.config import ExperimentConfig
 
 FIELD = source_lib.FIELD
@@ -74,7 +75,9 @@ def upcycle_ffn(dense: dict, moe: MoEConfig, up: UpcycleConfig, key: jax.Array) 
   """One dense FFN -> the stacked experts of an MoE layer (see the module doc).
 
   dense: {'w_gate'?, 'w_up': {'kernel': [d, F]}, 'w_down': {'kernel': [F, d]}}.
-  Returns {'w_gate'?, 'w_up': [E, d, f], 'w_down': [E, f, d]}.
+  Returns the routed-expert layout of :mod:`moejax.topology.experts`:
+  {'w_gate_up': [E, d, 2f], 'w_down'} (gated) or {'w_up': [E, d, f], 'w_down'}
+  (each matrix is sliced, dropped and noised as its own [E, d, f] first).
   """
   g, e = up.split, moe.num_experts
   big_f, d = dense["w_down"]["kernel"].shape
@@ -102,7 +105,7 @@ def upcycle_ffn(dense: dict, moe: MoEConfig, up: UpcycleConfig, key: jax.Array) 
           jax.random.fold_in(k_noise, i), out[n].shape)
   if up.renormalize:
     out["w_down"] = out["w_down"] * (g / moe.routing.routed_scaling_factor)
-  return out
+  return experts_lib.fused_layout(out)
 
 
 def _inner(block: dict) -> dict:

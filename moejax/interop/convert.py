@@ -29,8 +29,9 @@ writes the block under the family's names, in one of two layouts:
 
 Tensor mapping (torch ``nn.Linear`` stores weight [out, in]; moejax einsums
 take [in, out]): router ``gate.weight`` [E, d] = w.T; ``gate_proj`` /
-``up_proj`` / ``down_proj`` of expert e = w_gate[e].T / w_up[e].T /
-w_down[e].T; the shared FFN likewise with F; Qwen's
+``up_proj`` / ``down_proj`` of expert e = w_gate_up[e, :, :f].T /
+w_gate_up[e, :, f:].T / w_down[e].T (transformers' fused ``gate_up_proj``
+[E, 2f, d] is w_gate_up transposed per expert, gate rows first); the shared FFN likewise with F; Qwen's
 ``shared_expert_gate.weight`` [1, d] = w_shared_gate.T; DeepSeek-V3's
 ``gate.e_score_correction_bias`` [E] = RouterState.bias. Transposes are
 exact, so export -> import returns bit-identical arrays.
@@ -188,16 +189,14 @@ def import_moe_block(source: Any, hf_config: Any = None, *, layer: Optional[int]
     layout = "fused"
     gu = rd("experts.gate_up_proj", (e, 2 * f, d), "[E, 2f, d], W_gate rows first")
     down = rd("experts.down_proj", (e, d, f), "[E, d, f]")
-    experts = {"w_gate": gu[:, :f].transpose(0, 2, 1), "w_up": gu[:, f:].transpose(0, 2, 1),
-               "w_down": down.transpose(0, 2, 1)}
+    experts = {"w_gate_up": gu.transpose(0, 2, 1), "w_down": down.transpose(0, 2, 1)}
   else:
     layout = "checkpoint"
     g, u, dn = family.expert_keys
     per = [(rd(f"experts.{i}.{g}.weight", (f, d), "[f, d]"),
             rd(f"experts.{i}.{u}.weight", (f, d), "[f, d]"),
             rd(f"experts.{i}.{dn}.weight", (d, f), "[d, f]")) for i in range(e)]
-    experts = {"w_gate": np.stack([t[0].T for t in per]),
-               "w_up": np.stack([t[1].T for t in per]),
+    experts = {"w_gate_up": np.stack([np.concatenate([t[0].T, t[1].T], axis=1) for t in per]),
                "w_down": np.stack([t[2].T for t in per])}
 
   params = {"router": {"w": router.T}, "experts": experts}
@@ -306,13 +305,12 @@ def export_moe_block(params: Mapping, state: Optional[RouterState], cfg: MoEConf
   else:
     p = ""
 
-  wg = _param(params, ("experts", "w_gate"), (e, d, f), "[E, d, f]")
-  wu = _param(params, ("experts", "w_up"), (e, d, f), "[E, d, f]")
+  wgu = _param(params, ("experts", "w_gate_up"), (e, d, 2 * f), "[E, d, 2f], gate | up")
+  wg, wu = wgu[..., :f], wgu[..., f:]
   wd = _param(params, ("experts", "w_down"), (e, f, d), "[E, f, d]")
   sd = {p + family.router_key: np.ascontiguousarray(w.T)}
   if layout == "fused":
-    sd[p + "experts.gate_up_proj"] = np.ascontiguousarray(
-        np.concatenate([wg, wu], axis=2).transpose(0, 2, 1))
+    sd[p + "experts.gate_up_proj"] = _t(wgu, (0, 2, 1))
     sd[p + "experts.down_proj"] = _t(wd, (0, 2, 1))
   else:
     g, u, dn = family.expert_keys

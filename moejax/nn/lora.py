@@ -13,7 +13,10 @@ Two kinds, the same formula:
   as it is; only ``.../lora/lora_a`` and ``lora_b`` are new.
 - MoE adapters (:func:`init_moe_adapters`): per routed expert, A_e [E, i, r]
   and B_e [E, r, o] on each expert matrix (w_gate, w_up [E, d, f], w_down
-  [E, f, d]), and A [i, r], B [r, o] on a shared expert's matrices.
+  [E, f, d]), and A [i, r], B [r, o] on a shared expert's matrices. A gated
+  expert stack stores W_gate and W_up as one ``w_gate_up`` [E, d, 2f]; they
+  are still two matrices with an adapter each (rank r apiece, not one rank-r
+  adapter across both), merged into their own half.
   :func:`merge_adapters` forms W_e + (alpha / r) A_e B_e *before* the MoE
   layer runs, so the executor sees ordinary expert weights: every grouped-
   matmul backend, the reference executor and expert parallelism run the
@@ -35,6 +38,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from moejax.topology import experts as experts_lib
 from moejax.topology import roles
 
 # Expert / shared-expert matrices that get adapters (the shared expert's gate
@@ -87,20 +91,30 @@ def init_adapter(key: jax.Array, shape: tuple, rank: int) -> dict:
   return {"a": a, "b": jnp.zeros((*lead, rank, o), jnp.float32)}
 
 
+def _matrices(params: Mapping[str, Any]) -> dict:
+  """{name: shape} of the adapted matrices of a params group, 'w_gate_up' [..., 2f] seen
+  as its two halves 'w_gate' and 'w_up' [..., f]."""
+  shapes = {k: tuple(v.shape) for k, v in params.items()}
+  if experts_lib.GATE_UP in shapes:
+    *lead, two_f = shapes.pop(experts_lib.GATE_UP)
+    shapes["w_gate"] = shapes["w_up"] = (*lead, two_f // 2)
+  return {k: shapes[k] for k in ADAPTED_KEYS if k in shapes}
+
+
 def init_moe_adapters(key: jax.Array, params: Mapping[str, Any], targets, rank: int) -> dict:
   """Adapters for a MoE layer's params: ``targets`` among ``experts`` and ``shared``.
 
   Returns ``{sub: {matrix: {'a', 'b'}}}`` for every matrix of
-  :data:`ADAPTED_KEYS` the layer's ``params[sub]`` has.
+  :data:`ADAPTED_KEYS` the layer's ``params[sub]`` has ('w_gate' and 'w_up'
+  for a stored 'w_gate_up').
   """
   out = {}
   for sub in targets:
     if sub not in params:
       continue
-    mats = [k for k in ADAPTED_KEYS if k in params[sub]]
+    mats = _matrices(params[sub])
     keys = jax.random.split(jax.random.fold_in(key, len(sub)), len(mats))
-    out[sub] = {k: init_adapter(kk, tuple(params[sub][k].shape), rank)
-                for k, kk in zip(mats, keys)}
+    out[sub] = {k: init_adapter(kk, shape, rank) for (k, shape), kk in zip(mats.items(), keys)}
   return out
 
 
@@ -110,9 +124,16 @@ def merge_adapters(params: Mapping[str, Any], adapters: Mapping[str, Any],
   out = dict(params)
   for sub, mats in adapters.items():
     merged = dict(out[sub])
-    for k, ab in mats.items():
+    deltas = {k: jnp.matmul(ab["a"].astype(jnp.float32), ab["b"].astype(jnp.float32))
+              for k, ab in mats.items()}
+    if experts_lib.GATE_UP in merged and {"w_gate", "w_up"} & set(deltas):
+      # Each half of [W_gate | W_up] gets its own matrix's update (zero without one).
+      w = merged[experts_lib.GATE_UP]
+      zero = jnp.zeros(w.shape[:-1] + (w.shape[-1] // 2,), jnp.float32)
+      deltas[experts_lib.GATE_UP] = experts_lib.fuse_gate_up(deltas.pop("w_gate", zero),
+                                                              deltas.pop("w_up", zero))
+    for k, delta in deltas.items():
       w = merged[k]
-      delta = jnp.matmul(ab["a"].astype(jnp.float32), ab["b"].astype(jnp.float32))
       merged[k] = (w.astype(jnp.float32) + scale * delta).astype(w.dtype)
     out[sub] = merged
   return out

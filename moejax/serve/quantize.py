@@ -3,7 +3,9 @@
 Legend: E routed experts, I a weight's input (contraction) width, O its
 output width, g group size, d model width, f expert hidden width.
 
-What is quantised: the routed experts' ``w_gate`` / ``w_up`` [E, d, f] and
+What is quantised: the routed experts' ``w_gate_up`` [E, d, 2f] (W_gate and
+W_up side by side: every output column has its own scales, so this is the
+quantisation of the two matrices apart) or ``w_up`` [E, d, f] and
 ``w_down`` [E, f, d], and the shared experts' ``w_gate`` / ``w_up`` [d, F_s],
 ``w_down`` [F_s, d]: the weights that hold almost all of an MoE's
 parameters. What stays in float: the router (its top-k is a discrete
@@ -54,7 +56,8 @@ from moejax.config import ConfigError, MoEConfig
 BITS = {8: jnp.int8, 4: jnp.int4}
 SCALE_DTYPES = ("float32", "bfloat16", "float16")
 # Expert-weight keys quantised, per parameter group; anything else stays float.
-ROUTED_KEYS = ("w_gate", "w_up", "w_down")   # [E, I, O]
+# [E, I, O]; 'w_gate' / 'w_up': a layer built before the gate|up layout
+ROUTED_KEYS = ("w_gate_up", "w_gate", "w_up", "w_down")
 SHARED_KEYS = ("w_gate", "w_up", "w_down")   # [I, O]; 'w_shared_gate' stays float
 
 

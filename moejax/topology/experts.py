@@ -7,8 +7,17 @@ expert, K_s shared experts, f_s width of one shared expert.
 Routed expert parameters are stacked on a leading expert axis; the layer and
 every execution backend depend on exactly this layout::
 
-  swiglu: {'w_gate': [E, d, f], 'w_up': [E, d, f], 'w_down': [E, f, d]}
+  swiglu: {'w_gate_up': [E, d, 2f], 'w_down': [E, f, d]}
   gelu:   {'w_up': [E, d, f], 'w_down': [E, f, d]}
+
+``w_gate_up`` holds each expert's W_gate and W_up side by side (columns
+[0, f) gate, [f, 2f) up), the layout of Megatron-LM's grouped experts and of
+transformers' fused ``gate_up_proj``: the first layer of a gated expert is
+one [d, 2f] matmul, and no step concatenates the two per expert. They are
+still two matrices (:func:`split_gate_up`): their optimizer role says so
+(``output_blocks=2``), and LoRA adapts each on its own. Checkpoints of the
+earlier layout, with separate 'w_gate' and 'w_up' stacks, are converted on
+restore (:mod:`moejax.train.layout_restore`).
 
 SwiGLU is down(silu(x W_gate) * (x W_up)) (Shazeer 2002.05202); GELU is
 down(gelu(x W_up)) with jax's default tanh approximation, as the dense FFN in
@@ -40,6 +49,46 @@ from moejax.topology import roles
 Params = dict[str, Any]
 
 _ACTIVATIONS = ("swiglu", "gelu")
+GATE_UP = "w_gate_up"  # a gated expert stack's [E, d, 2f] first layer
+# The first-layer weight of each activation's expert stack.
+FIRST_LAYER = {"swiglu": GATE_UP, "gelu": "w_up"}
+
+
+def fuse_gate_up(w_gate: jax.Array, w_up: jax.Array) -> jax.Array:
+  """[..., d, 2f]: W_gate and W_up side by side on the last axis."""
+  return jnp.concatenate([w_gate, w_up], axis=-1)
+
+
+def split_gate_up(w: jax.Array) -> tuple[jax.Array, jax.Array]:
+  """(gate, up): the two halves of the last axis of a [..., 2f] weight or activation."""
+  f = w.shape[-1] // 2
+  return w[..., :f], w[..., f:]
+
+
+def fused_layout(params: Params) -> Params:
+  """Routed-expert params in the current layout: separate 'w_gate' / 'w_up' stacks (the
+  earlier layout) become one 'w_gate_up'; anything else comes back as it was."""
+  if "w_gate" not in params or "w_up" not in params or GATE_UP in params:
+    return dict(params)
+  out = {GATE_UP: fuse_gate_up(params["w_gate"], params["w_up"])}
+  out.update((k, v) for k, v in params.items() if k not in ("w_gate", "w_up"))
+  return out
+
+
+def split_layout(params: Params) -> Params:
+  """Routed-expert params with 'w_gate_up' split into 'w_gate' and 'w_up' (the per-matrix
+  view that exporters and per-matrix tools read); gelu params come back as they were."""
+  if GATE_UP not in params:
+    return dict(params)
+  gate, up = split_gate_up(params[GATE_UP])
+  out = {"w_gate": gate, "w_up": up}
+  out.update((k, v) for k, v in params.items() if k != GATE_UP)
+  return out
+
+
+def hidden_width(params: Params) -> int:
+  """f, the hidden width of a routed-expert stack (rows of its [E, f, d] W_down)."""
+  return params["w_down"].shape[-2]
 
 
 def _fan_in_init(key: jax.Array, shape: tuple, dtype, in_axis: int = -2,
@@ -79,8 +128,10 @@ def init_experts(key: jax.Array, d_model: int, cfg: MoEConfig,
   """Stacked routed-expert weights, zero-padded past each expert's width.
 
   Returns:
-    swiglu: {'w_gate': [E, d, f], 'w_up': [E, d, f], 'w_down': [E, f, d]};
-    gelu: {'w_up', 'w_down'} with the same shapes.
+    swiglu: {'w_gate_up': [E, d, 2f], 'w_down': [E, f, d]};
+    gelu: {'w_up': [E, d, f], 'w_down': [E, f, d]}.
+    W_gate and W_up are drawn as two [E, d, f] stacks (fan-in d each) from the
+    same keys as when they were stored apart, so a seed gives the same weights.
   """
   if cfg.topology.activation not in _ACTIVATIONS:
     raise ConfigError("moe.topology.activation", cfg.topology.activation, "unknown activation",
@@ -97,20 +148,26 @@ def init_experts(key: jax.Array, d_model: int, cfg: MoEConfig,
   params = {"w_up": pad_cols(w_up), "w_down": jnp.where(mask[:, :, None] > 0, w_down, 0.0)}
   if cfg.topology.activation == "swiglu":
     w_gate = _fan_in_init(k_gate, (e, d_model, f), jnp.float32, batch_axis=(0,))
-    params = {"w_gate": pad_cols(w_gate), **params}
+    params = {GATE_UP: fuse_gate_up(pad_cols(w_gate), params.pop("w_up")), **params}
   return jax.tree.map(lambda a: a.astype(dtype), params)
 
 
-def _hidden(x: jax.Array, w_up: jax.Array, w_gate: Optional[jax.Array],
-            activation: str, up_spec: str) -> jax.Array:
-  up = jnp.einsum(up_spec, x, w_up.astype(x.dtype))
-  if activation == "swiglu":
-    if w_gate is None:
-      raise ValueError("swiglu experts need 'w_gate' in their params")
-    return jax.nn.silu(jnp.einsum(up_spec, x, w_gate.astype(x.dtype))) * up
+def _hidden(x: jax.Array, params: Params, activation: str, up_spec: str) -> jax.Array:
+  """act(x W_1): W_1 is 'w_gate_up' (routed, one matmul then split) or 'w_gate' and
+  'w_up' (the shared experts' dense FFN) for swiglu, 'w_up' for gelu."""
   if activation == "gelu":
-    return jax.nn.gelu(up)
-  raise ValueError(f"activation={activation!r}: use one of {', '.join(_ACTIVATIONS)}")
+    return jax.nn.gelu(jnp.einsum(up_spec, x, params["w_up"].astype(x.dtype)))
+  if activation != "swiglu":
+    raise ValueError(f"activation={activation!r}: use one of {', '.join(_ACTIVATIONS)}")
+  if GATE_UP in params:
+    gate, up = split_gate_up(jnp.einsum(up_spec, x, params[GATE_UP].astype(x.dtype)))
+  elif "w_gate" in params:
+    gate = jnp.einsum(up_spec, x, params["w_gate"].astype(x.dtype))
+    up = jnp.einsum(up_spec, x, params["w_up"].astype(x.dtype))
+  else:
+    raise ValueError(f"swiglu experts need {GATE_UP!r} (or 'w_gate' and 'w_up') in their "
+                     f"params, have {sorted(params)}")
+  return jax.nn.silu(gate) * up
 
 
 def expert_ffn(params_e: Params, x: jax.Array, activation: str,
@@ -118,13 +175,13 @@ def expert_ffn(params_e: Params, x: jax.Array, activation: str,
   """One expert on its tokens: x[n, d] -> [n, d].
 
   Args:
-    params_e: one expert's slice: 'w_up' [d, f], 'w_down' [f, d], and
-      'w_gate' [d, f] for swiglu.
+    params_e: one expert's slice: 'w_gate_up' [d, 2f] (swiglu) or 'w_up'
+      [d, f] (gelu), and 'w_down' [f, d].
     x: [n, d] tokens routed to this expert.
     activation: 'swiglu' or 'gelu'.
     mask_e: optional f32[f] hidden-unit mask (a row of :func:`width_mask`).
   """
-  h = _hidden(x, params_e["w_up"], params_e.get("w_gate"), activation, "nd,df->nf")
+  h = _hidden(x, params_e, activation, "nd,df->nf")
   if mask_e is not None:
     h = h * mask_e.astype(h.dtype)
   return jnp.einsum("nf,fd->nd", h, params_e["w_down"].astype(h.dtype))
@@ -141,7 +198,7 @@ def experts_dense(params: Params, x_ecd: jax.Array, activation: str,
     activation: 'swiglu' or 'gelu'.
     mask: optional f32[E, f] from :func:`width_mask`.
   """
-  h = _hidden(x_ecd, params["w_up"], params.get("w_gate"), activation, "ecd,edf->ecf")
+  h = _hidden(x_ecd, params, activation, "ecd,edf->ecf")
   if mask is not None:
     h = h * mask[:, None, :].astype(h.dtype)
   return jnp.einsum("ecf,efd->ecd", h, params["w_down"].astype(h.dtype))
@@ -150,8 +207,10 @@ def experts_dense(params: Params, x_ecd: jax.Array, activation: str,
 # ---------------------------------------------------------------------------
 def expert_roles(params: Params) -> dict:
   """Optimizer roles of :func:`init_experts`' weights: each a stack of E expert matrices
-  ([E, d, f] and [E, f, d]), orthogonalised per expert, never as one matrix."""
-  return {name: roles.stack("experts") for name in params}
+  ([E, d, f] and [E, f, d]), orthogonalised per expert, never as one matrix; 'w_gate_up'
+  is two matrices per expert (W_gate and W_up side by side), orthogonalised one by one."""
+  return {name: roles.stack("experts", output_blocks=2 if name == GATE_UP else 1)
+          for name in params}
 
 
 # Shared (always-on) experts.
@@ -211,7 +270,7 @@ def apply_shared(params: Params, x: jax.Array) -> jax.Array:
   with 'w_shared_gate' the result is scaled by sigmoid(x w_shared_gate).
   """
   activation = "swiglu" if "w_gate" in params else "gelu"
-  h = _hidden(x, params["w_up"], params.get("w_gate"), activation, "td,df->tf")
+  h = _hidden(x, params, activation, "td,df->tf")
   y = jnp.einsum("tf,fd->td", h, params["w_down"].astype(h.dtype))
   if "w_shared_gate" in params:
     gate = jax.nn.sigmoid(jnp.einsum("td,do->to", x, params["w_shared_gate"].astype(x.dtype)))

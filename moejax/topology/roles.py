@@ -37,11 +37,15 @@ class ParamRole:
     reduction / output: for a hidden matrix, the input and output axes of
       y = x W (every other axis is a batch axis); both empty for an
       element-wise parameter.
+    output_blocks: n > 1 when the output axis holds n independent matrices
+      side by side (a gated expert's [W_gate | W_up]): an optimizer that
+      treats W as a matrix treats each of the n blocks as its own matrix.
   """
 
   component: str
   reduction: tuple[int, ...] = ()
   output: tuple[int, ...] = ()
+  output_blocks: int = 1
 
   @property
   def matrix(self) -> bool:
@@ -54,9 +58,10 @@ def matrix(component: str) -> ParamRole:
   return ParamRole(component, (0,), (1,))
 
 
-def stack(component: str) -> ParamRole:
-  """A [B, in, out] stack of B independent matrices (experts [E, d, f], heads [H, d, D])."""
-  return ParamRole(component, (1,), (2,))
+def stack(component: str, output_blocks: int = 1) -> ParamRole:
+  """A [B, in, out] stack of B independent matrices (experts [E, d, f], heads [H, d, D]);
+  ``output_blocks`` n: each of them is n matrices [in, out / n] side by side."""
+  return ParamRole(component, (1,), (2,), output_blocks)
 
 
 def elementwise(component: str) -> ParamRole:

@@ -47,7 +47,7 @@ import orbax.checkpoint as ocp
 
 from moejax.config import plugins as plugins_lib
 from moejax.config import to_dict
-from moejax.train import damage, idea_restore, integrity, writable
+from moejax.train import damage, idea_restore, integrity, layout_restore, writable
 from moejax.train.event_loops import draining_event_loops, start_draining, stop_draining
 from moejax.train.config import ExperimentConfig, current_layout, diff, experiment_to_json
 
@@ -309,6 +309,7 @@ class Checkpointer:
                resumed: Optional["Restored"] = None):
     self.resumed = resumed
     self.grafted: set[str] = set()  # idea-state paths the last restore added (idea_restore)
+    self.joined: dict = {}  # w_gate_up paths the last restore joined (layout_restore)
     self._pending: dict[int, dict] = {}  # step -> checksum record, until orbax commits it
     options = ocp.CheckpointManagerOptions(max_to_keep=keep, create=not read_only,
                                            read_only=read_only,
@@ -329,8 +330,9 @@ class Checkpointer:
       meta = self.manager.item_metadata(step)["state"]
     want, have = _shapes(abstract_state), _shapes(meta)
     new_ideas = idea_restore.absent(want, have)  # restored from their initial values
+    joined = layout_restore.converted_paths(layout_restore.legacy_pairs(want, have))
     bad = sorted((k for k in set(want) | set(have)
-                  if want.get(k) != have.get(k) and k not in new_ideas),
+                  if want.get(k) != have.get(k) and k not in new_ideas | joined),
                  key=lambda k: (not k.startswith("params"), k))  # params first: the clearest
     if bad:
       lines = [f"{k}: checkpoint {have.get(k, '<absent>')} vs model {want.get(k, '<absent>')}"
@@ -369,19 +371,24 @@ class Checkpointer:
     refuses to guess one for a checkpoint written on other devices (another
     process count or mesh), and the leaf's saved sharding names devices that
     may not exist here. Idea state the checkpoint predates comes from ``fill``
-    (:func:`moejax.train.idea_restore.initial`).
+    (:func:`moejax.train.idea_restore.initial`); separate expert 'w_gate' /
+    'w_up' arrays are joined (:mod:`moejax.train.layout_restore`).
     """
     with draining_event_loops():  # a damaged checkpoint's reads end here (moejax.train.event_loops)
-      new_ideas = idea_restore.absent(
-          _shapes(abstract_state), _shapes(self.manager.item_metadata(step)["state"]))
+      want, have = _shapes(abstract_state), _shapes(self.manager.item_metadata(step)["state"])
+      new_ideas, joined = idea_restore.absent(want, have), layout_restore.legacy_pairs(want, have)
+      target = layout_restore.legacy_target(idea_restore.without(abstract_state, new_ideas),
+                                            joined)
       out = self.manager.restore(step, args=ocp.args.Composite(
-          state=ocp.args.StandardRestore(_placed(idea_restore.without(abstract_state,
-                                                                      new_ideas))),
-          data=ocp.args.JsonRestore()))
-    state = idea_restore.graft(out["state"], abstract_state, new_ideas, fill,
-                               f"checkpoint {step}")
-    self.grafted = new_ideas  # not in the checkpoint, so not in its checksums either
+          state=ocp.args.StandardRestore(_placed(target)), data=ocp.args.JsonRestore()))
+    state = layout_restore.join(out["state"], abstract_state, joined, f"checkpoint {step}")
+    state = idea_restore.graft(state, abstract_state, new_ideas, fill, f"checkpoint {step}")
+    self.grafted, self.joined = new_ideas, joined  # what its checksums do not describe as is
     return state, dict(out["data"])
+
+  def as_saved(self, tree: Any) -> Any:
+    """The last restored ``tree`` as the checkpoint stores it (what its checksums describe)."""
+    return layout_restore.as_saved(idea_restore.without(tree, self.grafted), self.joined)
 
   def wait(self) -> None:
     self.manager.wait_until_finished()
@@ -464,8 +471,7 @@ def restore_latest(workdir: str, steps, abstract_state: Any,
       if bad:
         skipped.append((step, f"not finite ({guard.describe(bad)})"))
         continue
-      verdict = integrity.verify_step(ckpt.step_dir(step),
-                                      idea_restore.without(tree, ckpt.grafted), data_state)
+      verdict = integrity.verify_step(ckpt.step_dir(step), ckpt.as_saved(tree), data_state)
       if verdict.mismatches:
         skipped.append((step, verdict.note))
         continue

@@ -91,7 +91,7 @@ def model_at(cfg: ExperimentConfig, workdir: str, step: Optional[int] = None):
                                         idea_restore.initial(cfg))
       except Exception as e:  # orbax / TensorStore: the part named, not their reprs
         raise _damaged(step_dir, step, steps, f"damaged: {damage.restore_error(e)}") from None
-      _verify(step_dir, step, steps, idea_restore.without(tree, ckpt.grafted), data_state)
+      _verify(step_dir, step, steps, ckpt.as_saved(tree), data_state)
     finally:
       ckpt.close()
   return nnx.merge(graphdef, tree["params"], tree["router_state"], tree["other"]), step

@@ -16,7 +16,10 @@ optimizer: global-norm clipping before it, frozen parameters masked out.
   their axes are the matrix, the model declares
   (:mod:`moejax.topology.roles`): attention and dense projections are
   matrices, an expert stack [E, d, f] is E matrices orthogonalised one by
-  one (dimension numbers whose batch axis is E); embeddings, the head,
+  one (dimension numbers whose batch axis is E), and a gated stack's
+  [E, d, 2f] ``w_gate_up`` is 2E matrices (its role has ``output_blocks=2``:
+  Muon sees it as [E, d, 2, f], W_gate and W_up each orthogonalised and
+  scaled as the [d, f] matrix it is); embeddings, the head,
   norms, routers, gates and LoRA adapters are AdamW's. The router's
   selection bias is router state, never a parameter, so no optimizer sees it.
 
@@ -176,13 +179,48 @@ def labels(tree: Any, role_at: RoleAt) -> Any:
 
 
 def dimension_numbers(tree: Any, role_at: RoleAt) -> Any:
-  """optax's MuonDimensionNumbers for each leaf of ``tree`` (all matrices): its declared
-  reduction and output axes; every other axis (E of an expert stack) is a batch axis."""
+  """optax's MuonDimensionNumbers for each leaf of ``tree`` (all matrices, seen in blocks:
+  :func:`in_blocks`): its declared reduction and output axes; every other axis (E of an
+  expert stack, the block axis of a gate|up stack) is a batch axis."""
   def dims(path, _):
     role = role_at(path_keys(path))
+    output = role.output if role.output_blocks == 1 else tuple(a + 1 for a in role.output)
     return optax.contrib.MuonDimensionNumbers(reduction_axis=role.reduction,
-                                              output_axis=role.output)
+                                              output_axis=output)
   return jax.tree_util.tree_map_with_path(dims, tree)
+
+
+def _block_view(tree: Any, role_at: RoleAt, split: bool) -> Any:
+  """Leaves whose role has n = output_blocks > 1: [..., n o] -> [..., n, o] (``split``)
+  or back. The output axis must be the last one (checked)."""
+  def view(path, leaf):
+    role = role_at(path_keys(path))
+    n = role.output_blocks
+    if n == 1:
+      return leaf
+    if split:
+      if role.output != (leaf.ndim - 1,) or leaf.shape[-1] % n:
+        raise ValueError(f"{'/'.join(map(str, path_keys(path)))}: {n} output blocks need "
+                         f"the last axis as output and divisible by {n}, got shape "
+                         f"{leaf.shape}, output axes {role.output}. Fix: declare "
+                         "output_blocks only on a [..., in, n * out] weight")
+      return leaf.reshape(leaf.shape[:-1] + (n, leaf.shape[-1] // n))
+    return leaf.reshape(leaf.shape[:-2] + (-1,))
+  return jax.tree_util.tree_map_with_path(view, tree)
+
+
+def in_blocks(inner: optax.GradientTransformation,
+              role_at: RoleAt) -> optax.GradientTransformation:
+  """``inner`` run on the parameters seen in their declared output blocks (a gate|up stack
+  [E, d, 2f] as [E, d, 2, f]); its updates come back in the stored shapes."""
+  def init(params):
+    return inner.init(_block_view(params, role_at, True))
+
+  def update(updates, state, params=None):
+    seen = None if params is None else _block_view(params, role_at, True)
+    out, state = inner.update(_block_view(updates, role_at, True), state, seen)
+    return _block_view(out, role_at, False), state
+  return optax.GradientTransformation(init, update)
 
 
 class Muon(OptimizerSpec):
@@ -202,10 +240,11 @@ class Muon(OptimizerSpec):
     # AdamW half of contrib.muon receives nothing: the rest gets moejax's
     # AdamW, exactly as train.optimizer='adamw' runs it (optax's half would
     # use Nesterov momentum and decay the norm scales).
-    muon = optax.contrib.muon(
+    muon = in_blocks(optax.contrib.muon(
         schedule(cfg, o.learning_rate), ns_steps=o.ns_steps, beta=o.momentum,
         weight_decay=wd, nesterov=o.nesterov, consistent_rms=o.consistent_rms,
-        muon_weight_dimension_numbers=lambda tree: dimension_numbers(tree, role_at))
+        muon_weight_dimension_numbers=lambda tree: dimension_numbers(tree, role_at)),
+        role_at)
     return optax.partition({"muon": muon, "adamw": adamw(cfg)},
                            lambda tree: labels(tree, role_at))
 

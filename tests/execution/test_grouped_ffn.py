@@ -9,6 +9,7 @@ from moejax.execution import grouped_ffn as X
 from moejax.execution import gmm as gmm_lib
 from moejax.execution import tiling
 from moejax.routing.types import RoutingResult
+from moejax.topology import experts as experts_lib
 
 T, D, E, K, F, Z = 13, 8, 4, 3, 16, 2  # Z zero-computation experts (ids E..E+Z-1)
 
@@ -27,7 +28,7 @@ def _setup(activation, seed=0, dtype=jnp.float32, with_mask=True):
             "w_down": jax.random.normal(ks[4], (E, F, D)) / np.sqrt(F)}
   if activation == "swiglu":
     params["w_gate"] = jax.random.normal(ks[5], (E, D, F)) * scale
-  params = jax.tree.map(lambda a: a.astype(dtype), params)
+  params = experts_lib.fused_layout(jax.tree.map(lambda a: a.astype(dtype), params))
   # Heterogeneous widths 16, 12, 8, 16 zero-padded to F.
   widths = jnp.array([16, 12, 8, 16])
   mask = (jnp.arange(F)[None, :] < widths[:, None]).astype(jnp.float32) if with_mask else None
@@ -37,6 +38,7 @@ def _setup(activation, seed=0, dtype=jnp.float32, with_mask=True):
 def naive_routed(params, x, result, activation, mask):
   """sum_k w[t,k] FFN_{id}(x_t), every expert on every token, one at a time."""
   y = jnp.zeros(x.shape, jnp.float32)
+  params = experts_lib.split_layout(params)
   for e in range(E):
     xe = x.astype(jnp.float32)
     if activation == "swiglu":
@@ -152,7 +154,7 @@ def test_everything_zero_computation_gives_zero():
     (dict(backend="reference"), "layer's own per-expert loop"),
     (dict(backend="ragged"), "did you mean 'ragged_dot'"),
     (dict(activation="relu"), "activation='relu' is unknown"),
-    (dict(num_experts=5), r"params\['w_gate'\] has shape \(4, 8, 16\), expected \(5, 8, 16\)"),
+    (dict(num_experts=5), r"params\['w_gate_up'\] has shape \(4, 8, 32\), expected \(5, 8, 32\)"),
     (dict(width_mask=jnp.ones((4, 3))), r"width_mask has shape \(4, 3\)"),
 ])
 def test_bad_inputs(kwargs, match):
@@ -165,7 +167,7 @@ def test_bad_inputs(kwargs, match):
 
 def test_missing_param_for_activation():
   params, x, result, _ = _setup("gelu", with_mask=False)
-  with pytest.raises(ValueError, match=r"lack \['w_gate'\] for activation='swiglu'"):
+  with pytest.raises(ValueError, match=r"lack \['w_gate_up'\] for activation='swiglu'"):
     X.routed_experts(params, x, result, num_experts=E, activation="swiglu",
                      backend="blocked")
 
@@ -187,6 +189,7 @@ def test_fused_many_experts_matches_unfused():
   params = {"w_gate": jax.random.normal(ks[3], (e, D, F)) / np.sqrt(D),
             "w_up": jax.random.normal(ks[4], (e, D, F)) / np.sqrt(D),
             "w_down": jax.random.normal(ks[5], (e, F, D)) / np.sqrt(F)}
+  params = experts_lib.fused_layout(params)
   valid = jnp.ones((t, k), bool)
 
   def run(p, x, w, fused):
@@ -231,6 +234,7 @@ def test_fused_fine_tile_sizes_match_unfused(counts):
   params = {"w_gate": jax.random.normal(ks[3], (e, D, F)) / np.sqrt(D),
             "w_up": jax.random.normal(ks[4], (e, D, F)) / np.sqrt(D),
             "w_down": jax.random.normal(ks[5], (e, F, D)) / np.sqrt(F)}
+  params = experts_lib.fused_layout(params)
   valid = jnp.ones((t, k), bool).at[0, 0].set(False)
 
   def run(p, x, w, fused):

@@ -18,6 +18,7 @@ from moejax.execution import gmm as gmm_lib
 from moejax.execution import grouped_ffn as X
 from moejax.execution import pallas_gpu
 from moejax.execution import pallas_gpu_folded as PF
+from moejax.topology import experts as experts_lib
 
 T, M, K, N, N2, G = 10, 24, 20, 18, 5, 4
 SIZES = [5, 0, 9, 6]  # an empty group; 20 of 24 rows used
@@ -219,7 +220,7 @@ def _route(seed=0, t=7, e=3, k=2):
   w = jax.random.uniform(ks[3], (t, k))
   p = {n: jax.random.normal(kk, (e, 24, 16) if n == "w_down" else (e, 16, 24)) * 0.3
        for n, kk in zip(("w_gate", "w_up", "w_down"), jax.random.split(ks[4], 3))}
-  return p, x, ids, valid, w, e
+  return experts_lib.fused_layout(p), x, ids, valid, w, e
 
 
 def test_routed_ffn_pallas_gpu_matches_ragged_dot():

@@ -12,6 +12,7 @@ import pytest
 
 from moejax.execution import blocked as blocked_lib
 from moejax.execution import folded_gmm as F
+from moejax.topology import experts as experts_lib
 from moejax.execution import gmm as gmm_lib
 from moejax.execution import grouped_ffn as X
 from moejax.execution import pallas_tpu_folded as PF
@@ -177,6 +178,7 @@ def test_routed_ffn_pallas_tpu_takes_the_folded_path_and_matches(monkeypatch):
   w = jax.random.uniform(ks[3], (T, 2))
   p = {n: jax.random.normal(k, (4, N, K_DIM) if n == "w_down" else (4, K_DIM, N)) / 4
        for n, k in zip(("w_gate", "w_up", "w_down"), jax.random.split(ks[4], 3))}
+  p = experts_lib.fused_layout(p)
   mask = jnp.ones((4, N)).at[2, 16:].set(0)
   calls, permute = [], P.permute
   monkeypatch.setattr(X.permute_lib, "permute", lambda *a, **k: calls.append(1) or permute(

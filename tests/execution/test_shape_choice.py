@@ -14,6 +14,7 @@ from moejax.execution import executor as executor_lib
 from moejax.execution import gmm as gmm_lib
 from moejax.execution import grouped_ffn, parallel, shape_choice
 from moejax.execution import whole_group as wg
+from moejax.topology import experts as experts_lib
 from tests.configs import moe_config
 
 
@@ -62,6 +63,7 @@ def test_whole_group_forward_alone_equals_the_differentiated_one(activation, fac
   params = {"w_up": jax.random.normal(ks[3], (e, d, f)), "w_down": jax.random.normal(ks[4], (e, f, d))}
   if activation == "swiglu":
     params["w_gate"] = jax.random.normal(ks[5], (e, d, f))
+  params = experts_lib.fused_layout(params)
   ffn = lambda p, x, w: grouped_ffn.routed_ffn(p, x, ids, valid, w, num_experts=e,
                                                activation=activation, backend="whole_group",
                                                bucket_factors=factors)

@@ -121,7 +121,7 @@ def test_every_parameter_has_a_component():
   assert got["blocks/0/attn/q_proj/kernel"] == "attention"
   assert got["blocks/0/attn_norm/scale"] == "norms"
   assert got["blocks/0/ffn/params/router/w"] == "router"
-  assert got["blocks/0/ffn/params/experts/w_up"] == "experts"
+  assert got["blocks/0/ffn/params/experts/w_gate_up"] == "experts"
   assert got["embed/embedding"] == got["lm_head/kernel"] == "embeddings"
   assert shared_got["blocks/1/block/ffn/params/shared/w_up"] == "dense"
   assert shared_got["blocks/0/ffn/w_up/kernel"] == "dense"

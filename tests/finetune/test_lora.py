@@ -16,6 +16,7 @@ from moejax.finetune import adapters as adapters_lib
 from moejax.config.finetune import present_components
 from moejax.model import Transformer
 from moejax.nn import lora as lora_lib
+from moejax.topology import experts as experts_lib
 from tests.train import helpers
 
 TOKENS = jnp.asarray(np.random.default_rng(0).integers(0, 256, (2, 16)), jnp.int32)
@@ -147,3 +148,26 @@ def test_merge_tree_drops_adapters_and_folds_them_in():
   np.testing.assert_array_equal(out["q"]["kernel"], np.full((2, 3), 2.0))
   np.testing.assert_array_equal(out["ffn"]["params"]["experts"]["w_up"], np.full((2, 2, 2), .5))
   assert set(out["q"]) == {"kernel"} and set(out["ffn"]) == {"params"}
+
+
+def test_gate_up_keeps_a_gate_and_an_up_adapter_with_the_same_function():
+  """A stored [W_gate | W_up] gets two adapters, each merged into its own half: the
+  merge equals merging the two matrices apart and joining them."""
+  w_gu = jnp.arange(2 * 3 * 4, dtype=jnp.float32).reshape(2, 3, 4)   # E=2, d=3, f=2
+  params = {"experts": {"w_gate_up": w_gu, "w_down": jnp.ones((2, 2, 3))}}
+  ad = lora_lib.init_moe_adapters(jax.random.key(0), params, ("experts",), 1)["experts"]
+  assert {k: (v["a"].shape, v["b"].shape) for k, v in ad.items()} == {
+      "w_gate": ((2, 3, 1), (2, 1, 2)), "w_up": ((2, 3, 1), (2, 1, 2)),
+      "w_down": ((2, 2, 1), (2, 1, 3))}
+  ad = {k: {"a": v["a"], "b": jnp.full(v["b"].shape, 1.0 + i)} for i, (k, v) in enumerate(
+      ad.items())}
+  got = lora_lib.merge_adapters(params, {"experts": ad}, 0.5)["experts"]
+  apart = lora_lib.merge_adapters({"experts": experts_lib.split_layout(params["experts"])},
+                                  {"experts": ad}, 0.5)["experts"]
+  np.testing.assert_array_equal(got["w_gate_up"],
+                                experts_lib.fuse_gate_up(apart["w_gate"], apart["w_up"]))
+  np.testing.assert_array_equal(got["w_down"], apart["w_down"])
+  # Only the up adapter: the gate half is unchanged.
+  up_only = lora_lib.merge_adapters(params, {"experts": {"w_up": ad["w_up"]}}, 0.5)["experts"]
+  np.testing.assert_array_equal(up_only["w_gate_up"][..., :2], w_gu[..., :2])
+  assert not np.array_equal(up_only["w_gate_up"][..., 2:], w_gu[..., 2:])

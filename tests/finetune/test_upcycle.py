@@ -17,6 +17,7 @@ from moejax.config.finetune import FinetuneConfig, UpcycleConfig, check_upcycle_
 from moejax.finetune import source as source_lib
 from moejax.finetune import upcycle as up_lib
 from moejax.model import Transformer
+from moejax.topology import experts as experts_lib
 
 # d=16, 2 layers, dense width F=32: small enough that every forward is milliseconds.
 DENSE = ModelConfig(vocab_size=64, d_model=16, n_layers=2, n_heads=2, dense_ff_width=32,
@@ -71,6 +72,8 @@ def test_fine_grained_experts_are_the_dense_slices_and_the_uniform_router_reprod
   np.testing.assert_allclose(np.asarray(model(TOKENS)[0]), _dense_logits(), atol=2e-5)
   for i in (0, 1):
     ex, ffn = params["blocks"][i]["ffn"]["params"]["experts"], dense["blocks"][i]["ffn"]
+    assert ex["w_gate_up"].shape == (4, 16, 32)
+    ex = experts_lib.split_layout(ex)
     assert ex["w_up"].shape == (4, 16, 16) and ex["w_down"].shape == (4, 16, 16)
     for e in range(4):
       s = slice(16 * (e % 2), 16 * (e % 2 + 1))
@@ -102,7 +105,8 @@ def test_drop_upcycling_reinitialises_exactly_round_r_f_units_per_expert():
   up = UpcycleConfig(drop=0.3, renormalize=False)   # round(0.3 x 32) = round(9.6) = 10
   assert up_lib.expert_count(up, 32) == 10 and up_lib.expert_count(
       dataclasses.replace(up, drop=0.5 / 32), 32) == 1   # 0.5 rounds up
-  experts = up_lib.upcycle_params(dense, run, up, seed=3)["blocks"][1]["ffn"]["params"]["experts"]
+  experts = experts_lib.split_layout(
+      up_lib.upcycle_params(dense, run, up, seed=3)["blocks"][1]["ffn"]["params"]["experts"])
   ffn = dense["blocks"][1]["ffn"]
   changed = {}
   for name in ("w_gate", "w_up"):
@@ -123,7 +127,7 @@ def test_noise_makes_the_experts_differ_and_zero_noise_keeps_exact_copies():
   dense = _dense_params()
   for noise, same in ((0.0, True), (0.01, False)):
     ex = up_lib.upcycle_params(dense, run, UpcycleConfig(noise=noise), 0)["blocks"][0]["ffn"]
-    w = np.asarray(ex["params"]["experts"]["w_up"])
+    w = np.asarray(experts_lib.split_layout(ex["params"]["experts"])["w_up"])
     assert np.array_equal(w[0], w[1]) == same
   rel = np.std(w - np.asarray(dense["blocks"][0]["ffn"]["w_up"]["kernel"])[None]) / np.std(
       np.asarray(dense["blocks"][0]["ffn"]["w_up"]["kernel"]))

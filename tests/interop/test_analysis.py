@@ -11,6 +11,7 @@ import pytest
 from moejax.config import MoEConfig, RoutingConfig
 from moejax.interop import analysis
 from moejax.layer import init_router_state
+from moejax.topology import experts as experts_lib
 from tests.configs import moe_config
 
 
@@ -21,7 +22,8 @@ def _hand_layer():
   rng = np.random.default_rng(0)
   experts = {n: rng.standard_normal(s).astype(np.float32)
              for n, s in (("w_gate", (4, 4, 2)), ("w_up", (4, 4, 2)), ("w_down", (4, 2, 4)))}
-  params = {"router": {"w": 4.0 * np.eye(4, dtype=np.float32)}, "experts": experts}
+  params = {"router": {"w": 4.0 * np.eye(4, dtype=np.float32)},
+            "experts": experts_lib.fused_layout(experts)}
   return params, init_router_state(cfg), cfg
 
 

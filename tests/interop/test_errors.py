@@ -127,7 +127,7 @@ def _layer(cfg, d=D):
   e, f = cfg.num_experts, cfg.topology.expert_width
   z = lambda *s: np.zeros(s, np.float32)  # noqa: E731
   p = {"router": {"w": z(d, e)},
-       "experts": {"w_gate": z(e, d, f), "w_up": z(e, d, f), "w_down": z(e, f, d)}}
+       "experts": {"w_gate_up": z(e, d, 2 * f), "w_down": z(e, f, d)}}
   if cfg.topology.num_shared_experts:
     w = cfg.topology.num_shared_experts * (cfg.topology.shared_expert_width or f)
     p["shared"] = {"w_gate": z(d, w), "w_up": z(d, w), "w_down": z(w, d)}
@@ -163,8 +163,8 @@ def test_export_rejects_what_the_family_cannot_express(model_type, cfg, field):
 def test_export_checks_params_and_layout():
   cfg = moe_config(num_experts=4, expert_width=4, routing=RoutingConfig(gating="topk_softmax"))
   params = _layer(cfg)
-  params["experts"]["w_up"] = np.zeros((4, D, 5), np.float32)
-  with pytest.raises(InteropError, match=r"params\['experts'\]\['w_up'\] has shape"):
+  params["experts"]["w_gate_up"] = np.zeros((4, D, 5), np.float32)
+  with pytest.raises(InteropError, match=r"params\['experts'\]\['w_gate_up'\] has shape"):
     export_moe_block(params, None, cfg, "mixtral")
   with pytest.raises(InteropError, match=r"params\['router'\]\['w'\] is missing"):
     export_moe_block({}, None, cfg, "mixtral")

@@ -27,6 +27,7 @@ from moejax.interop import (export_moe_block, hf_models, import_moe_block,  # no
                             import_moe_layers, moe_config_from_hf, moe_layers,
                             open_source, save_safetensors, to_torch)
 from moejax.routing.types import RouterState  # noqa: E402
+from moejax.topology import experts as experts_lib  # noqa: E402
 from tests.interop import helpers  # noqa: E402
 from tests.configs import moe_config
 
@@ -101,6 +102,7 @@ def _random_layer(rng, cfg: MoEConfig, d: int):
                         "w_down": rng.standard_normal((width, d))}
     if cfg.topology.shared_expert_gate:
       params["shared"]["w_shared_gate"] = rng.standard_normal((d, 1))
+  params["experts"] = experts_lib.fused_layout(params["experts"])
   params = jax.tree.map(lambda a: np.asarray(a, np.float32), params)
   bias = (rng.standard_normal(e) if cfg.routing.use_bias else np.zeros(e)).astype(np.float32)
   return params, RouterState(bias=bias, step=np.zeros((), np.int32))

@@ -17,6 +17,7 @@ from safetensors.numpy import save_file  # noqa: E402
 
 from moejax.interop import (InteropError, MissingTensorError, dequantize_blocks,  # noqa: E402
                             import_moe_block, open_source, save_safetensors)
+from moejax.topology import experts as experts_lib  # noqa: E402
 
 D, E, F = 8, 4, 4
 MIXTRAL = {"model_type": "mixtral", "hidden_size": D, "intermediate_size": F,
@@ -43,9 +44,10 @@ def test_single_file_and_exact_mapping(tmp_path):
     assert block.prefix == "model.layers.0.block_sparse_moe." and block.layout == "checkpoint"
     p = block.params
     np.testing.assert_array_equal(p["router"]["w"], sd[block.prefix + "gate.weight"].T)
-    np.testing.assert_array_equal(p["experts"]["w_gate"][2],
+    ex = experts_lib.split_layout(p["experts"])
+    np.testing.assert_array_equal(ex["w_gate"][2],
                                   sd[block.prefix + "experts.2.w1.weight"].T)
-    np.testing.assert_array_equal(p["experts"]["w_up"][3],
+    np.testing.assert_array_equal(ex["w_up"][3],
                                   sd[block.prefix + "experts.3.w3.weight"].T)
     np.testing.assert_array_equal(p["experts"]["w_down"][1],
                                   sd[block.prefix + "experts.1.w2.weight"].T)
@@ -55,7 +57,8 @@ def test_single_file_and_exact_mapping(tmp_path):
   base = {k.removeprefix("model."): v for k, v in sd.items()}
   got = import_moe_block(base, MIXTRAL, layer=0)
   assert got.prefix == "layers.0.block_sparse_moe."
-  np.testing.assert_array_equal(got.params["experts"]["w_up"], block.params["experts"]["w_up"])
+  np.testing.assert_array_equal(got.params["experts"]["w_gate_up"],
+                                block.params["experts"]["w_gate_up"])
 
 
 def test_sharded_checkpoint_reads_only_through_the_index(tmp_path):
@@ -92,11 +95,11 @@ def test_bfloat16_checkpoint_keeps_or_casts_dtype(tmp_path):
   sd = _mixtral_ckpt(np.random.default_rng(3), ml_dtypes.bfloat16)
   save_safetensors(sd, tmp_path / "model.safetensors")
   kept = import_moe_block(tmp_path / "model.safetensors", MIXTRAL, layer=0, dtype=None)
-  assert kept.params["experts"]["w_up"].dtype == ml_dtypes.bfloat16
+  assert kept.params["experts"]["w_gate_up"].dtype == ml_dtypes.bfloat16
   cast = import_moe_block(tmp_path / "model.safetensors", MIXTRAL, layer=0)
-  assert cast.params["experts"]["w_up"].dtype == np.float32
-  np.testing.assert_array_equal(cast.params["experts"]["w_up"],
-                                kept.params["experts"]["w_up"].astype(np.float32))
+  assert cast.params["experts"]["w_gate_up"].dtype == np.float32
+  np.testing.assert_array_equal(cast.params["experts"]["w_gate_up"],
+                                kept.params["experts"]["w_gate_up"].astype(np.float32))
 
 
 def test_dequantize_blocks_by_hand():
@@ -119,7 +122,8 @@ def test_fp8_expert_weights_are_dequantised_on_import(tmp_path):
   save_safetensors(sd, tmp_path / "model.safetensors")
   block = import_moe_block(tmp_path / "model.safetensors", cfg, layer=0)
   want = q.astype(np.float32) * np.repeat(sd[key + "_scale_inv"], 2, axis=1)
-  np.testing.assert_array_equal(block.params["experts"]["w_gate"][1], want.T)
+  np.testing.assert_array_equal(experts_lib.split_layout(block.params["experts"])["w_gate"][1],
+                                want.T)
 
 
 @pytest.mark.parametrize("umask", [0o022, 0o027])

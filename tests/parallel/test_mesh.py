@@ -77,8 +77,7 @@ def test_param_specs_shard_experts_over_expert_and_d_over_fsdp():
   mesh = M.make_mesh(C.ParallelConfig())
   specs = M.param_specs(params, mesh)
   P = jax.sharding.PartitionSpec
-  assert specs["experts"] == {"w_gate": P("expert", "fsdp", None),
-                              "w_up": P("expert", "fsdp", None),
+  assert specs["experts"] == {"w_gate_up": P("expert", "fsdp", None),
                               "w_down": P("expert", None, "fsdp")}
   assert all(s == P() for s in jax.tree.leaves(specs["router"]) + jax.tree.leaves(
       specs["shared"], is_leaf=lambda s: isinstance(s, P)))

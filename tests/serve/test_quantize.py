@@ -13,6 +13,7 @@ from moejax.layer import init_moe_params, moe_layer
 from moejax.model import Transformer
 from moejax.serve import Decoder
 from moejax.serve import quantize as q
+from moejax.topology import experts as experts_lib
 from tests.serve.test_decode import decode_logits
 from tests.configs import moe_config
 
@@ -74,15 +75,27 @@ def test_layer_params_quantized_keep_router_and_gate_float():
   cfg = _moe_cfg()
   params = init_moe_params(jax.random.key(0), 32, cfg)
   qp = q.quantize_params(params, q.QuantConfig(bits=8))
-  assert all(q.is_quantized(qp["experts"][k]) for k in ("w_gate", "w_up", "w_down"))
+  assert all(q.is_quantized(qp["experts"][k]) for k in ("w_gate_up", "w_down"))
   assert all(q.is_quantized(qp["shared"][k]) for k in ("w_gate", "w_up", "w_down"))
   assert not q.is_quantized(qp["shared"]["w_shared_gate"])
   assert not q.is_quantized(qp["router"]["w"])
-  assert not q.is_quantized(params["experts"]["w_up"])  # the input is not modified
+  assert not q.is_quantized(params["experts"]["w_gate_up"])  # the input is not modified
   x = jax.random.normal(jax.random.key(1), (16, 32))
   want = moe_layer(params, x, None, cfg)[0]
   got = moe_layer(q.dequantize_params(qp), x, None, cfg)[0]
   assert float(jnp.max(jnp.abs(got - want))) < 1e-2 * float(jnp.max(jnp.abs(want)))
+
+
+@pytest.mark.parametrize("group_size", [None, 16])
+def test_gate_up_quantized_as_its_two_matrices(group_size):
+  """Scales are per output column (and input group), so [W_gate | W_up] quantised as one
+  array dequantises to exactly W_gate and W_up quantised apart."""
+  qcfg = q.QuantConfig(bits=4, group_size=group_size)
+  w = init_moe_params(jax.random.key(1), 32, _moe_cfg())["experts"]["w_gate_up"]
+  joint = q.dequantize_array(q.quantize_array(w, qcfg, 1))
+  apart = [q.dequantize_array(q.quantize_array(h, qcfg, 1))
+           for h in experts_lib.split_gate_up(w)]
+  np.testing.assert_array_equal(joint, experts_lib.fuse_gate_up(*apart))
 
 
 @pytest.fixture(scope="module")
@@ -105,10 +118,10 @@ def test_quantized_model_forward_close_to_float_and_decodes(models, bits, group,
   tokens = jax.random.randint(jax.random.key(2), (2, 10), 0, 32, jnp.int32)
   want = np.asarray(q.forward(float_model, tokens)[0])
   model = q.quantize_model(Transformer(cfg, rngs=nnx.Rngs(0)), q.QuantConfig(bits=bits, group_size=group))
-  experts = model.blocks[0].ffn.params["experts"]["w_up"]
+  experts = model.blocks[0].ffn.params["experts"]["w_gate_up"]
   assert q.is_quantized(experts.get_value())
   # One shared set of routed experts (expert_sharing_group=3): quantised once, same object.
-  assert model.blocks[2].ffn.params["experts"]["w_up"] is experts
+  assert model.blocks[2].ffn.params["experts"]["w_gate_up"] is experts
   assert not q.is_quantized(model.blocks[0].ffn.params["router"]["w"].get_value())
   got = np.asarray(q.forward(model, tokens)[0])
   rel = np.sqrt(np.mean((got - want) ** 2) / np.mean(want ** 2))

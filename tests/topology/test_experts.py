@@ -24,18 +24,41 @@ def _gelu_tanh(z):
   return 0.5 * z * (1.0 + np.tanh(np.sqrt(2.0 / np.pi) * (z + 0.044715 * z ** 3)))
 
 
-@pytest.mark.parametrize("activation, names, count", [
-    ("swiglu", {"w_gate", "w_up", "w_down"}, 3 * 2 * 4 * 3),
-    ("gelu", {"w_up", "w_down"}, 2 * 2 * 4 * 3),
+@pytest.mark.parametrize("activation, shapes, count", [
+    ("swiglu", {"w_gate_up": (2, 4, 6), "w_down": (2, 3, 4)}, 3 * 2 * 4 * 3),
+    ("gelu", {"w_up": (2, 4, 3), "w_down": (2, 3, 4)}, 2 * 2 * 4 * 3),
 ])
-def test_layout_and_count(activation, names, count):
+def test_layout_and_count(activation, shapes, count):
   cfg = moe_config(num_experts=2, expert_width=3, activation=activation)
   p = experts.init_experts(jax.random.key(0), 4, cfg)
-  assert set(p) == names
-  assert p["w_up"].shape == (2, 4, 3) and p["w_down"].shape == (2, 3, 4)
-  if activation == "swiglu":
-    assert p["w_gate"].shape == (2, 4, 3)
+  assert {k: v.shape for k, v in p.items()} == shapes
   assert sum(a.size for a in p.values()) == count
+
+
+def test_gate_up_layout_round_trip():
+  """[w_gate | w_up] side by side on the last axis, and back, bit for bit."""
+  g = jnp.arange(12.0).reshape(1, 3, 4)
+  u = -jnp.arange(12.0).reshape(1, 3, 4)
+  wd = jnp.ones((1, 4, 3))
+  fused = experts.fused_layout({"w_gate": g, "w_up": u, "w_down": wd})
+  assert set(fused) == {"w_gate_up", "w_down"}
+  np.testing.assert_array_equal(fused["w_gate_up"][0, 1], [4, 5, 6, 7, -4, -5, -6, -7])
+  back = experts.split_layout(fused)
+  assert set(back) == {"w_gate", "w_up", "w_down"}
+  np.testing.assert_array_equal(back["w_gate"], g)
+  np.testing.assert_array_equal(back["w_up"], u)
+  assert experts.fused_layout(fused).keys() == fused.keys()      # already fused: unchanged
+  gelu = {"w_up": u, "w_down": wd}
+  assert experts.fused_layout(gelu).keys() == experts.split_layout(gelu).keys() == gelu.keys()
+  assert experts.hidden_width(fused) == 4
+
+
+def test_gate_up_roles_are_two_matrices_per_expert():
+  cfg = moe_config(num_experts=2, expert_width=3)
+  r = experts.expert_roles(experts.init_experts(jax.random.key(0), 4, cfg))
+  assert (r["w_gate_up"].reduction, r["w_gate_up"].output, r["w_gate_up"].output_blocks) == (
+      (1,), (2,), 2)
+  assert r["w_down"].output_blocks == 1
 
 
 def test_init_dtype():
@@ -47,8 +70,7 @@ def test_init_dtype():
 def test_expert_ffn_hand_computed_swiglu():
   # d=2, f=2. Hidden unit j: silu(x . w_gate[:, j]) * (x . w_up[:, j]).
   x = jnp.array([[1.0, 2.0]])
-  p = {"w_gate": jnp.array([[1.0, 0.0], [0.0, 1.0]]),
-       "w_up": jnp.array([[2.0, 0.0], [0.0, -1.0]]),
+  p = {"w_gate_up": jnp.array([[1.0, 0.0, 2.0, 0.0], [0.0, 1.0, 0.0, -1.0]]),  # [gate | up]
        "w_down": jnp.array([[1.0, 1.0], [0.0, 3.0]])}
   h = np.array([_silu(1.0) * 2.0, _silu(2.0) * -2.0])
   expected = np.array([h[0], h[0] + 3.0 * h[1]])
@@ -110,7 +132,7 @@ def test_width_mask_hand_made():
 
 def test_heterogeneous_init_zero_padded():
   cfg = moe_config(num_experts=3, expert_widths=(2, 4, 3))
-  p = experts.init_experts(jax.random.key(1), 5, cfg)
+  p = experts.split_layout(experts.init_experts(jax.random.key(1), 5, cfg))
   mask = np.asarray(experts.width_mask(cfg))
   for name in ("w_gate", "w_up"):
     w = np.asarray(p[name])  # [E, d, f]
@@ -128,15 +150,16 @@ def _truncated_expert(p, i, width):
 def test_mask_makes_expert_exactly_its_width_even_with_garbage_padding(activation):
   widths = (2, 4, 3)
   cfg = moe_config(num_experts=3, expert_widths=widths, activation=activation)
-  p = experts.init_experts(jax.random.key(2), 5, cfg)
+  p = experts.split_layout(experts.init_experts(jax.random.key(2), 5, cfg))
   # Fill the padding with nonzero values: the mask must still cut it off.
   noise = jax.random.normal(jax.random.key(3), (3, 5, 4))
   garbage = {k: (v + noise if k != "w_down" else v + noise.transpose(0, 2, 1))
              for k, v in p.items()}
   x = jax.random.normal(jax.random.key(4), (3, 6, 5))
+  garbage, split = experts.fused_layout(garbage), garbage
   out = experts.experts_dense(garbage, x, activation, experts.width_mask(cfg))
   for i, w in enumerate(widths):
-    clean = _truncated_expert(garbage, i, w)  # the real units only
+    clean = experts.fused_layout(_truncated_expert(split, i, w))  # the real units only
     np.testing.assert_allclose(out[i], experts.expert_ffn(clean, x[i], activation),
                                rtol=1e-5, atol=1e-6)
   unmasked = experts.experts_dense(garbage, x, activation)
@@ -152,7 +175,7 @@ def test_padded_entries_get_zero_gradient(activation, use_mask):
   x = jax.random.normal(jax.random.key(6), (2, 5, 4))
   mask = experts.width_mask(cfg) if use_mask else None
   loss = lambda q: jnp.sum(jnp.sin(experts.experts_dense(q, x, activation, mask)))
-  grads = jax.grad(loss)(p)
+  grads = experts.split_layout(jax.grad(loss)(p))
   m = np.asarray(experts.width_mask(cfg))
   for name, g in grads.items():
     g = np.asarray(g)
@@ -166,7 +189,7 @@ def test_init_scale_fan_in():
   """Truncated-normal variance scaling: std 1/sqrt(d) in, 1/sqrt(w_e) out."""
   d = 256
   cfg = moe_config(num_experts=2, expert_widths=(64, 256))
-  p = experts.init_experts(jax.random.key(7), d, cfg)
+  p = experts.split_layout(experts.init_experts(jax.random.key(7), d, cfg))
   np.testing.assert_allclose(np.std(p["w_up"][1]), d ** -0.5, rtol=0.05)
   np.testing.assert_allclose(np.std(p["w_gate"][0][:, :64]), d ** -0.5, rtol=0.05)
   np.testing.assert_allclose(np.std(p["w_down"][0][:64]), 64 ** -0.5, rtol=0.05)

@@ -69,7 +69,7 @@ def test_frozen_router_is_bit_identical_after_20_steps_with_weight_decay():
     ffn_after = state.params["blocks"][i]["ffn"]["params"]
     np.testing.assert_array_equal(np.asarray(ffn_after["router"]["w"]), ffn_before["router"]["w"])
     # Everything else trains (and decays).
-    assert not np.array_equal(np.asarray(ffn_after["experts"]["w_up"]),
-                              ffn_before["experts"]["w_up"])
+    assert not np.array_equal(np.asarray(ffn_after["experts"]["w_gate_up"]),
+                              ffn_before["experts"]["w_gate_up"])
   # Without the freeze the same optimizer moves the router.
   assert not router_frozen(helpers.experiment("tiny").model)

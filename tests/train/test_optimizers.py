@@ -79,6 +79,28 @@ def test_muon_update_of_each_expert_is_muon_of_that_expert_alone():
   assert not np.allclose(np.asarray(other[1]), stacked[1])
 
 
+def test_muon_orthogonalises_gate_and_up_of_a_gate_up_stack_apart():
+  """[E, d, 2f] w_gate_up is 2E matrices: its update is the updates of W_gate and W_up
+  as separate [E, d, f] stacks, side by side (as when they were stored apart)."""
+  g = jax.random.normal(jax.random.key(5), (E, D, 2 * F))
+  cfg = _muon_cfg(weight_decay=0.5)
+  joint = {("experts",): roles.stack("experts", output_blocks=2)}
+  tx = cfg.optimizer_spec.transform(cfg, joint.__getitem__)
+  params = {"experts": jax.random.normal(jax.random.key(6), (E, D, 2 * F))}
+  got = np.asarray(_one_update(tx, params, {"experts": g})["experts"])
+  apart = {("gate",): roles.stack("experts"), ("up",): roles.stack("experts")}
+  tx2 = cfg.optimizer_spec.transform(cfg, apart.__getitem__)
+  split = lambda a: {"gate": a[..., :F], "up": a[..., F:]}  # noqa: E731
+  want = _one_update(tx2, split(params["experts"]), split(g))
+  np.testing.assert_allclose(got, np.concatenate([want["gate"], want["up"]], -1), rtol=1e-5,
+                             atol=1e-7)
+  # Orthogonalising [W_gate | W_up] as one [d, 2f] matrix per expert would give another update.
+  one = {("experts",): roles.stack("experts")}
+  fused = np.asarray(_one_update(cfg.optimizer_spec.transform(cfg, one.__getitem__), params,
+                                 {"experts": g})["experts"])
+  assert np.max(np.abs(fused - got)) > 0.05 * np.max(np.abs(got))
+
+
 def test_muon_scales_each_expert_update_to_adamw_rms():
   """Liu et al. 2502.16982: lr * 0.2 sqrt(max(A, B)) x an orthogonal-ish matrix: the update's
   RMS is about 0.2 lr whatever the shape (NS leaves singular values in ~[0.7, 1.2])."""
@@ -128,7 +150,7 @@ def test_partition_of_the_default_model():
   assert _labels(model) == {
       "blocks/*/attn/q_proj/kernel": "muon", "blocks/*/attn/k_proj/kernel": "muon",
       "blocks/*/attn/v_proj/kernel": "muon", "blocks/*/attn/o_proj/kernel": "muon",
-      "blocks/*/ffn/params/experts/w_gate": "muon", "blocks/*/ffn/params/experts/w_up": "muon",
+      "blocks/*/ffn/params/experts/w_gate_up": "muon",
       "blocks/*/ffn/params/experts/w_down": "muon",
       "blocks/*/ffn/params/router/w": "adamw",
       "blocks/*/attn_norm/scale": "adamw", "blocks/*/ffn_norm/scale": "adamw",
@@ -136,6 +158,8 @@ def test_partition_of_the_default_model():
   }
   role_at = role_lookup(model)
   assert role_at(("blocks", 0, "ffn", "params", "experts", "w_down")) == roles.stack("experts")
+  assert role_at(("blocks", 0, "ffn", "params", "experts", "w_gate_up")) == roles.stack(
+      "experts", output_blocks=2)
   assert role_at(("blocks", 0, "attn", "q_proj", "kernel")) == roles.matrix("attention")
 
 
@@ -148,7 +172,7 @@ def test_partition_of_dense_layers_shared_experts_gates_mod_and_lora():
   moe = "blocks/*/block/ffn"  # the second block: a MoE block inside a mixture-of-depths block
   want = {
       "blocks/*/ffn/w_gate/kernel": "muon", "blocks/*/ffn/w_down/kernel": "muon",
-      f"{moe}/params/experts/w_up": "muon",
+      f"{moe}/params/experts/w_gate_up": "muon",
       f"{moe}/params/shared/w_up": "muon", f"{moe}/params/shared/w_down": "muon",
       f"{moe}/params/shared/w_shared_gate": "adamw",
       f"{moe}/params/zero_compute/w_c": "adamw", f"{moe}/params/zero_compute/v": "adamw",
@@ -170,7 +194,7 @@ _KINDS = {
 
 @pytest.mark.parametrize("kind, want", [
     ("soft", {"blocks/*/ffn/params/router/phi": "adamw", "blocks/*/ffn/params/router/scale":
-              "adamw", "blocks/*/ffn/params/experts/w_up": "muon"}),
+              "adamw", "blocks/*/ffn/params/experts/w_gate_up": "muon"}),
     ("peer", {"blocks/*/ffn/params/peer/w_q": "muon", "blocks/*/ffn/params/peer/u": "adamw",
               "blocks/*/ffn/params/peer/v": "adamw",
               "blocks/*/ffn/params/peer/sub_keys": "adamw",
@@ -195,8 +219,8 @@ def test_frozen_router_gets_no_muon_or_adamw_update():
   assert "bias" in state.router_state["blocks"][0]["ffn"]["router_state"]
   ffn = updates["blocks"][0]["ffn"]["params"]
   assert not np.any(np.asarray(ffn["router"]["w"]))
-  assert np.all(np.isfinite(np.asarray(ffn["experts"]["w_up"])))
-  assert np.any(np.asarray(ffn["experts"]["w_up"]))
+  assert np.all(np.isfinite(np.asarray(ffn["experts"]["w_gate_up"])))
+  assert np.any(np.asarray(ffn["experts"]["w_gate_up"]))
 
 
 @pytest.mark.parametrize("lora", [("attention",), ("attention", "experts")])
@@ -211,7 +235,7 @@ def test_muon_under_lora_trains_adapters_with_adamw_and_leaves_base_weights(lora
   block = updates["blocks"][0]
   assert not np.any(np.asarray(block["attn"]["q_proj"]["kernel"]))  # a LoRA target's base
   assert np.all(np.asarray(block["attn"]["q_proj"]["lora"]["lora_a"]) < 0)  # AdamW's step
-  experts = np.asarray(block["ffn"]["params"]["experts"]["w_up"])
+  experts = np.asarray(block["ffn"]["params"]["experts"]["w_gate_up"])
   assert np.any(experts) != ("experts" in lora)  # Muon's unless adapted
 
 
