@@ -4,7 +4,7 @@ What a researcher's own execution strategy looks like: a class with a
 ``name``, ``expert_parallel = False``, ``for_layer`` and the executor call,
 registered with ``register_executor``; a config chooses it with
 ``moe.execution.executor``. Legend: T tokens, d width, E experts, f expert
-width.
+width (g = 2f: gate and up side by side).
 """
 
 import dataclasses
@@ -14,6 +14,7 @@ import jax
 import jax.numpy as jnp
 
 from moejax.execution.registry import register_executor
+from moejax.topology.experts import split_gate_up
 
 
 @register_executor
@@ -36,8 +37,8 @@ class AllDenseExecutor:
   def __call__(self, experts, x, result, *, width_mask=None, capacity=None):
     del capacity
     combine = result.combine_weights()[:, : self.num_experts]                # [T, E]
-    gate = jnp.einsum("td,edf->etf", x, experts["w_gate"])
-    up = jnp.einsum("td,edf->etf", x, experts["w_up"])
+    # Gated experts store W_gate and W_up side by side: w_gate_up [E, d, 2f].
+    gate, up = split_gate_up(jnp.einsum("td,edg->etg", x, experts["w_gate_up"]))
     h = jax.nn.silu(gate) * up
     if width_mask is not None:
       h = h * width_mask[:, None, :].astype(h.dtype)
