@@ -25,7 +25,15 @@ recomputes, and the Hugging Face round trip (top-k only: Mixtral expresses no
 other router). Each becomes a ``flip rate <perturbation>`` column with a
 verdict against top-k. The expert-parallel degrees need 8 devices, which the
 suite's training process does not have: experiments.routing_consistency
-measures them on a run's workdir. Hash routing has no router weights, hence
+measures them on a run's workdir.
+
+Then each arm's final weights are fine-tuned twice for 50 steps on the same
+batches (moejax.ablation.replay_finetune): on the trainer's own routing, and
+on the routing a bf16 forward of the current weights recorded for each
+batch, replayed with weights recomputed by the float32 router (router
+replay, "R3"), as a trainer replays an inference engine's rollouts. The
+columns: the recordings' flip rate against the trainer's own routing, and the
+training and validation loss gaps, replayed minus own. Hash routing has no router weights, hence
 the 3% tolerance on parameters. Size: 5 arms x 3 seeds of the small model; the
 measurement adds one forward per perturbation over the first 4 validation
 batches (decoding: one step per position).
@@ -36,6 +44,8 @@ batches (decoding: one step per position).
 from moejax.ablation.bases import small_experiment, suite_config
 
 PERTURBATIONS = ("bf16", "int8", "int4", "decode", "microbatch4", "remat", "hf")
+# An inference engine in bf16 against a float32 trainer, the common RL set-up.
+REPLAY_FINETUNE = {"perturbation": "bf16", "steps": 50}
 
 
 def _moe(kind="topk", score_fn="softmax", aux=1e-2, bias=False, options=None, **routing):
@@ -65,5 +75,6 @@ def get_config():
       fixed=dict(total=0.03, active=0.03, flops_per_token=0.03, tokens=0.0, optimizer=0.0),
       seeds=(0, 1, 2),
       baseline="topk",
-      analysis=dict(comm_devices=8, latency=False, routing_consistency=PERTURBATIONS),
+      analysis=dict(comm_devices=8, latency=False, routing_consistency=PERTURBATIONS,
+                    replay_finetune=REPLAY_FINETUNE),
   )

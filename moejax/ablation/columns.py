@@ -68,6 +68,14 @@ for _name in CONSISTENCY_PERTURBATIONS:
 METRICS["margin_median"] = ("near-tie margin median", "K-th - (K+1)-th selection key", 0)
 METRICS["margin_share_below_1e-3"] = ("margins < 1e-3", "share of tokens x layers", 0)
 VERDICT_METRICS = VERDICT_METRICS + tuple(f"flip_rate_{n}" for n in CONSISTENCY_PERTURBATIONS)
+# Fine-tuning on replayed routing (suite.analysis.replay_finetune, moejax.ablation.replay_finetune):
+# replayed minus own routing, from the arm's final weights on the same batches.
+METRICS.update({
+    "replay_flip_rate": ("replay flip rate", "share of selected pairs the recording moved", -1),
+    "replay_loss_gap": ("replay train gap", "train CE, replayed - own routing, nats/token", 0),
+    "replay_val_gap": ("replay val gap", "val loss after fine-tuning, replayed - own", 0),
+})
+VERDICT_METRICS = VERDICT_METRICS + ("replay_flip_rate", "replay_loss_gap", "replay_val_gap")
 BUDGET_KEYS = (("total", "total params"), ("active", "active/token"),
                ("flops_per_token", "FLOPs/token"), ("tokens", "train tokens"))
 NOTE_KEYS = (("a2a_bytes_per_token", "a2a_note"), ("exposed_comm", "exposed_comm_note"),
@@ -82,7 +90,8 @@ ARM_COLUMNS = ("val_loss", "max_vio_batch", "max_vio_global", "drop_rate",
                "probe_prefix_loss", "probe_leak_gap",
                # fine-tuning against the suite's source (moejax.ablation.sources)
                "target_gain", "forgetting", "spec_change",
-               *(f"flip_rate_{n}" for n in CONSISTENCY_PERTURBATIONS), "margin_median")
+               *(f"flip_rate_{n}" for n in CONSISTENCY_PERTURBATIONS), "margin_median",
+               "replay_flip_rate", "replay_loss_gap", "replay_val_gap")
 # The speed-up table (moejax.ablation.speedup), for suites with a speed-up reference.
 SPEEDUP_COLUMNS = ("val_loss", "steps_to_reference", "speedup_steps", "speedup_time",
                    "tokens_per_s")

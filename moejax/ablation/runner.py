@@ -56,6 +56,7 @@ from moejax.ablation import final_eval
 from moejax.ablation import provenance
 from moejax.ablation import realised
 from moejax.ablation import recheck
+from moejax.ablation import replay_finetune as replay_lib
 from moejax.ablation import scale as scale_lib
 from moejax.ablation import sources as sources_lib
 from moejax.ablation.suite import Suite
@@ -294,6 +295,11 @@ def analyse(exp: ExperimentConfig, run_path: str, options: dict, say,
     say(f"routing consistency under {', '.join(options['routing_consistency'])}")
     res.update(analysis_lib.routing_consistency(
         model, batches[:analysis_lib.CONSISTENCY_BATCHES], tuple(options["routing_consistency"])))
+  if options.get("replay_finetune"):
+    name, steps = replay_lib.check_options(options["replay_finetune"])
+    say(f"replay fine-tuning: {steps} steps on its own routing and on {name} recordings")
+    res.update(replay_lib.finetune_pair(exp, model, name, steps,
+                                        batches[:analysis_lib.CONSISTENCY_BATCHES], len(domains)))
   return res, routing
 
 

@@ -29,7 +29,10 @@ returns an ``ml_collections.ConfigDict`` (or a plain dict) with:
   arm: every arm's steps and wall time to reach that arm's final validation
   loss, :mod:`moejax.ablation.speedup`), ``routing_consistency`` (perturbation names of
   :mod:`moejax.serve.routing_consistency`: each arm's flip rates under them, on the
-  routing sample's first batches, :data:`moejax.ablation.analysis.CONSISTENCY_BATCHES`);
+  routing sample's first batches, :data:`moejax.ablation.analysis.CONSISTENCY_BATCHES`),
+  ``replay_finetune`` (``{'perturbation': name, 'steps': n}``: each arm fine-tuned
+  n steps on its own routing and on a perturbed forward's replayed routing,
+  :mod:`moejax.ablation.replay_finetune`);
 - ``exempt``: ``{arm: (quantity, ...)}``: reference arms the budget check
   does not hold to those fixed quantities (a dense model with the MoE's
   total parameters cannot also match its active FLOPs); printed as exempt;
@@ -74,7 +77,7 @@ SUITE_KEYS = SUITE_KEYS + ("exempt", "compare_to", "source", "effects", "match_c
 SUITE_SOURCE = "suite:source"   # finetune.source of arms that start from the suite's source run
 NO_COMPARISON = "-"
 ANALYSIS_KEYS = ("causal_probe", "comm_devices", "latency", "latency_reps", "routing_batches",
-                 "speedup_reference", "routing_consistency")
+                 "speedup_reference", "routing_consistency", "replay_finetune")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -214,6 +217,9 @@ def suite_from_dict(tree: Mapping[str, Any] | Any) -> Suite:
                         f"use one of {', '.join(ANALYSIS_KEYS)}")
   if analysis.get("routing_consistency"):
     _check_perturbations(analysis["routing_consistency"])
+  if analysis.get("replay_finetune"):
+    from moejax.ablation import replay_finetune  # pylint: disable=g-import-not-at-top
+    replay_finetune.check_options(analysis["replay_finetune"])
   scale = scale_lib.get_scale(tree.get("scale") or scale_lib.DEFAULT_SCALE)
   references = _references(tree, arms_tree, scale)
   effects = _effects(tree.get("effects") or {})
