@@ -13,8 +13,9 @@ What can be rendered (:data:`KINDS`): ``provenance`` (the command and the
 machine the record carries, "not recorded" where it has none, and the
 record's path, which holds the date and the commit),
 ``summary`` (each step's status), the device check's ``gmm_timing``,
-``gather``, ``layer`` and ``train`` tables, the layer and grouped-matmul
-benches' tables (``layer_bench``, ``gmm_bench``, results/bench/), and the serving bench's and the
+``gather``, ``layer`` and ``train`` tables, the layer, grouped-matmul and
+training-step benches' tables (``layer_bench``, ``gmm_bench``, ``step_twin``,
+results/bench/), and the serving bench's and the
 quantisation tables (results/serving/). Everything outside the blocks
 is hand-written: short notes on what the numbers show.
 tests/test_bench_record.py checks that the committed file is its render.
@@ -186,6 +187,12 @@ def train(rec: Mapping) -> str:
   return "\n".join(lines) + "\n"
 
 
+def step_twin(rec: Mapping) -> str:
+  """``experiments.bench --suite=step --step_twin``'s record: as the bench prints it."""
+  from experiments.benchmarks import twin  # pylint: disable=g-import-not-at-top
+  return twin.twin_markdown(rec) + "\n"
+
+
 def serving_bench(rec: Mapping) -> str:
   from experiments.benchmarks import serving  # pylint: disable=g-import-not-at-top
   return serving.markdown_tables(rec) + "\n"
@@ -201,7 +208,7 @@ def _quantization(part: str) -> Callable[[Mapping], str]:
 KINDS: dict[str, Callable[[Mapping], str]] = {
     "provenance": provenance, "summary": summary, "gmm_timing": gmm_timing,
     "gather": gather, "layer": layer, "layer_bench": layer_bench, "gmm_bench": gmm_bench,
-    "train": train,
+    "train": train, "step_twin": step_twin,
     "serving_bench": serving_bench,
     "quantization_moejax": _quantization("moejax"), "quantization_hf": _quantization("hf")}
 

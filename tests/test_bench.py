@@ -161,7 +161,7 @@ def test_step_twin_profile_splits_each_arms_traced_steps_per_step():
   assert all(v == 0.0 for v in prof["dense"]["excess_x_dense"].values())
   assert set(prof["moe"]["excess_x_dense"]) == set(bench_profile.ROWS)
   md = bench_twin.profile_markdown(prof).splitlines()
-  assert md[2] == "| kind | moe ms / dense ms (+excess x dense) |"
+  assert md[3] == "| kind | moe ms / dense ms (+excess x dense) |"
   assert any(line.startswith("| sort | ") for line in md)
   assert md[-2].startswith("| traced step | ")
 

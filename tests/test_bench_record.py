@@ -82,3 +82,23 @@ def test_a_gmm_bench_record_renders_its_rows_failures_and_skips(tmp_path):
       "| `mine` | failed: ValueError: boom | | | |\n"
       "| `pallas_gpu` | skipped: needs a GPU | | | |\n"
       "<!-- moejax:end record -->\n")
+
+
+def test_a_step_twin_record_renders_its_arms_and_ratio(tmp_path):
+  (tmp_path / "bench").mkdir()
+  arm = lambda ms, tok: {"median_s": ms / 1e3, "spread_s": {"min": ms / 1e3, "max": ms / 1e3},
+                         "tokens_per_s": tok, "cpu_tokens_per_s": tok, "flops_per_s": 2e10,
+                         "fraction_of_matmul": 0.5, "compile_s": 3.0}
+  rec = {"config": "configs/default.py", "batch": 2, "seq_len": 4, "tokens_per_step": 8,
+         "repeats": 3, "matmul": {"n": 64, "flops_per_s": 4e10},
+         "load_1min_before": 0.5, "load_1min_after": 1.0,
+         "arms": {"moe": arm(100.0, 80.0), "dense": arm(80.0, 100.0)},
+         "moe_over_dense": {"tokens_per_s": 0.8, "cpu_tokens_per_s": 0.8,
+                            "spread": {"min": 0.75, "max": 0.85}}}
+  (tmp_path / "bench" / "step.json").write_text(json.dumps(rec), encoding="utf-8")
+  got = record_blocks.render("<!-- moejax:record bench/step.json step_twin -->\n"
+                             "<!-- moejax:end record -->\n", str(tmp_path)).splitlines()
+  assert got[5:7] == ["| moe | 100.0 [100.0-100.0] | 80 | 80 | 20.00 | 0.50 | 3.0 |",
+                      "| dense | 80.0 [80.0-80.0] | 100 | 100 | 20.00 | 0.50 | 3.0 |"]
+  assert got[8] == ("MoE / dense tokens/s: 0.800 (per-round [0.750-0.850]; CPU time 0.800); "
+                    "target >= 0.98")

@@ -177,26 +177,34 @@ def run_from_flags(conditions: dict) -> dict:
                     label=_TWIN_CONFIG.value, profile_steps=_PROFILE.value)
 
 
-def print_twin_table(res: dict) -> None:
+def twin_markdown(res: dict) -> str:
+  """The step suite's record as printed: conditions, the arms' table, the ratio line and,
+  when traced, the profile (docs/benchmarks.md renders the same from results/bench/)."""
   mm = res["matmul"]
-  print(f"\n{res['config']} and its active dense twin: batch {res['batch']} x "
-        f"{res['seq_len']} = {res['tokens_per_step']} tokens per step, medians of "
-        f"{res['repeats']} interleaved steps; f32 matmul {mm['n']}^3: "
-        f"{mm['flops_per_s'] / 1e9:.1f} GFLOP/s; 1-min load {res['load_1min_before']:.1f} -> "
-        f"{res['load_1min_after']:.1f}")
-  print("| arm | step ms [min-max] | tokens/s | CPU tokens/s | GFLOP/s | x matmul | compile s |")
-  print("|---|---:|---:|---:|---:|---:|---:|")
+  lines = [f"{res['config']} and its active dense twin: batch {res['batch']} x "
+           f"{res['seq_len']} = {res['tokens_per_step']} tokens per step, medians of "
+           f"{res['repeats']} interleaved steps; f32 matmul {mm['n']}^3: "
+           f"{mm['flops_per_s'] / 1e9:.1f} GFLOP/s; 1-min load {res['load_1min_before']:.1f} -> "
+           f"{res['load_1min_after']:.1f}", "",
+           "| arm | step ms [min-max] | tokens/s | CPU tokens/s | GFLOP/s | x matmul | compile s |",
+           "|---|---:|---:|---:|---:|---:|---:|"]
   for name, r in res["arms"].items():
     sp = r["spread_s"]
-    print(f"| {name} | {1e3 * r['median_s']:.1f} [{1e3 * sp['min']:.1f}-{1e3 * sp['max']:.1f}] "
-          f"| {r['tokens_per_s']:.0f} | {r['cpu_tokens_per_s']:.0f} "
-          f"| {r['flops_per_s'] / 1e9:.2f} | {r['fraction_of_matmul']:.2f} "
-          f"| {r['compile_s']:.1f} |")
+    lines.append(f"| {name} | {1e3 * r['median_s']:.1f} [{1e3 * sp['min']:.1f}-"
+                 f"{1e3 * sp['max']:.1f}] | {r['tokens_per_s']:.0f} | "
+                 f"{r['cpu_tokens_per_s']:.0f} | {r['flops_per_s'] / 1e9:.2f} | "
+                 f"{r['fraction_of_matmul']:.2f} | {r['compile_s']:.1f} |")
   q = res["moe_over_dense"]
-  print(f"MoE / dense tokens/s: {q['tokens_per_s']:.3f} (per-round [{q['spread']['min']:.3f}-"
-        f"{q['spread']['max']:.3f}]; CPU time {q['cpu_tokens_per_s']:.3f}); target >= 0.98")
+  lines += ["", f"MoE / dense tokens/s: {q['tokens_per_s']:.3f} (per-round "
+            f"[{q['spread']['min']:.3f}-{q['spread']['max']:.3f}]; CPU time "
+            f"{q['cpu_tokens_per_s']:.3f}); target >= 0.98"]
   if res.get("profile"):
-    print(profile_markdown(res["profile"]))
+    lines.append(profile_markdown(res["profile"]))
+  return "\n".join(lines)
+
+
+def print_twin_table(res: dict) -> None:
+  print("\n" + twin_markdown(res))
 
 
 def profile_markdown(profile: dict) -> str:
@@ -204,7 +212,7 @@ def profile_markdown(profile: dict) -> str:
   from experiments.benchmarks import profile as bench_profile  # pylint: disable=g-import-not-at-top
   m, d = profile["moe"], profile["dense"]
   lines = [f"\nwall ms per step over {m['steps']} traced steps, split by kind of XLA:CPU "
-           "instruction (the profile suite)",
+           "instruction (the profile suite):", "",
            "| kind | moe ms / dense ms (+excess x dense) |", "|---|---:|"]
   for k in bench_profile.ROWS:
     lines.append(f"| {k} | {bench_profile.wall_cell(m, d, k, '.1f')} |")
