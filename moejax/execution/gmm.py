@@ -420,9 +420,8 @@ def _ragged_tgmm(lhs, grad, group_sizes, *, out_dtype, interpret):
 BACKEND = Backend(name="ragged_dot", gmm=_ragged_gmm, tgmm=_ragged_tgmm,
                   needs="nothing (any platform)", custom_vjp=False,
                   auto_on=(ANY_PLATFORM,),  # correct everywhere: auto's fallback
-                  # On an H200 whole_group was the fastest layer path at every group
-                  # size the device check measured, down to 1024 rows per expert
-                  # (fwd+bwd 2.2x its dense FFN there, ragged_dot far slower:
-                  # docs/benchmarks.md); smaller groups were not measured.
+                  # The threshold is the smallest group at which the GPU device check
+                  # (docs/benchmarks.md) found whole_group the fastest layer path;
+                  # smaller groups were not measured.
                   auto_large_groups=(("gpu", "whole_group", 1024),))
 register_backend(BACKEND)
