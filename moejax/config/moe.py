@@ -336,7 +336,7 @@ class ExecutionConfig:
     call runs ``backend``. Resolving ``auto`` fills both in from the chosen
     backend's ``auto_large_groups`` for the platform when it has one
     (none on CPU, where the tiled ``blocked`` loop measured faster at every
-    shape; ``whole_group`` from 4096 rows on a GPU), so the resolved config
+    shape; ``whole_group`` from 1024 rows on a GPU), so the resolved config
     records the rule and its threshold.
   """
 
