@@ -52,13 +52,22 @@ def test_an_old_style_config_loads_each_kind_with_its_options():
   assert not {k for k in shown["topology"] if k.startswith("peer_") or k.startswith("slots")}
 
 
-def test_the_committed_runs_still_load():
+_OLD_KIND_FIELDS = {"slots_per_expert": 1, "peer_num_keys": 32, "peer_heads": 4,
+                    "peer_top_k": 8, "peer_key_dim": 128}
+
+
+def test_the_committed_runs_load_in_their_form_and_in_the_old_one():
   results = sorted((ROOT / "results" / "runs").glob("**/result.json"))
   assert results
   for path in results:
     tree = json.loads(path.read_text())["experiment"]
-    assert "peer_heads" in tree["model"]["moe"]["topology"]  # written in the old form
-    assert to_dict(experiment_from_dict(tree).model.moe.layer_options) == {}
+    moe = experiment_from_dict(tree).model.moe
+    assert to_dict(moe.layer_options) == {}   # routed layers: no kind options
+    # The same run as a config.json written when the options were topology fields.
+    old = copy.deepcopy(tree)
+    old["model"]["moe"].pop("layer_options", None)
+    old["model"]["moe"]["topology"].update(_OLD_KIND_FIELDS)
+    assert experiment_from_dict(old).model.moe == moe
 
 
 def test_an_old_key_set_on_the_wrong_kind_is_one_line_naming_its_owner():
