@@ -88,13 +88,6 @@ def train_batches(exp: ExperimentConfig, steps: int) -> list[dict]:
   return [next(it) for _ in range(steps)]
 
 
-def _val_loss(graphdef, exp: ExperimentConfig, state, batches: Sequence[dict],
-              num_domains: int) -> float:
-  eval_step = validation.make_eval_step(graphdef, exp.model, num_domains)
-  return validation.evaluate(eval_step, state.params, state.router_state, state.other,
-                             batches)["loss"]
-
-
 def _arm(exp, graphdef, state, step_fn, batches, record) -> tuple:
   """(state, per-step training CE, per-step flip rates) of one arm."""
   ce, flips = [], []
@@ -134,13 +127,15 @@ def finetune_pair(exp: ExperimentConfig, model, perturbation: str, steps: int,
   step_fn = step_lib.make_train_step(graphdef, ft, tx)
   batches = train_batches(ft, steps)
   record = perturbation_lib.PERTURBATIONS[perturbation].selections
+  eval_step = validation.make_eval_step(graphdef, ft.model, num_domains)  # one compile, both arms
   out: dict = {"replay_perturbation": perturbation, "replay_steps": steps}
   val = {}
   for arm in ARMS:
     state, ce, flips = _arm(ft, graphdef, start, step_fn, batches,
                             record if arm == "replay" else None)
     out[f"replay_train_ce_{arm}"] = ce
-    val[arm] = _val_loss(graphdef, ft, state, val_batches, num_domains)
+    val[arm] = validation.evaluate(eval_step, state.params, state.router_state, state.other,
+                                   val_batches)["loss"]
     if flips:
       out["replay_flip_rate"] = float(np.mean(flips))
   out["replay_loss_gap"] = float(np.mean(out["replay_train_ce_replay"])
