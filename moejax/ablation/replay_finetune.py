@@ -88,7 +88,20 @@ def train_batches(exp: ExperimentConfig, steps: int) -> list[dict]:
   return [next(it) for _ in range(steps)]
 
 
-def _arm(exp, graphdef, state, step_fn, batches, record) -> tuple:
+def train_selections(graphdef):
+  """``(state, tokens) -> {layer: RoutingReplay}``: the selection of the training forward of
+  ``state``'s next step (``train=True`` under the step's key, as ``make_train_step`` draws it)."""
+
+  @jax.jit
+  def select(state: step_lib.TrainState, tokens):
+    model = nnx.merge(graphdef, state.params, state.router_state, state.other)
+    key = jax.random.fold_in(jax.random.wrap_key_data(state.rng), state.step)
+    return perturbation_lib.selections_of(model(tokens, train=True, rng=key)[1])
+
+  return select
+
+
+def _arm(exp, graphdef, state, step_fn, batches, record, own_selections) -> tuple:
   """(state, per-step training CE, per-step flip rates) of one arm."""
   ce, flips = [], []
   num_routed = exp.model.moe.num_routed
@@ -96,7 +109,7 @@ def _arm(exp, graphdef, state, step_fn, batches, record) -> tuple:
     if record is not None:
       model = nnx.merge(graphdef, state.params, state.router_state, state.other)
       recorded = record(model, batch["inputs"])
-      own = perturbation_lib.reference_selections(model, batch["inputs"])
+      own = own_selections(state, jnp.asarray(batch["inputs"], jnp.int32))
       flips.append(consistency_lib.compare(own, recorded, num_routed).flip_rate)
       batch = {**batch, "replay": recorded}
     state, metrics = step_fn(state, batch)
@@ -127,12 +140,13 @@ def finetune_pair(exp: ExperimentConfig, model, perturbation: str, steps: int,
   step_fn = step_lib.make_train_step(graphdef, ft, tx)
   batches = train_batches(ft, steps)
   record = perturbation_lib.PERTURBATIONS[perturbation].selections
+  own_selections = train_selections(graphdef)
   eval_step = validation.make_eval_step(graphdef, ft.model, num_domains)  # one compile, both arms
   out: dict = {"replay_perturbation": perturbation, "replay_steps": steps}
   val = {}
   for arm in ARMS:
     state, ce, flips = _arm(ft, graphdef, start, step_fn, batches,
-                            record if arm == "replay" else None)
+                            record if arm == "replay" else None, own_selections)
     out[f"replay_train_ce_{arm}"] = ce
     val[arm] = validation.evaluate(eval_step, state.params, state.router_state, state.other,
                                    val_batches)["loss"]

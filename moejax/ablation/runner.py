@@ -48,6 +48,7 @@ import textwrap
 import time
 from typing import Callable, Optional, TextIO
 
+import jax
 import numpy as np
 
 from moejax.ablation import analysis as analysis_lib
@@ -61,6 +62,7 @@ from moejax.ablation import scale as scale_lib
 from moejax.ablation import sources as sources_lib
 from moejax.ablation.suite import Suite
 from moejax.config.registry import BALANCE_LOSS_LOG_PREFIX
+from moejax.serve import consistency_child
 from moejax.balance.aux import LayerMetrics
 from moejax.train import checkpoint as ckpt_lib
 from moejax.train import lock as lock_lib
@@ -252,10 +254,10 @@ def analyse(exp: ExperimentConfig, run_path: str, options: dict, say,
     for name, acc in rp.items():
       layer = routing["layers"].setdefault(name, {"load_over_training": []})
       layer["load_over_training"].append(acc["load"].tolist())
-    final = (model, rp)
+    final = (model, rp, step)
   if final is None:
     raise FileNotFoundError(f"{run_path}: no checkpoint to analyse")
-  model, rp = final
+  model, rp, final_step = final
   for name, acc in rp.items():
     routing["layers"][name]["joint"] = acc["joint"].tolist()
     routing["layers"][name]["coact"] = acc["coact"].tolist()
@@ -293,14 +295,27 @@ def analyse(exp: ExperimentConfig, run_path: str, options: dict, say,
     res.update(analysis_lib.causal_probe(model, batches[:2], positions))
   if options.get("routing_consistency"):
     say(f"routing consistency under {', '.join(options['routing_consistency'])}")
-    res.update(analysis_lib.routing_consistency(
-        model, batches[:analysis_lib.CONSISTENCY_BATCHES], tuple(options["routing_consistency"])))
+    res.update(_consistency(model, batches[:analysis_lib.CONSISTENCY_BATCHES],
+                            tuple(options["routing_consistency"]), run_path, final_step))
   if options.get("replay_finetune"):
     name, steps = replay_lib.check_options(options["replay_finetune"])
     say(f"replay fine-tuning: {steps} steps on its own routing and on {name} recordings")
     res.update(replay_lib.finetune_pair(exp, model, name, steps,
                                         batches[:analysis_lib.CONSISTENCY_BATCHES], len(domains)))
   return res, routing
+
+
+def _consistency(model, batches, names: tuple[str, ...], run_path: str, step: int) -> dict:
+  """The routing-consistency columns; the perturbations that need more devices than this
+  process has (expert parallelism) run in a child process on simulated CPU devices."""
+  away = consistency_child.needs_child(names, jax.device_count(), jax.default_backend())
+  res = analysis_lib.routing_consistency(model, batches, tuple(n for n in names if n not in away))
+  if away:
+    tokens = np.concatenate([np.asarray(b["inputs"]) for b in batches])
+    child = consistency_child.columns(run_path, step, tokens, away)
+    res["consistency_na"] = {**res["consistency_na"], **child.pop("consistency_na")}
+    res.update(child)
+  return res
 
 
 def run_suite(suite: Suite, workdir: str, *, out: TextIO = sys.stdout,

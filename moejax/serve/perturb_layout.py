@@ -108,4 +108,5 @@ P.register(P.Perturbation("microbatch4", _microbatch, _splits_in(4),
                           description="the batch in 4 row chunks, one forward each"))
 for _degree in (1, 2, 8):
   P.register(P.Perturbation(f"ep{_degree}", _expert_parallel(_degree), _ep_applies(_degree),
-                            description=f"ep_moe_layer on {_degree} device(s)"))
+                            description=f"ep_moe_layer on {_degree} device(s)",
+                            devices=_degree))

@@ -69,6 +69,9 @@ class Perturbation:
     own_reference: ``selections`` returns its own reference forward's
       selections first (made in the same computation).
     description: one line for docs and reports.
+    devices: how many devices the perturbed forward needs; where this process
+      sees fewer on CPU, a suite measures it in a child process that simulates
+      them (:mod:`moejax.serve.consistency_child`).
   """
 
   name: str
@@ -76,6 +79,7 @@ class Perturbation:
   why_not: Callable = applies
   own_reference: bool = False
   description: str = ""
+  devices: int = 1
 
 
 PERTURBATIONS: dict[str, Perturbation] = {}

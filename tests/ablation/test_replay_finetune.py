@@ -75,6 +75,27 @@ def test_a_recording_on_other_experts_flips_every_pair_and_moves_the_loss(tiny, 
   assert got["replay_loss_gap"] == pytest.approx(np.mean(ce_replay) - np.mean(ce_own))
 
 
+def test_the_flip_rate_counts_against_the_training_forwards_selection(monkeypatch):
+  tree = helpers.tiny_base()
+  tree["model"]["moe"]["routing"].update(kind="sbase", use_bias=False)
+  tree["model"]["moe"]["balance"].update(aux_loss_coef=0.0, bias_update="none")
+  exp = experiment_from_dict(tree)
+  model = Transformer(exp.model, rngs=nnx.Rngs(0))
+  _register(monkeypatch, "greedy", perturbation_lib.reference_selections)
+  got = rf.finetune_pair(exp, model, "greedy", 1, rf.train_batches(exp, 1), num_domains=DOMAINS)
+  # The recording is S-BASE's greedy top-k; the trainer's own step takes the Sinkhorn one.
+  batch = rf.train_batches(rf.finetune_config(exp, 1), 1)[0]
+  graphdef, params, router_state, other = rf.step_lib.split_model(model)
+  greedy = perturbation_lib.reference_selections(model, batch["inputs"])
+  start = rf.step_lib.TrainState(step=jnp.zeros((), jnp.int32), params=params,
+                                 router_state=router_state, other=other, opt_state=(),
+                                 rng=rf.jax.random.key_data(rf.jax.random.key(exp.train.seed)))
+  sinkhorn = rf.train_selections(graphdef)(start, jnp.asarray(batch["inputs"], jnp.int32))
+  want = rf.consistency_lib.compare(sinkhorn, greedy, exp.model.moe.num_routed).flip_rate
+  assert want > 0.0 and got["replay_flip_rate"] == pytest.approx(want)
+  assert got["replay_train_ce_replay"][0] != got["replay_train_ce_own"][0]
+
+
 @pytest.mark.parametrize("options, match", [
     ({"perturbation": "remat", "steps": 5}, r"replay_finetune\.perturbation='remat'.*own"),
     ({"perturbation": "fp6", "steps": 5}, r"perturbation='fp6'.*use one of.*bf16"),

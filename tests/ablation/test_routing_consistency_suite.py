@@ -1,6 +1,6 @@
 """The routing_consistency suite and its per-arm columns (issue 41).
 
-The suite loads with its five routers at equal budget and top-k as the
+The suite loads with its seven routers at equal budget and top-k as the
 baseline; a perturbation name nothing registered is refused at load, before
 training; the columns list is the registry's; the analysis step turns a
 model's measurement into ``flip_rate_<name>`` columns (hash routing: 0) with
@@ -29,12 +29,13 @@ PATH = os.path.join(helpers.ROOT, "configs", "ablations", "routing_consistency.p
 
 def test_the_suite_loads_with_the_shipped_routers_and_top_k_as_baseline():
   suite = suite_lib.load_suite(PATH)
-  assert [a.name for a in suite.arms] == ["topk", "lossfree", "grouped", "expert_choice", "hash"]
+  assert [a.name for a in suite.arms] == ["topk", "lossfree", "grouped", "expert_choice", "sbase",
+                                          "remoe", "hash"]
   assert suite.baseline == "topk" and suite.seeds == (0, 1, 2)
   kinds = {a.name: a.experiment.model.moe.routing.kind for a in suite.arms}
   assert kinds["hash"] == "hash" and kinds["expert_choice"] == "expert_choice"
   names = suite.analysis["routing_consistency"]
-  assert set(names) <= set(rc.PERTURBATIONS) and "ep8" not in names
+  assert set(names) <= set(rc.PERTURBATIONS) and {"ep1", "ep2", "ep8"} <= set(names)
 
 
 def test_an_unknown_perturbation_is_refused_at_load():

@@ -1,7 +1,7 @@
 """experiments/routing_consistency.py from the outside: a JSON and a plot; one line per bad flag.
 
-The run is configs/tiny.py's initial state saved as a checkpoint (loading and
-measuring it is what is tested; training it would cost the test's time).
+The run is configs/tiny.py's initial state saved as a checkpoint (the
+``tiny_run`` fixture of tests/serve/conftest.py).
 """
 
 from __future__ import annotations
@@ -13,24 +13,7 @@ import sys
 
 import pytest
 
-from moejax.train import checkpoint as ckpt_lib
-from moejax.train import step as step_lib
-from moejax.train.optim import make_optimizer
 from tests.train import helpers
-
-
-@pytest.fixture(scope="module")
-def tiny_run(tmp_path_factory) -> str:
-  workdir = str(tmp_path_factory.mktemp("consistency") / "run")
-  cfg = helpers.experiment("tiny", str(tmp_path_factory.mktemp("tfds")))
-  os.makedirs(workdir)
-  ckpt_lib.write_config(workdir, cfg)
-  _, state = step_lib.init_state(cfg, make_optimizer(cfg.train, cfg.model, cfg.finetune))
-  ckpt = ckpt_lib.Checkpointer(workdir, 1)
-  ckpt.save(1, state.checkpoint_tree(), {})
-  ckpt.wait()
-  ckpt.close()
-  return workdir
 
 
 def _run(*args):
