@@ -14,8 +14,9 @@ machine the record carries, "not recorded" where it has none, and the
 record's path, which holds the date and the commit),
 ``summary`` (each step's status), the device check's ``gmm_timing``,
 ``gather``, ``layer`` and ``train`` tables, the layer, grouped-matmul and
-training-step benches' tables (``layer_bench``, ``gmm_bench``, ``step_twin``,
-results/bench/), and the serving bench's and the
+training-step, scaling, profile and expert-parallel benches' tables
+(``layer_bench``, ``gmm_bench``, ``step_twin``, ``scaling_bench``,
+``profile_bench``, ``ep_bench``; results/bench/), and the serving bench's and the
 quantisation tables (results/serving/). Everything outside the blocks
 is hand-written: short notes on what the numbers show.
 tests/test_bench_record.py checks that the committed file is its render.
@@ -193,6 +194,28 @@ def step_twin(rec: Mapping) -> str:
   return twin.twin_markdown(rec) + "\n"
 
 
+def scaling_bench(rec: Mapping) -> str:
+  """``experiments.bench --suite=scaling``'s record: one table per sweep and mode."""
+  from experiments.benchmarks import scaling  # pylint: disable=g-import-not-at-top
+  return scaling.markdown_tables(rec) + "\n"
+
+
+def profile_bench(rec: Mapping) -> str:
+  """``experiments.bench --suite=profile``'s record: the wall split per kind of work."""
+  from experiments.benchmarks import profile  # pylint: disable=g-import-not-at-top
+  sp = rec["spec"]
+  return (f"{sp['mode']}, K={sp['k']}, f={sp['f']}, d={sp['d']}, float32, {rec['cores']} "
+          "cores; each cell is the variant's wall ms / the dense FFN's in one traced call, "
+          "and in parentheses that difference over dense's call:\n\n"
+          + profile.markdown_tables(rec) + "\n")
+
+
+def ep_bench(rec: Mapping) -> str:
+  """``experiments.bench --suite=ep``'s record: the tables as the suite prints them."""
+  from experiments.benchmarks import ep  # pylint: disable=g-import-not-at-top
+  return "```\n" + ep.table_text(rec).strip("\n") + "\n```\n"
+
+
 def serving_bench(rec: Mapping) -> str:
   from experiments.benchmarks import serving  # pylint: disable=g-import-not-at-top
   return serving.markdown_tables(rec) + "\n"
@@ -208,7 +231,8 @@ def _quantization(part: str) -> Callable[[Mapping], str]:
 KINDS: dict[str, Callable[[Mapping], str]] = {
     "provenance": provenance, "summary": summary, "gmm_timing": gmm_timing,
     "gather": gather, "layer": layer, "layer_bench": layer_bench, "gmm_bench": gmm_bench,
-    "train": train, "step_twin": step_twin,
+    "train": train, "step_twin": step_twin, "scaling_bench": scaling_bench,
+    "profile_bench": profile_bench, "ep_bench": ep_bench,
     "serving_bench": serving_bench,
     "quantization_moejax": _quantization("moejax"), "quantization_hf": _quantization("hf")}
 

@@ -102,3 +102,63 @@ def test_a_step_twin_record_renders_its_arms_and_ratio(tmp_path):
                       "| dense | 80.0 [80.0-80.0] | 100 | 100 | 20.00 | 0.50 | 3.0 |"]
   assert got[8] == ("MoE / dense tokens/s: 0.800 (per-round [0.750-0.850]; CPU time 0.800); "
                     "target >= 0.98")
+
+
+def _render_bench(tmp_path, kind, rec):
+  (tmp_path / "bench").mkdir(exist_ok=True)
+  (tmp_path / "bench" / "r.json").write_text(json.dumps(rec), encoding="utf-8")
+  return record_blocks.render(f"<!-- moejax:record bench/r.json {kind} -->\n"
+                              "<!-- moejax:end record -->\n", str(tmp_path)).splitlines()
+
+
+def test_an_ep_record_renders_the_suites_table_with_failed_variants_named(tmp_path):
+  mib = 2.0 ** 20
+  moved = {"step_s": 0.5, "x_single": 2.5, "wire": 3 * mib, "min_device": 2 * mib,
+           "wire_over_min": 1.5, "copies_over_min": 1.0, "padding_waste": 0.25,
+           "cross_node_share": 0.5, "min_node": mib, "cross_copies_over_min_node": 1.0,
+           "meta": 0.5 * mib, "num_dropped": 3}
+  rec = {"shapes": {"coarse": {"B": 2, "S": 4, "d": 8, "num_experts": 4, "top_k": 2,
+                               "expert_width": 16, "devices": 2, "devices_per_node": 1,
+                               "variants": {"single": {"step_s": 0.2, "x_single": 1.0},
+                                            "ep_capacity": moved,
+                                            "ep_ragged": {"error": "hung"}}}}}
+  got = _render_bench(tmp_path, "ep_bench", rec)
+  assert got[1] == "```" and got[-2] == "```"
+  assert got[2].startswith("coarse: B=2 S=4 d=8 E=4 K=2 f=16, 2 devices, 1 per node")
+  assert got[4].split() == ["single", "0.200", "1.00"]
+  assert got[5].split() == ["ep_capacity", "0.500", "2.50", "3.00", "2.00", "1.50", "1.00",
+                            "0.25", "0.50", "1.00", "1.00", "0.50", "3"]
+  assert got[6].split() == ["ep_ragged", "failed:", "hung"]
+
+
+def test_a_scaling_record_renders_the_suites_markdown_tables(tmp_path):
+  timed = lambda s, r=None: {"median_s": s, **({"ratio_to_dense": r, "ratio_spread": {
+      "min": r - 0.1, "max": r + 0.1}} if r else {})}
+  point = {"E": 4, "T": 32, "load_1min_before": 1.0, "load_1min_after": 1.5,
+           "variants": {"dense": {"fwd": timed(0.5), "fwdbwd": timed(1.0)},
+                        "blocked": {"fwd": timed(0.6, 1.2), "fwdbwd": timed(1.3, 1.3)}},
+           "floor": {m: {"x_dense": 0.01, "excess_x_dense": 0.002} for m in ("fwd", "fwdbwd")}}
+  rec = {"spec": {"expert_sweep_tokens": 32, "token_sweep_experts": 4, "k": 2, "f": 8,
+                  "d": 16, "once_s": 30.0},
+         "bandwidth": {"bytes_per_s": 4e10, "first_touch": {"bytes_per_s": 4e9}},
+         "sweeps": {"experts": ["T32_E4"], "tokens": []}, "points": {"T32_E4": point}}
+  got = _render_bench(tmp_path, "scaling_bench", rec)
+  assert got[1] == ("E sweep, fwd+bwd (T=32, K=2, f=8, d=16, float32; copy bandwidth "
+                    "40.00 GB/s, first touch 4.00 GB/s):")
+  assert got[5] == "| 4 | 1.000 | 1.30 [1.20-1.40] | - | - | - | 0.010 | 0.002 | 1.0 -> 1.5 |"
+  assert got[7].startswith("E sweep, fwd (T=32")
+
+
+def test_a_profile_record_renders_its_spec_and_wall_split(tmp_path):
+  from experiments.benchmarks import profile as bp  # pylint: disable=g-import-not-at-top
+  row = lambda ms, x: {"wall_ms": dict.fromkeys(bp.ROWS, 0.0) | {"matmul": ms},
+                       "traced_s": ms / 1e3, "x_dense": x, "cpu_x_dense": x,
+                       "utilization": 1.0,
+                       "excess_x_dense": {k: 0.0 for k in bp.ROWS} | {"matmul": ms / 800 - 1}}
+  rec = {"spec": {"mode": "fwdbwd", "k": 8, "f": 256, "d": 512}, "cores": 2,
+         "points": [{"T": 64, "E": 8, "variants": {"dense": row(800.0, 1.0),
+                                                   "blocked": row(900.0, 1.12)}}]}
+  got = _render_bench(tmp_path, "profile_bench", rec)
+  assert got[1].startswith("fwdbwd, K=8, f=256, d=512, float32, 2 cores;")
+  assert got[3] == "| kind (wall ms: blocked / dense (+excess x dense)) | T=64 E=8 |"
+  assert "| matmul | 900 / 800 (+0.125) |" in got and "| untraced wall x dense | 1.12 |" in got

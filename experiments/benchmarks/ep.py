@@ -177,25 +177,35 @@ def ep_suite(repeats: int) -> dict:
   return out
 
 
-def print_ep_table(res: dict) -> None:
+def table_text(res: dict) -> str:
+  """The per-shape tables as the suite prints them (docs/benchmarks.md's ep_bench block)."""
   mb = 2.0 ** 20
+  lines = []
   for shape, s in res["shapes"].items():
-    print(f"\n{shape}: B={s['B']} S={s['S']} d={s['d']} E={s['num_experts']} "
-          f"K={s['top_k']} f={s['expert_width']}, {s['devices']} devices, "
-          f"{s['devices_per_node']} per node; bytes = both directions, one forward")
-    print(f"{'variant':<20}{'step s':>7}{'x single':>9}{'wire MiB':>9}{'min MiB':>8}"
-          f"{'wire/min':>9}{'copy/min':>9}{'pad':>6}{'x-node':>7}{'minN MiB':>9}"
-          f"{'xcp/minN':>9}{'meta MiB':>9}{'drops':>6}")
+    lines += ["", f"{shape}: B={s['B']} S={s['S']} d={s['d']} E={s['num_experts']} "
+              f"K={s['top_k']} f={s['expert_width']}, {s['devices']} devices, "
+              f"{s['devices_per_node']} per node; bytes = both directions, one forward",
+              f"{'variant':<20}{'step s':>7}{'x single':>9}{'wire MiB':>9}{'min MiB':>8}"
+              f"{'wire/min':>9}{'copy/min':>9}{'pad':>6}{'x-node':>7}{'minN MiB':>9}"
+              f"{'xcp/minN':>9}{'meta MiB':>9}{'drops':>6}"]
     for name, r in s["variants"].items():
-      if name == "single":
-        print(f"{name:<20}{r['step_s']:>7.3f}{r['x_single']:>9.2f}")
-        continue
-      print(f"{name:<20}{r['step_s']:>7.3f}{r['x_single']:>9.2f}{r['wire'] / mb:>9.2f}"
+      if "step_s" not in r:
+        lines.append(f"{name:<20}failed: {r.get('error', 'no result')}")
+      elif name == "single":
+        lines.append(f"{name:<20}{r['step_s']:>7.3f}{r['x_single']:>9.2f}")
+      else:
+        lines.append(
+            f"{name:<20}{r['step_s']:>7.3f}{r['x_single']:>9.2f}{r['wire'] / mb:>9.2f}"
             f"{r['min_device'] / mb:>8.2f}{r['wire_over_min']:>9.2f}"
             f"{r['copies_over_min']:>9.2f}{r['padding_waste']:>6.2f}"
             f"{r['cross_node_share']:>7.2f}{r['min_node'] / mb:>9.2f}"
             f"{r['cross_copies_over_min_node']:>9.2f}{r['meta'] / mb:>9.2f}"
             f"{r['num_dropped']:>6}")
+  return "\n".join(lines)
+
+
+def print_ep_table(res: dict) -> None:
+  print(table_text(res))
 
 
 SUITE = registry.register(registry.Suite(
