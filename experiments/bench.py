@@ -77,6 +77,7 @@ def record_provenance() -> dict:
 
 def main(argv):
   del argv
+  cli.check_writable_file("--json_out", _JSON.value)  # before the suite runs, not after
   bench_lib.PROGRESS[0] = sys.stdout  # a line per variant as it goes, before the table
   try:
     res = run_suite(_SUITE.value)
@@ -85,7 +86,7 @@ def main(argv):
   print(f"\nconditions: {json.dumps(res['conditions'])}")
   if _JSON.value:
     res = {**record_provenance(), **res}
-    with open(_JSON.value, "w") as fh:
+    with open(cli.file_to_write(_JSON.value), "w") as fh:
       json.dump(res, fh, indent=1)
     print(f"wrote {_JSON.value}")
   finish(res, _KEEP_GOING.value)

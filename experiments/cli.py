@@ -8,6 +8,9 @@
 - :func:`config_tree` reads the config flag's value (a config file that
   failed to load fails here, on first access).
 - :func:`fail` prints ``error: ...`` to stderr and exits with status 1.
+- :func:`check_writable` (a directory flag) and :func:`check_writable_file` (a file flag:
+  ``--json_out``, ``--csv``, ``--out``): the pre-flight of what a binary writes, one
+  ``error:`` line naming the flag's value before any output or compute.
 - :func:`preempted` prints the line of a run stopped by SIGTERM / SIGINT
   (:mod:`moejax.train.preempt`) and exits with 143 / 130.
 - :func:`quiet_logs`: absl INFO, TFDS / orbax notes below ERROR, and
@@ -21,6 +24,7 @@ import functools
 import logging as py_logging
 import os
 import sys
+import tempfile
 import threading
 import time
 from typing import NoReturn, Optional, Sequence
@@ -77,6 +81,49 @@ def check_writable(flag: str, path: Optional[str]) -> None:
     check(path, flag)
   except WorkdirError as e:
     fail(f"{type(e).__name__}: {e}")
+
+
+def check_writable_file(flag: str, path: Optional[str], name: str = "results.json") -> None:
+  """The pre-flight of a binary that writes one file (``--json_out``, ``--csv``, ``--out``):
+  one ``error:`` line naming the flag's value, before any output or compute, unless the
+  file's directory can be created and written (tried, as in :func:`check_writable`) and the
+  path is not a directory. The writer makes the missing directories (:func:`file_to_write`).
+  ``name``: the file the fix suggests when ``path`` is a directory. None: nothing to check."""
+  if not path:
+    return
+  # pylint: disable=g-import-not-at-top
+  from moejax.train import writable
+  from moejax.train.checkpoint import WorkdirError
+  if os.path.isdir(path):
+    fix = f"name a file in it, e.g. {flag}={os.path.join(path, name)}"
+    fail(f"{WorkdirError.__name__}: {flag}={path} is a directory, not a file. Fix: {fix}")
+  problem = writable.problem(os.path.dirname(os.path.abspath(path)))
+  if problem is None and os.path.exists(path) and not os.access(path, os.W_OK):
+    problem = f"{path} is not writable"
+  if problem:
+    example = _writable_file_example(path)
+    fail(f"{WorkdirError.__name__}: {flag}={path} cannot be created or written: {problem}. "
+         "Fix: pass a path in a writable directory"
+         + (f", e.g. {flag}={example}" if example else ""))
+
+
+def _writable_file_example(path: str) -> Optional[str]:
+  """``path``'s file name in the home directory or the temporary one, whichever can be
+  written (None when neither can)."""
+  from moejax.train import writable  # pylint: disable=g-import-not-at-top
+  for root in (os.path.expanduser("~"), tempfile.gettempdir()):
+    candidate = os.path.join(root, os.path.basename(path))
+    if (os.path.abspath(candidate) != os.path.abspath(path) and not os.path.isdir(candidate)
+        and writable.problem(root) is None):
+      return candidate
+  return None
+
+
+def file_to_write(path: str) -> str:
+  """``path``, its missing directories made: the pre-flight (:func:`check_writable_file`)
+  accepts a file whose directories can be created, so the write must create them."""
+  os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+  return path
 
 
 def preempted(e) -> NoReturn:

@@ -29,6 +29,8 @@ import sys
 
 from absl import app, flags
 
+from experiments import cli
+
 _TOL = flags.DEFINE_float("tolerance", 0.02, "Relative budget difference that is flagged.")
 _CSV = flags.DEFINE_string("csv", None, "Also write the table as CSV here.")
 _BASELINE = flags.DEFINE_string("baseline", None, "Row (<suite>/<arm>) the others are compared "
@@ -56,6 +58,7 @@ def main(argv):
   dirs = argv[1:]
   if not dirs:
     raise app.UsageError("usage: python -m experiments.compare DIR [DIR ...]")
+  cli.check_writable_file("--csv", _CSV.value, "compare.csv")  # before the tables, not after
   from moejax.ablation import summary, tables  # pylint: disable=g-import-not-at-top
   results = []
   for d in dirs:
@@ -88,7 +91,7 @@ def main(argv):
   for line in tables.notes(summ):
     print(line)
   if _CSV.value:
-    summary.write_csv(summ, _CSV.value)
+    summary.write_csv(summ, cli.file_to_write(_CSV.value))
   if corpus_flags:
     print("CORPUS MISMATCH (not measured on the same data):")
     for line in corpus_flags:
@@ -104,4 +107,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-  app.run(main)
+  cli.run(main)

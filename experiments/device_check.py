@@ -65,7 +65,7 @@ from typing import Callable, Optional
 import jax
 from absl import app, flags
 
-from experiments import common_flags
+from experiments import cli, common_flags
 from experiments.benchmarks import lib as bench_lib
 # The steps, one module per kind of check; failure / guarded / Plan importable from here.
 from experiments.device_checks.common import BF16, Plan, failure, guarded  # noqa: F401
@@ -214,6 +214,7 @@ def all_steps(plan: Plan, results: dict) -> dict[str, Callable[[], dict]]:
 def main(argv):
   if len(argv) > 1:
     raise app.UsageError(f"unexpected arguments: {argv[1:]}")
+  cli.check_writable_file("--json_out", _JSON.value, "device_check.json")  # before any step
   platform = jax.default_backend()
   if platform not in ("gpu", "tpu") and not _DRY.value:
     raise app.UsageError(f"no accelerator (jax platform {platform!r}). Fix: run on a GPU "
@@ -235,7 +236,7 @@ def main(argv):
     report["steps"] = steps
     report["summary"] = {n: r["status"] for n, r in steps.items()}
     if _JSON.value:
-      tmp = _JSON.value + ".tmp"
+      tmp = cli.file_to_write(_JSON.value) + ".tmp"
       with open(tmp, "w") as fh:
         json.dump(report, fh, indent=1, default=str)
       os.replace(tmp, _JSON.value)
@@ -250,4 +251,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-  app.run(main)
+  cli.run(main)

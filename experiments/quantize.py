@@ -289,6 +289,7 @@ def main(argv):
   schemes = list(_SCHEMES.value)
   for s in schemes:
     parse_scheme(s)
+  cli.check_writable_file("--json_out", _JSON.value)  # before the run is loaded
   out = {}
   if _WORKDIR.value:
     # pylint: disable=g-import-not-at-top
@@ -310,7 +311,7 @@ def main(argv):
                 f"{r['train_steps']} steps, loss {r['train_loss_first_last'][0]:.3f} -> {r['train_loss_first_last'][1]:.3f}); "
                 f"imported layers' max |y - y_HF| = {r['hf_parity_max_abs']:.1e}", r)
   if _JSON.value:
-    with open(_JSON.value, "w", encoding="utf-8") as f:
+    with open(cli.file_to_write(_JSON.value), "w", encoding="utf-8") as f:
       json.dump(out, f, indent=1, default=float)
     print(f"wrote {_JSON.value}")
 

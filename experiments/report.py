@@ -42,6 +42,8 @@ import sys
 
 from absl import app, flags
 
+from experiments import cli
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 _OUT = flags.DEFINE_string("out", "RESULTS.md", "The Markdown file to regenerate (without "
@@ -120,6 +122,9 @@ def main(argv):
                          "and no --results_dir")
   if not os.path.isdir(_SUMMARIES.value):
     _fail(f"--summaries={_SUMMARIES.value}: not a directory (the committed results/ folder)")
+  if not _CHECK.value:  # before the suites are read and anything is said
+    cli.check_writable_file("--out", _OUT.value, "RESULTS.md")
+    cli.check_writable("--results_dir", _RESULTS.value)
   from moejax.ablation import recheck  # pylint: disable=g-import-not-at-top
   pending, new_records = _new_summaries(argv[1:])
   from_dirs = set(pending)
@@ -142,10 +147,9 @@ def main(argv):
     _fail(f"{_OUT.value} does not exist")
   else:
     text = "# Results\n"
-  for sid in pending:
-    if sid not in report.block_ids(text):
-      text += report.new_section(sid, summaries[sid])
-      print(f"{sid}: new section appended to {_OUT.value}; move it and write its prose")
+  appended = [sid for sid in pending if sid not in report.block_ids(text)]
+  for sid in appended:
+    text += report.new_section(sid, summaries[sid])
   images_dir = os.path.join(_RESULTS.value or _SUMMARIES.value, images.PLOTS_DIR)
   base = os.path.relpath(images_dir, os.path.dirname(os.path.abspath(_OUT.value)))
   shown = [sid for sid in report.block_ids(text) if sid in summaries]
@@ -173,10 +177,12 @@ def main(argv):
     bad += images.problems(claims.CLAIMS, claims.pseudo_summary(summaries), images_dir)
   if _CHECK.value:
     return _check(text, new, bad)
-  with open(_OUT.value, "w", encoding="utf-8") as f:
+  with open(cli.file_to_write(_OUT.value), "w", encoding="utf-8") as f:
     f.write(new)
   print(f"wrote {_OUT.value}: {len(summaries)} summaries, "
         f"{len(report.block_ids(new))} generated blocks")
+  for sid in appended:  # said once it is true: after the write
+    print(f"{sid}: new section appended to {_OUT.value}; move it and write its prose")
   for line in bad:  # a preview (no --results_dir) links the committed images as they are
     print(f"note: {_OUT.value} links an image that is {line.split(': ', 1)[1]}: "
           f"{line.split(': ', 1)[0]}", file=sys.stderr)
@@ -206,4 +212,4 @@ def _block(text: str, sid: str) -> str:
 
 
 if __name__ == "__main__":
-  app.run(main)
+  cli.run(main)

@@ -64,7 +64,7 @@ def _check_flags() -> tuple:
   if unknown:
     cli.fail(f"--perturbations: unknown {', '.join(unknown)}. Fix: pick from "
              f"{','.join(sorted(rc.PERTURBATIONS))}")
-  cli.check_writable("--json_out", os.path.dirname(os.path.abspath(_JSON_OUT.value)))
+  cli.check_writable_file("--json_out", _JSON_OUT.value, "routing_consistency.json")
   return names
 
 
@@ -92,7 +92,7 @@ def main(argv):
   report = report_lib.evaluate(model, [tokens], names)
   out = {"workdir": os.path.abspath(_WORKDIR.value), "step": int(step),
          "rows": int(tokens.shape[0]), "seq_len": int(tokens.shape[1]), **report.to_json()}
-  with open(_JSON_OUT.value, "w", encoding="utf-8") as f:
+  with open(cli.file_to_write(_JSON_OUT.value), "w", encoding="utf-8") as f:
     json.dump(out, f, indent=2, sort_keys=True)
   png = os.path.splitext(_JSON_OUT.value)[0] + ".png"
   report_lib.plot(report, png)

@@ -6,6 +6,7 @@ import pathlib
 import re
 import subprocess
 import sys
+import types
 
 import jax
 import jax.numpy as jnp
@@ -222,6 +223,86 @@ def test_keep_going_exits_0_with_a_note(capsys):
       "error: 1 benchmark run(s) failed: shapes/fine/variants/ragged_dot/fwd: OOM. Fix: ")
   bench.finish({"shapes": {"fine": {"variants": {"dense": {"fwd": {"median_s": 1.0}}}}}},
                keep_going=False)  # every run ran: nothing
+
+
+def _flag_values(monkeypatch, module, **values):
+  """The suite's flags at toy values, in process (absl's flags are not parsed in pytest)."""
+  for name, value in values.items():
+    monkeypatch.setattr(module, name, types.SimpleNamespace(value=value))
+
+
+def _forced(monkeypatch, module, name: str, fails):
+  """``module.name`` raising when ``fails(*its args)``: a variant that breaks."""
+  real = getattr(module, name)
+
+  def wrapper(*args, **kwargs):
+    if fails(*args):
+      raise RuntimeError("forced to fail")
+    return real(*args, **kwargs)
+  monkeypatch.setattr(module, name, wrapper)
+
+
+def test_an_ep_variant_that_fails_is_a_row_and_the_others_still_run(monkeypatch, capsys):
+  from experiments.benchmarks import ep  # pylint: disable=g-import-not-at-top
+  from experiments.benchmarks import lib as bench_lib  # pylint: disable=g-import-not-at-top
+  from moejax.execution import mesh as mesh_lib  # pylint: disable=g-import-not-at-top
+  _flag_values(monkeypatch, ep, _DEVICES=1, _PER_NODE=1, _LIMIT=1, _EP_CF=1.25, _EP_BATCH=2,
+               _EP_SEQ=4, _EP_D=8)
+  real_variants = ep._variants
+
+  def two(shape):  # one variant that runs, one whose mesh is forced to fail
+    cfg, variants = real_variants(shape)
+    return cfg, {n: variants[n] for n in ("ep_capacity", "ep_ragged")}
+  monkeypatch.setattr(ep, "_variants", two)
+  _forced(monkeypatch, mesh_lib, "make_mesh", lambda pcfg, *_: pcfg.dispatch == "ragged")
+  monkeypatch.setattr(bench_lib, "PROGRESS", [sys.stdout])
+  shape = ep.run_shape("coarse", repeats=1)
+  said = capsys.readouterr().out.splitlines()
+  assert said[0].startswith("compiled+ran coarse/ep_capacity in ")
+  assert said[1:] == ["coarse/ep_ragged: FAILED: RuntimeError: forced to fail"]
+  rows = shape["variants"]
+  assert list(rows) == ["single", "ep_capacity", "ep_ragged"]
+  assert rows["ep_ragged"] == {"error": "RuntimeError: forced to fail"}
+  assert rows["single"]["x_single"] == 1.0 and rows["ep_capacity"]["step_s"] > 0
+  res = {"shapes": {"coarse": shape}}
+  assert bench_lib.failures(res) == [
+      "shapes/coarse/variants/ep_ragged: RuntimeError: forced to fail"]
+  table = ep.table_text(res).splitlines()
+  assert table[-1] == f"{'ep_ragged':<20}failed: RuntimeError: forced to fail"
+  assert table[3] == f"{'single':<20}{rows['single']['step_s']:>7.3f}{1.0:>9.2f}"
+
+
+def test_a_serving_variant_that_fails_is_a_row_and_the_others_still_run(monkeypatch, capsys):
+  from experiments.benchmarks import lib as bench_lib  # pylint: disable=g-import-not-at-top
+  from experiments.benchmarks import serving  # pylint: disable=g-import-not-at-top
+  _flag_values(monkeypatch, serving, _BATCHES=["1"], _PROMPT=4, _STEPS=2, _PREFILL_REPEATS=1,
+               _FFN_REPEATS=1, _D=16, _LAYERS=1, _HEADS=2, _EXPERTS=4, _TOP_K=2, _WIDTH=8,
+               _BACKEND="blocked", _MODELS=["moe", "dense_total"], _PLOT=None, _SEED=0)
+
+  class Broken(serving.Decoder):
+    def extend(self, *args, **kwargs):
+      raise RuntimeError("forced to fail")
+  # The dense_total model's decoder, and the gather path of the MoE's FFN slot, raise.
+  real = serving.Decoder
+  monkeypatch.setattr(serving, "Decoder", lambda model: (real if model.cfg.moe else Broken)(model))
+  _forced(monkeypatch, serving, "_gather_moe", lambda *_: True)
+  monkeypatch.setattr(bench_lib, "PROGRESS", [sys.stdout])
+  res = serving.serving_suite({"platform": "cpu"})
+  assert capsys.readouterr().out.splitlines() == [
+      "timing prefill and decode at batch 1: moe, dense_total",
+      "batch 1/dense_total: FAILED: RuntimeError: forced to fail",
+      "batch 1/ffn moe_gather: FAILED: RuntimeError: forced to fail"]
+  assert res["results"]["dense_total"][1] == {"error": "RuntimeError: forced to fail"}
+  assert res["results"]["moe"][1]["decode_p50_s"] > 0
+  assert res["ffn_slot_s"][1]["moe_gather"] == {"error": "RuntimeError: forced to fail"}
+  assert res["ffn_slot_s"][1]["moe_blocked"] > 0 and res["ffn_slot_s"][1]["dense_total"] > 0
+  assert bench_lib.failures(res) == [
+      "results/dense_total/1: RuntimeError: forced to fail",
+      "ffn_slot_s/1/moe_gather: RuntimeError: forced to fail"]
+  serving.print_serving_table(res)
+  printed = capsys.readouterr().out.splitlines()
+  assert f"{1:>4} {'dense_total':<13}failed: RuntimeError: forced to fail" in printed
+  assert "| 1 | dense_total | failed: RuntimeError: forced to fail | | | | | |" in printed
 
 
 def test_ragged_dot_beyond_the_machines_memory_is_refused_in_one_line_before_running():

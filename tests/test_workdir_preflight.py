@@ -100,6 +100,30 @@ def test_an_unwritable_workdir_is_one_line_and_no_stopped_run(tmp_path, monkeypa
   assert "stopped" not in out.err and not os.path.exists(ro / "run")
 
 
+def test_a_file_flag_names_its_value_and_its_missing_directories_are_made(tmp_path, monkeypatch,
+                                                                           capsys):
+  """``--json_out`` and the like: the file's directory is tried; a directory is not a file."""
+  home = tmp_path / "home"
+  home.mkdir()
+  monkeypatch.setenv("HOME", str(home))
+  blocker = tmp_path / "f"
+  blocker.write_text("")
+  for path, line in [
+      (blocker / "out.json", f"--json_out={blocker}/out.json cannot be created or written: "
+       f"{blocker} is a file, not a directory. Fix: pass a path in a writable directory, "
+       f"e.g. --json_out={home}/out.json"),
+      (home, f"--json_out={home} is a directory, not a file. Fix: name a file in it, "
+       f"e.g. --json_out={home}/results.json")]:
+    with pytest.raises(SystemExit) as exit_:
+      cli.check_writable_file("--json_out", str(path))
+    assert exit_.value.code == 1
+    assert capsys.readouterr().err.splitlines() == [f"error: WorkdirError: {line}"]
+  deep = tmp_path / "a" / "b" / "out.json"
+  cli.check_writable_file("--json_out", str(deep))  # passes, and creates nothing
+  assert not (tmp_path / "a").exists()
+  assert cli.file_to_write(str(deep)) == str(deep) and (tmp_path / "a" / "b").is_dir()
+
+
 def _run(tmp_path, binary: str, *args: str) -> subprocess.CompletedProcess:
   env = dict(os.environ, JAX_PLATFORMS="cpu", HOME=str(tmp_path))
   return subprocess.run([sys.executable, "-m", f"experiments.{binary}", *args], cwd=ROOT,
@@ -120,9 +144,25 @@ def _run(tmp_path, binary: str, *args: str) -> subprocess.CompletedProcess:
      errno.EPERM, "Operation not permitted"),
     ("analyze_routing", ["--model_type=mixtral"], "--out_dir", "/sys/moejax_routing", "/sys",
      errno.EPERM, "Operation not permitted"),
+    # The binaries that write one file: its directory is tried, the file's name is the fix's.
+    ("bench", ["--suite=layer"], "--json_out", "/sys/moejax_layer.json", "/sys",
+     errno.EPERM, "Operation not permitted"),
+    ("quantize", ["--workdir=/nonexistent_run"], "--json_out", "/sys/moejax_q.json", "/sys",
+     errno.EPERM, "Operation not permitted"),
+    ("compare", ["/nonexistent_suite"], "--csv", "/sys/moejax.csv", "/sys",
+     errno.EPERM, "Operation not permitted"),
+    ("report", ["--out={home}/R.md"], "--results_dir", "/sys/moejax_results", "/sys",
+     errno.EPERM, "Operation not permitted"),
+    ("report", [], "--out", "/proc/moejax_report.md", "/proc",
+     errno.ENOENT, "No such file or directory"),
+    ("device_check", ["--dry_run"], "--json_out", "/sys/moejax_dc.json", "/sys",
+     errno.EPERM, "Operation not permitted"),
+    ("routing_consistency", ["--workdir=/nonexistent_run"], "--json_out", "/sys/moejax_rc.json",
+     "/sys", errno.EPERM, "Operation not permitted"),
 ])
 def test_each_writing_binary_refuses_before_any_output(tmp_path, binary, args, flag, path,
                                                        parent, code, strerror):
+  args = [a.format(home=tmp_path) for a in args]  # a path that must not be written: the test's
   proc = _run(tmp_path, binary, *args, f"{flag}={path}")
   assert proc.returncode == 1 and proc.stdout == "", (proc.stdout, proc.stderr[-2000:])
   name = os.path.basename(path)

@@ -73,18 +73,25 @@ def ensure_devices(n: int) -> None:
                          f"JAX_NUM_CPU_DEVICES={n} (before JAX starts) or pass --ep_devices")
 
 
-def _time(fns: dict, repeats: int) -> dict:
+def _time(fns: dict, repeats: int, shape: str) -> tuple[dict, dict]:
+  """({variant: median seconds}, {variant: error of its first run}), round-robin repeats."""
+  errors = {}
   for name, fn in fns.items():
     t0 = time.perf_counter()
-    jax.block_until_ready(fn())
+    try:
+      jax.block_until_ready(fn())
+    except Exception as e:  # noqa: BLE001 - its row says so, the others still run
+      errors[name] = bench_lib.variant_failed(f"{shape}/{name}", e)
+      continue
     logging.info("compiled+ran %s in %.2fs", name, time.perf_counter() - t0)
-  times = {n: [] for n in fns}
+  live = {n: f for n, f in fns.items() if n not in errors}
+  times = {n: [] for n in live}
   for _ in range(repeats):
-    for name, fn in fns.items():
+    for name, fn in live.items():
       t0 = time.perf_counter()
       jax.block_until_ready(fn())
       times[name].append(time.perf_counter() - t0)
-  return {n: float(np.median(ts)) for n, ts in times.items()}
+  return {n: float(np.median(ts)) for n, ts in times.items()}, errors
 
 
 def _variants(shape: str):
@@ -109,9 +116,37 @@ def _variants(shape: str):
   }
 
 
-def run_shape(shape: str, repeats: int) -> dict:
+def _ep_variant(shape: str, name: str, step, params, x, vcfg, pcfg) -> tuple:
+  """(the variant's timed call, its comm accounting) after its compiling first run."""
   from moejax import layer as L
   from moejax.execution import mesh as mesh_lib
+  mesh = mesh_lib.make_mesh(pcfg, jax.devices()[:pcfg.expert], cfg=vcfg)
+  f = step(lambda p, x: L.ep_moe_layer(p, x, None, vcfg, mesh, pcfg))
+  pp, xx = mesh_lib.shard_params(params, mesh), mesh_lib.shard_batch(x, mesh)
+  t0 = time.perf_counter()
+  (_, aux), _ = f(pp, xx)
+  bench_lib.progress(f"compiled+ran {shape}/{name} in {time.perf_counter() - t0:.2f}s")
+  meta = {key: float(aux.execution["comm"][key]) for key in COMM_KEYS}
+  meta["num_dropped"] = int(aux.num_dropped)
+  return (lambda: f(pp, xx)), meta
+
+
+def _row(sec: float, single: float, m: dict | None) -> dict:
+  row = {"step_s": sec, "x_single": sec / single}
+  if m is not None:
+    row.update(m)
+    row["wire_over_min"] = m["wire"] / m["min_device"] if m["min_device"] else 0.0
+    row["copies_over_min"] = m["copies"] / m["min_device"] if m["min_device"] else 0.0
+    row["cross_node_share"] = m["wire_cross_node"] / m["wire"] if m["wire"] else 0.0
+    row["cross_copies_over_min_node"] = (m["copies_cross_node"] / m["min_node"]
+                                         if m["min_node"] else 0.0)
+  return row
+
+
+def run_shape(shape: str, repeats: int) -> dict:
+  """One shape's rows; a variant that raises is a row ``{"error": ...}`` (bench_lib.failures
+  finds it, the binary exits 1 naming it) and the other variants still run."""
+  from moejax import layer as L
   cfg, variants = _variants(shape)
   b, s, dm = _EP_BATCH.value, _EP_SEQ.value, _EP_D.value
   k = jax.random.split(jax.random.PRNGKey(0), 3)
@@ -129,31 +164,19 @@ def run_shape(shape: str, repeats: int) -> dict:
   single = step(lambda p, x: L.moe_layer(p, x, None, cfg))
   p0, x0 = jax.device_put((params, x), dev0)
   fns = {"single": lambda: single(p0, x0)}
-  meta = {}
+  meta, errors = {}, {}
   for name, (vcfg, pcfg) in variants.items():
-    mesh = mesh_lib.make_mesh(pcfg, jax.devices()[:pcfg.expert], cfg=vcfg)
-    f = step(lambda p, x, vcfg=vcfg, pcfg=pcfg, mesh=mesh: L.ep_moe_layer(
-        p, x, None, vcfg, mesh, pcfg))
-    pp, xx = mesh_lib.shard_params(params, mesh), mesh_lib.shard_batch(x, mesh)
-    fns[name] = lambda f=f, pp=pp, xx=xx: f(pp, xx)
-    t0 = time.perf_counter()
-    (_, aux), _ = f(pp, xx)
-    bench_lib.progress(f"compiled+ran {shape}/{name} in {time.perf_counter() - t0:.2f}s")
-    meta[name] = {key: float(aux.execution["comm"][key]) for key in COMM_KEYS}
-    meta[name]["num_dropped"] = int(aux.num_dropped)
-  timed = _time(fns, repeats)
-  rows = {}
-  for name, sec in timed.items():
-    row = {"step_s": sec, "x_single": sec / timed["single"]}
-    if name in meta:
-      m = meta[name]
-      row.update(m)
-      row["wire_over_min"] = m["wire"] / m["min_device"] if m["min_device"] else 0.0
-      row["copies_over_min"] = m["copies"] / m["min_device"] if m["min_device"] else 0.0
-      row["cross_node_share"] = m["wire_cross_node"] / m["wire"] if m["wire"] else 0.0
-      row["cross_copies_over_min_node"] = (m["copies_cross_node"] / m["min_node"]
-                                           if m["min_node"] else 0.0)
-    rows[name] = row
+    try:
+      fns[name], meta[name] = _ep_variant(shape, name, step, params, x, vcfg, pcfg)
+    except Exception as e:  # noqa: BLE001 - its row says so, the others still run
+      errors[name] = bench_lib.variant_failed(f"{shape}/{name}", e)
+  timed, failed = _time(fns, repeats, shape)
+  errors.update(failed)
+  # Without the single-device time the ratios are unknown, not an error of their own.
+  base = timed.get("single", float("nan"))
+  rows = {name: ({"error": errors[name]} if name in errors
+                 else _row(timed[name], base, meta.get(name)))
+          for name in ["single", *variants]}
   return {"B": b, "S": s, "d": dm, **SHAPES[shape], "devices": _DEVICES.value,
           "devices_per_node": _PER_NODE.value, "limit_nodes": _LIMIT.value,
           "capacity_factor": _EP_CF.value, "variants": rows}

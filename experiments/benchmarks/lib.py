@@ -149,6 +149,20 @@ def memory_checked(fn, args, what: str, available: Optional[Callable[[], int]] =
   return thunk
 
 
+def error_text(e: BaseException) -> str:
+  """A failed variant's row: the exception's type and first line (a traceback would not fit
+  the table, and the suite goes on)."""
+  return f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"
+
+
+def variant_failed(label: str, e: BaseException) -> str:
+  """Says ``label: FAILED: ...`` as it happens (:func:`progress`); returns the error text of
+  its row ``{"error": ...}``, which :func:`failures` finds."""
+  text = error_text(e)
+  progress(f"{label}: FAILED: {text}")
+  return text
+
+
 def time_round_robin(fns: dict[str, Callable[[], object]], repeats: int,
                      slow_s: float = float("inf"), slow_repeats: int = 1,
                      inner: int = 1, slow_after_compile: bool = False,
@@ -177,7 +191,7 @@ def time_round_robin(fns: dict[str, Callable[[], object]], repeats: int,
       progress(f"  {name}: refused: {e}")
       continue
     except Exception as e:  # noqa: BLE001 - recorded, the suite goes on
-      failed[name] = f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"
+      failed[name] = error_text(e)
       progress(f"  {name}: FAILED: {failed[name]}")
       continue
     first[name], first_cpu[name] = time.perf_counter() - t0, time.process_time() - c0

@@ -106,36 +106,51 @@ def _decode_step(dec, caches, lengths, p, t, rng):
   return time.perf_counter() - t0, caches, np.asarray(info["experts_touched"])
 
 
+def _compile(dec, tokens, positions, write, lengths, p, capacity) -> None:
+  """Compiles a decoder's prefill and decode shapes (untimed)."""
+  b = tokens.shape[0]
+  caches = dec.init_caches(b, capacity)
+  lg, caches, _ = dec.extend(tokens, positions, write, caches, 0, last_only=True)
+  lg, caches, _ = dec.extend(tokens[:, :1], lengths[:, None], np.ones((b, 1), bool), caches,
+                             p, last_only=True)
+  jax.block_until_ready(lg)
+
+
 def _model_rows(cfgs, decoders, b, p, steps, capacity, seed) -> dict:
-  """Prefill and decode timings of every model at batch b, round-robin over the models."""
+  """Prefill and decode timings of every model at batch b, round-robin over the models; a
+  model whose first calls raise is a row ``{"error": ...}`` and the others still run."""
   rng = np.random.default_rng(seed + b)
   tokens = rng.integers(0, 256, (b, p), dtype=np.int32)
   lengths = np.full((b,), p, np.int32)
   positions, write = prefill_inputs(lengths, p)
-  for dec in decoders.values():  # compile both shapes (untimed)
-    caches = dec.init_caches(b, capacity)
-    lg, caches, _ = dec.extend(tokens, positions, write, caches, 0, last_only=True)
-    lg, caches, _ = dec.extend(tokens[:, :1], lengths[:, None], np.ones((b, 1), bool), caches,
-                               p, last_only=True)
-    jax.block_until_ready(lg)
-  pre = {n: [] for n in decoders}
+  errors = {}
+  for name, dec in decoders.items():
+    try:
+      _compile(dec, tokens, positions, write, lengths, p, capacity)
+    except Exception as e:  # noqa: BLE001 - its row says so, the others still run
+      errors[name] = bench_lib.variant_failed(f"batch {b}/{name}", e)
+  live = {n: d for n, d in decoders.items() if n not in errors}
+  pre = {n: [] for n in live}
   caches = {}
   for _ in range(_PREFILL_REPEATS.value):
-    for name, dec in decoders.items():
+    for name, dec in live.items():
       c = dec.init_caches(b, capacity)
       t0 = time.perf_counter()
       lg, caches[name], _ = dec.extend(tokens, positions, write, c, 0, last_only=True)
       jax.block_until_ready(lg)
       pre[name].append(time.perf_counter() - t0)
-  dts = {n: [] for n in decoders}
-  touched = {n: [] for n in decoders}
+  dts = {n: [] for n in live}
+  touched = {n: [] for n in live}
   for t in range(steps):
-    for name, dec in decoders.items():
+    for name, dec in live.items():
       dt, caches[name], hit = _decode_step(dec, caches[name], lengths, p, t, rng)
       dts[name].append(dt)
       touched[name].append(hit)
   rows = {}
   for name in decoders:
+    if name in errors:
+      rows[name] = {"error": errors[name]}
+      continue
     dt, pr = np.asarray(dts[name]), float(np.median(pre[name]))
     row = {"prefill_s": pr, "prefill_all_s": [round(x, 5) for x in pre[name]],
            "prefill_tokens_per_s": b * p / pr,
@@ -195,20 +210,27 @@ def ffn_rows(models: dict, b: int, seed: int, repeats: int) -> dict:
     if name in models:
       fns[name] = _dense_fn(models[name].blocks[0].ffn)
   x = jax.random.normal(jax.random.key(seed + b), (b, next(iter(models.values())).cfg.d_model))
-  outs = {n: np.asarray(f(x)) for n, f in fns.items()}  # compile + correctness (untimed)
+  outs, errors = {}, {}
+  for n, f in fns.items():  # compile + correctness (untimed)
+    try:
+      outs[n] = np.asarray(f(x))
+    except Exception as e:  # noqa: BLE001 - its entry says so, the others still run
+      errors[n] = bench_lib.variant_failed(f"batch {b}/ffn {n}", e)
   for n in ("moe_ragged_dot", "moe_reference", "moe_gather"):
-    if n in outs:
+    if n in outs and "moe_blocked" in outs:
       err = np.max(np.abs(outs[n] - outs["moe_blocked"])) / max(
           np.max(np.abs(outs["moe_blocked"])), 1e-30)
-      if err > 1e-4:
-        raise AssertionError(f"{n} differs from moe_blocked by {err:.2e} (relative)")
-  times = {n: [] for n in fns}
+      if err > 1e-4:  # a wrong result's time means nothing: a failure, not a row of times
+        errors[n] = bench_lib.variant_failed(f"batch {b}/ffn {n}", AssertionError(
+            f"{n} differs from moe_blocked by {err:.2e} (relative)"))
+  live = {n: f for n, f in fns.items() if n not in errors}
+  times = {n: [] for n in live}
   for _ in range(repeats):
-    for n, f in fns.items():
+    for n, f in live.items():
       t0 = time.perf_counter()
       jax.block_until_ready(f(x))
       times[n].append(time.perf_counter() - t0)
-  return {n: float(np.median(t)) for n, t in times.items()}
+  return {n: float(np.median(times[n])) if n in times else {"error": errors[n]} for n in fns}
 
 
 def serving_suite(conditions: dict) -> dict:
@@ -219,8 +241,12 @@ def serving_suite(conditions: dict) -> dict:
   capacity = p + steps + 1
   models, decoders, info = {}, {}, {}
   for name, cfg in cfgs.items():
-    models[name] = Transformer(cfg, rngs=nnx.Rngs(_SEED.value))
-    decoders[name] = Decoder(models[name])
+    try:
+      models[name] = Transformer(cfg, rngs=nnx.Rngs(_SEED.value))
+      decoders[name] = Decoder(models[name])
+    except Exception as e:  # the flags describe no model: nothing to time it against
+      raise bench_lib.BenchFailed(f"--suite=serving: the {name} model cannot be built: "
+                                  f"{bench_lib.error_text(e)}") from e
     info[name] = {"params": param_count(models[name]),
                   "ffn_width": None if cfg.moe else cfg.dense_ff_width}
   rows = {name: {} for name in cfgs}
@@ -230,11 +256,12 @@ def serving_suite(conditions: dict) -> dict:
     for name, row in _model_rows(cfgs, decoders, b, p, steps, capacity, _SEED.value).items():
       rows[name][b] = row
     ffn[b] = ffn_rows(models, b, _SEED.value, _FFN_REPEATS.value)
-    logging.info("B=%d: %s", b, {n: round(r[b]["decode_p50_s"], 5) for n, r in rows.items()})
+    logging.info("B=%d: %s", b, {n: round(r[b].get("decode_p50_s", np.nan), 5)
+                                 for n, r in rows.items()})
   for b in batches:
     base = rows.get("dense_active", {}).get(b)
     for name in rows:
-      if base is not None:
+      if base is not None and "error" not in base and "error" not in rows[name][b]:
         rows[name][b]["decode_p50_x_dense_active"] = (rows[name][b]["decode_p50_s"]
                                                       / base["decode_p50_s"])
         rows[name][b]["prefill_x_dense_active"] = rows[name][b]["prefill_s"] / base["prefill_s"]
@@ -264,6 +291,9 @@ def print_serving_table(res: dict) -> None:
   for b in res["batches"]:
     for name in models:
       r = res["results"][name][b]
+      if "error" in r:
+        print(f"{b:>4} {name:<13}failed: {r['error']}")
+        continue
       touched = f"{r['experts_touched_mean']:.2f}" if "experts_touched_mean" in r else "-"
       print(f"{b:>4} {name:<13}{r['prefill_s']:>10.4f}{r['prefill_tokens_per_s']:>14.0f}"
             f"{r.get('prefill_x_dense_active', float('nan')):>7.2f}"
@@ -275,8 +305,14 @@ def print_serving_table(res: dict) -> None:
   print("\nFFN slot alone (layer 0, B tokens), median ms: " + ", ".join(names))
   print(f"{'B':>4}" + "".join(f"{n:>16}" for n in names))
   for b, row in res["ffn_slot_s"].items():
-    print(f"{b:>4}" + "".join(f"{1e3 * row[n]:>16.3f}" for n in names))
+    print(f"{b:>4}" + "".join(f"{_ms(row[n], '.3f'):>16}" for n in names))
   print("\n" + markdown_tables(res))
+
+
+def _ms(seconds, spec: str) -> str:
+  """A median in ms, or ``failed`` for a path that raised (its error: the FAILED line, the
+  JSON and the binary's error line)."""
+  return "failed" if isinstance(seconds, dict) else format(1e3 * seconds, spec)
 
 
 def plot(res: dict, path: str) -> None:
@@ -288,23 +324,26 @@ def plot(res: dict, path: str) -> None:
   FigureCanvasAgg(fig)
   axes = fig.subplots(2, 3)
   batches = res["batches"]
+  nan = lambda r, key, scale=1.0: scale * r[key] if key in r else np.nan  # failed: a gap
   for name, rows in res["results"].items():
     ys = [rows[b] for b in batches]
-    axes[0, 0].plot(batches, [r["decode_tokens_per_s"] for r in ys], "o-", label=name)
-    axes[0, 1].plot(batches, [1e3 * r["decode_p50_s"] for r in ys], "o-", label=f"{name} P50")
-    axes[0, 1].plot(batches, [1e3 * r["decode_p99_s"] for r in ys], ":", color=
+    axes[0, 0].plot(batches, [nan(r, "decode_tokens_per_s") for r in ys], "o-", label=name)
+    axes[0, 1].plot(batches, [nan(r, "decode_p50_s", 1e3) for r in ys], "o-",
+                    label=f"{name} P50")
+    axes[0, 1].plot(batches, [nan(r, "decode_p99_s", 1e3) for r in ys], ":", color=
                     axes[0, 1].lines[-1].get_color(), label=f"{name} P99")
-    axes[1, 0].plot(batches, [r["prefill_tokens_per_s"] for r in ys], "o-", label=name)
-    if "experts_touched_mean" in ys[0]:
-      axes[1, 1].plot(batches, [r["experts_touched_mean"] for r in ys], "o-",
+    axes[1, 0].plot(batches, [nan(r, "prefill_tokens_per_s") for r in ys], "o-", label=name)
+    if any("experts_touched_mean" in r for r in ys):
+      axes[1, 1].plot(batches, [nan(r, "experts_touched_mean") for r in ys], "o-",
                       label=f"{name}: measured")
-      axes[1, 1].plot(batches, [r["experts_touched_uniform"] for r in ys], "--",
+      axes[1, 1].plot(batches, [nan(r, "experts_touched_uniform") for r in ys], "--",
                       label="uniform routing E(1-(1-K/E)^B)")
     axes[0, 2].plot(batches, [r.get("decode_p50_x_dense_active", np.nan) for r in ys], "o-",
                     label=name)
   ffn = res["ffn_slot_s"]
   for name in next(iter(ffn.values())):
-    axes[1, 2].plot(batches, [1e3 * ffn[b][name] for b in batches], "o-", label=name)
+    axes[1, 2].plot(batches, [np.nan if isinstance(ffn[b][name], dict) else 1e3 * ffn[b][name]
+                              for b in batches], "o-", label=name)
   titles = [("decode throughput", "tokens / s"), ("decode step latency", "ms per step"),
             ("decode step P50 / dense_active's", "ratio"),
             ("prefill throughput", f"prompt tokens / s ({res['prompt']} per sequence)"),
@@ -333,6 +372,9 @@ def markdown_tables(res: dict) -> str:
   for b in res["batches"]:
     for name, rows in res["results"].items():
       r = rows[b] if b in rows else rows[str(b)]  # str keys after a JSON round trip
+      if "error" in r:
+        lines.append(f"| {b} | {name} | failed: {r['error']} |" + " |" * 5)
+        continue
       touched = (f"{r['experts_touched_mean']:.2f} (uniform {r['experts_touched_uniform']:.2f})"
                  if "experts_touched_mean" in r else "-")
       lines.append(f"| {b} | {name} | {r['prefill_tokens_per_s']:.0f} | "
@@ -343,7 +385,7 @@ def markdown_tables(res: dict) -> str:
   lines += ["", "One FFN slot (layer 0) on B tokens, median ms:", "",
             "| B | " + " | ".join(names) + " |", "|---" * (len(names) + 1) + "|"]
   for b, row in res["ffn_slot_s"].items():
-    lines.append(f"| {b} | " + " | ".join(f"{1e3 * row[n]:.2f}" for n in names) + " |")
+    lines.append(f"| {b} | " + " | ".join(_ms(row[n], ".2f") for n in names) + " |")
   return "\n".join(lines)
 
 

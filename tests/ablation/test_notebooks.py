@@ -40,6 +40,40 @@ def test_committed_notebook_outputs_are_those_of_a_fresh_execution(name):
   assert f"{len(summaries)} committed summaries (results/*.json)" in text
 
 
+PER_LAYER = "## Per-layer analysis"
+DEBUG_LINE = "NOTEBOOK_NUMBERS"  # a debug print the routing notebook was once committed with
+
+
+def _per_layer_cells(nb) -> list[int]:
+  """The indices of the code cells under the routing notebook's per-layer heading."""
+  start = next(i for i, c in enumerate(nb.cells)
+               if c.cell_type == "markdown" and c.source.startswith(PER_LAYER))
+  return [i for i, c in enumerate(nb.cells) if i > start and c.cell_type == "code"]
+
+
+def _per_layer_problems(nb) -> list[str]:
+  """A per-layer code cell without outputs, or a cell anywhere printing the debug line (in
+  its outputs, or in its code: the next execution would print it)."""
+  out = [f"cell {i} has no outputs" for i in _per_layer_cells(nb) if not nb.cells[i].outputs]
+  return out + [f"cell {i} prints {DEBUG_LINE}" for i, c in enumerate(nb.cells)
+                if c.cell_type == "code" and DEBUG_LINE in c.source + json.dumps(c.outputs)]
+
+
+def test_the_committed_routing_notebooks_per_layer_half_ran_without_debug_lines():
+  """Cheap (reads the file), where the fresh-execution comparison of this notebook is slow."""
+  nb = nbformat.read(notebooks.path_of(helpers.ROOT, "routing_analysis"), as_version=4)
+  cells = _per_layer_cells(nb)
+  assert len(cells) >= 6  # the runs, specialisation, MI/H, the check, load, co-activation
+  assert _per_layer_problems(nb) == [], (
+      "notebooks/routing_analysis.ipynb. Fix: python -m experiments.report --notebooks")
+  # The check finds what it looks for: an emptied cell, a debug line.
+  first = next(i for i, c in enumerate(nb.cells) if c.cell_type == "code")
+  nb.cells[cells[-1]].outputs = []
+  nb.cells[first].outputs.append(nbformat.v4.new_output("stream", text=f"{DEBUG_LINE} {{}}\n"))
+  assert _per_layer_problems(nb) == [f"cell {cells[-1]} has no outputs",
+                                     f"cell {first} prints {DEBUG_LINE}"]
+
+
 @pytest.mark.parametrize("name", notebooks.NOTEBOOKS)
 def test_notebook_executes_on_a_suite_directory(name, tiny_suite_dir):
   workdir, _, _ = tiny_suite_dir

@@ -41,7 +41,8 @@ def _perturbed(tree):
       else x for x, k in zip(leaves, keys)])
 
 
-def test_a_checkpoint_of_the_separate_gate_and_up_layout_restores_joined(tmp_path, capsys):
+def _old_layout_checkpoint(tmp_path):
+  """(config, the state tree saved, its abstract tree): a run's step 0 in the old layout."""
   cfg = helpers.experiment("tiny", str(tmp_path / "data"))
   tx = make_optimizer(cfg.train, cfg.model)
   _, state = step_lib.init_state(cfg, tx)
@@ -54,7 +55,12 @@ def test_a_checkpoint_of_the_separate_gate_and_up_layout_restores_joined(tmp_pat
     ckpt.save(0, old, {"position": 0})
     ckpt.wait()
   _, abstract = step_lib.abstract_state(cfg, tx)
-  got = ckpt_lib.restore_latest(str(tmp_path / "run"), [0], abstract.checkpoint_tree(), cfg)
+  return cfg, tree, abstract.checkpoint_tree()
+
+
+def test_a_checkpoint_of_the_separate_gate_and_up_layout_restores_joined(tmp_path, capsys):
+  cfg, tree, abstract = _old_layout_checkpoint(tmp_path)
+  got = ckpt_lib.restore_latest(str(tmp_path / "run"), [0], abstract, cfg)
   assert got.verified and got.step == 0 and not got.skipped  # checksums of the old arrays
   assert "joined into w_gate_up" in capsys.readouterr().err
   want = dict(ckpt_lib.integrity.leaf_paths(tree))
@@ -65,6 +71,17 @@ def test_a_checkpoint_of_the_separate_gate_and_up_layout_restores_joined(tmp_pat
                                              else have[path]),
                                   np.asarray(jax.random.key_data(value) if path == "rng"
                                              else value), err_msg=path)
+
+
+def test_a_checkpoint_restored_again_in_one_process_says_its_note_once(tmp_path, capsys):
+  """experiments.quantize restores its run once per scheme: one note, not four."""
+  cfg, _, abstract = _old_layout_checkpoint(tmp_path)
+  for _ in range(3):
+    got = ckpt_lib.restore_latest(str(tmp_path / "run"), [0], abstract, cfg)
+    assert got.verified and got.step == 0
+  notes = [line for line in capsys.readouterr().err.splitlines() if "w_gate_up" in line]
+  assert len(notes) == 1 and notes[0].startswith(
+      "note: checkpoint 0 stores the routed experts' w_gate and w_up apart"), notes
 
 
 def test_halves_join_on_a_block_axis_when_the_model_keeps_one():
