@@ -9,11 +9,17 @@ dict alone, so RESULTS.md's tables can be regenerated from the committed
 Cells: ``mean ± h`` where h is the half-width of the 95% Student t interval
 over the arm's seeds (just the mean with one seed); differences are
 arm - baseline with their 95% intervals over paired seeds and, for the
-validation loss, over documents (bootstrap).
+validation loss, over documents (bootstrap). A number with an interval is
+rounded to what the interval supports: the decimal place of the
+half-width's second significant digit (:func:`places`), so a difference of
+-0.002926 in [-0.009414, +0.003562] reads -0.0029 [-0.0094, +0.0036]; a
+number without one keeps 4 significant digits. The JSON keeps full
+precision.
 """
 
 from __future__ import annotations
 
+import math
 from typing import Mapping, Optional
 
 from moejax.ablation.columns import (ARM_COLUMNS, BUDGET_KEYS, METRICS, NOTE_KEYS,
@@ -35,23 +41,46 @@ def fmt(v: Optional[float], key: str = "") -> str:
   return f"{v:.4g}" if abs(v) < 1e4 else human(v)
 
 
-def _signed(v: float) -> str:
-  return f"{v:+.4g}"
+# Digits a rounded number keeps at most, however narrow its interval.
+MAX_SIGNIFICANT = 6
+
+
+def places(half_width: Optional[float], value: float) -> Optional[int]:
+  """Decimal places that show ``half_width`` to two significant digits (None: no interval,
+  or a zero-width one), so that ``value`` is not printed more precisely than it is known;
+  at most :data:`MAX_SIGNIFICANT` significant digits of ``value``."""
+  if not half_width or not math.isfinite(half_width):
+    return None
+  p = 1 - math.floor(math.log10(abs(half_width)))
+  if value:
+    p = min(p, MAX_SIGNIFICANT - 1 - math.floor(math.log10(abs(value))))
+  return max(p, 0)
+
+
+def _signed(v: float, p: Optional[int] = None) -> str:
+  return f"{v:+.4g}" if p is None else f"{v:+.{p}f}"
+
+
+def _half(iv: Optional[Mapping]) -> Optional[float]:
+  return None if not iv or iv.get("lo") is None else (iv["hi"] - iv["lo"]) / 2
 
 
 def _interval(iv: Optional[Mapping]) -> str:
   if not iv or iv.get("lo") is None:
     return "n/a"
-  return f"[{_signed(iv['lo'])}, {_signed(iv['hi'])}]"
+  p = places(_half(iv), max(abs(iv["lo"]), abs(iv["hi"])))
+  return f"[{_signed(iv['lo'], p)}, {_signed(iv['hi'], p)}]"
 
 
 def _cell(metric: Optional[Mapping], key: str) -> str:
   if metric is None:
     return "n/a"
   iv = metric["interval"]
-  s = fmt(iv["mean"], key)
-  if iv.get("lo") is not None:
-    s += f" ± {(iv['hi'] - iv['lo']) / 2:.2g}"
+  half = _half(iv)
+  p = None if key in _HUMAN or abs(iv["mean"] or 0) >= 1e4 else places(half, iv["mean"] or 0)
+  s = fmt(iv["mean"], key) if p is None or iv["mean"] is None else f"{iv['mean']:.{p}f}"
+  if half is not None:
+    s += f" ± {half:.2g}"
   return s
 
 
@@ -140,7 +169,8 @@ def comparison_table(summary: Mapping) -> str:
       verdict = power.verdict_text(e)
       verdict = verdict if verdict.startswith("unresolved") else f"**{verdict}**"
       vs = f" {e.get('baseline', summary['baseline'])} |" if paired else ""
-      lines.append(f"| {name} |{vs} {METRICS[key][0]} | {_signed(d['mean'])} | {seeds} | {docs} "
+      p = places(_half(d), d["mean"])
+      lines.append(f"| {name} |{vs} {METRICS[key][0]} | {_signed(d['mean'], p)} | {seeds} | {docs} "
                    f"| {verdict} | {e.get('reason', '')} |")
   return "\n".join(lines)
 
