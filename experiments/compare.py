@@ -11,7 +11,9 @@ from one suite) each row is compared with it: the difference, its interval
 (paired over the seeds both rows ran; unpaired Welch when fewer than two are
 common), the document bootstrap of the validation loss and the verdict
 (moejax.ablation.stats). Directories with different seed counts compare; the
-output says so and which pairing each difference used.
+output says so and which pairing each difference used. The output fits 100
+columns (moejax.ablation.terminal: a header line per row, a line per
+metric); ``--markdown`` prints the markdown tables of summary.md instead.
 
 Flagged: rows whose total params, active params/token, FLOPs/token or
 training tokens differ by more than ``--tolerance`` (relative), or whose
@@ -33,6 +35,9 @@ from experiments import cli
 
 _TOL = flags.DEFINE_float("tolerance", 0.02, "Relative budget difference that is flagged.")
 _CSV = flags.DEFINE_string("csv", None, "Also write the table as CSV here.")
+_MARKDOWN = flags.DEFINE_bool("markdown", False, "Print markdown tables (as summary.md and "
+                              "RESULTS.md have them, lines of 150+ columns) instead of the "
+                              "text that fits 100 columns.")
 _BASELINE = flags.DEFINE_string("baseline", None, "Row (<suite>/<arm>) the others are compared "
                                 "with; default: the suite's baseline when all rows are of one "
                                 "suite.")
@@ -59,7 +64,7 @@ def main(argv):
   if not dirs:
     raise app.UsageError("usage: python -m experiments.compare DIR [DIR ...]")
   cli.check_writable_file("--csv", _CSV.value, "compare.csv")  # before the tables, not after
-  from moejax.ablation import summary, tables  # pylint: disable=g-import-not-at-top
+  from moejax.ablation import summary, terminal  # pylint: disable=g-import-not-at-top
   results = []
   for d in dirs:
     found = summary.find_results(d)
@@ -80,30 +85,34 @@ def main(argv):
                                    order=[baseline] if baseline else [])
   summ["suite"] = "compare"
   summ["budget_flags"] = []  # printed below, with the tolerance of this command
-  print(tables.budget_table(summ) + "\n")
-  print(tables.arms_table(summ) + "\n")
-  comp = tables.comparison_table(summ)
-  if comp:
-    print(comp + "\n")
-    print(tables.mdd_line(summ) + "\n")
   corpus_flags = summ["corpus"]["flags"]
   summ["corpus"] = dict(summ["corpus"], flags=[])  # printed below
-  for line in tables.notes(summ):
-    print(line)
+  print(_markdown(summ) if _MARKDOWN.value else terminal.render(summ, whole=False))
   if _CSV.value:
     summary.write_csv(summ, cli.file_to_write(_CSV.value))
   if corpus_flags:
     print("CORPUS MISMATCH (not measured on the same data):")
     for line in corpus_flags:
-      print(f"  ! {line}")
+      print("\n".join(terminal.flag_lines(line)))
   flags_ = summary.budget_mismatches(summ, _TOL.value)
   if flags_:
     print("BUDGET MISMATCH (not an equal-budget comparison):")
     for line in flags_:
-      print(f"  ! {line}")
+      print("\n".join(terminal.flag_lines(line)))
   else:
     print(f"budgets match within {100 * _TOL.value:g}% (total, active, FLOPs/token, tokens, "
           "optimizer)")
+
+
+def _markdown(summ) -> str:
+  """The markdown tables (--markdown): budget, arms, comparisons, the MDD and the notes."""
+  from moejax.ablation import tables  # pylint: disable=g-import-not-at-top
+  parts = [tables.budget_table(summ), tables.arms_table(summ)]
+  comp = tables.comparison_table(summ)
+  if comp:
+    parts += [comp, tables.mdd_line(summ)]
+  notes = tables.notes(summ)
+  return "\n\n".join(parts) + "\n" + ("\n" + "\n".join(notes) if notes else "")
 
 
 if __name__ == "__main__":

@@ -44,7 +44,7 @@ def test_layer_suite_times_jax_and_torch_side_by_side(tmp_path):
   # What backend='auto' runs at this shape, and by which rule, is printed and recorded.
   assert shape["auto"]["backend"] == "blocked"
   assert shape["auto"]["rule"] == "blocked at every shape"
-  assert f"auto here runs blocked: {shape['auto']['line']}" in r.stdout
+  assert f"auto here runs blocked: {shape['auto']['line']}" in " ".join(r.stdout.split())
   # The record says what made it, and renders as docs/benchmarks.md's layer_bench block.
   rec = json.loads(out.read_text())
   assert rec["command"].startswith("python -m experiments.bench --suite=layer")
@@ -200,8 +200,11 @@ def test_a_failing_variant_is_a_row_and_exit_status_1_naming_it():
                       "  dense/fwdbwd: compiled and ran in " + out[2].rsplit(" ", 1)[1]]
   assert out[3] == ("  blocked/fwd: FAILED: RuntimeError: blocked/fwd forced to fail by "
                     "--fail_variants")
-  row = next(line for line in out if line.startswith("blocked "))
-  assert row.split()[1:3] == ["failed", "-"] and "forced to fail" in row
+  i = next(i for i, line in enumerate(out) if line.startswith("blocked "))
+  assert out[i].split()[1:3] == ["failed", "-"]
+  reason = out[i] + "".join(" " + line.strip() for line in out[i + 1:i + 3])  # wrapped under it
+  assert "(fwd: RuntimeError: blocked/fwd forced to fail by --fail_variants;" in reason
+  assert max(len(line) for line in out[i:i + 3]) <= 100
   assert r.stderr == (
       "error: 2 benchmark run(s) failed: shapes/coarse/variants/blocked/fwd: RuntimeError: "
       "blocked/fwd forced to fail by --fail_variants; shapes/coarse/variants/blocked/fwdbwd: "
@@ -335,6 +338,38 @@ def test_every_suite_module_registers_its_suite_and_the_flag_lists_them():
     registry.register(registry.Suite("gmm", "another", lambda: {}, print))
   with pytest.raises(KeyError, match="--suite='nope' is not a benchmark suite"):
     registry.get("nope")
+
+
+def test_layer_table_rows_fit_100_columns(capsys):
+  """Skipped backends, a failed row and the torch note continue on indented lines."""
+  from experiments.benchmarks import layer  # pylint: disable=g-import-not-at-top
+  tpu = ("gmm backend 'pallas_tpu': needs a TPU (Pallas Mosaic TPU kernels); this platform is "
+         "'cpu' (interpret mode is not a performance path)")
+  gpu = ("gmm backend 'pallas_gpu': needs an NVIDIA Hopper GPU (Pallas Mosaic GPU: TMA + "
+         "wgmma); this platform is 'cpu' (interpret mode is not a performance path)")
+  torch_note = ("torch/transformers not installed (No module named 'transformers'); pip install "
+                "-e .[interop]")
+  error = "RuntimeError: " + " ".join(["out of memory"] * 12)
+  shape = {"T": 64, "d": 32, "E": 8, "K": 2, "f": 1024, "dense_width": 2048, "fwd_gflop": 0.0,
+           "auto": {"backend": "blocked", "line": "execution: T=64 K=2 E=8 d=32 f=1024: 16 rows "
+                                                  "per expert -> blocked (rule: blocked at every "
+                                                  "shape)"},
+           "variants": {"dense": {"fwd": {"median_s": 0.001, "ratio_to_dense": 1.0, "runs": 1}},
+                        "blocked": {"fwd": {"error": error}, "fwdbwd": {"refused": "too big"}}},
+           "skipped": {"pallas_tpu": tpu, "pallas_gpu": gpu}, "torch_skipped": torch_note}
+  layer.print_layer_table({"shapes": {"coarse": shape}})
+  lines = capsys.readouterr().out.splitlines()
+  assert max(len(line) for line in lines) <= 100, max(lines, key=len)
+  i = lines.index("pallas_tpu            skipped: needs a TPU (Pallas Mosaic TPU kernels); this "
+                  "platform is 'cpu'")
+  assert lines[i + 1] == " " * 31 + "(interpret mode is not a performance path)"
+  assert lines[i + 2].startswith("pallas_gpu            skipped: needs an NVIDIA Hopper GPU")
+  text = " ".join(" ".join(lines).split())
+  assert "torch variants skipped: " + torch_note in text
+  assert "auto here runs blocked: " + shape["auto"]["line"] in text
+  assert f"(fwd: {error}; fwdbwd: too big)" in text
+  row = next(line for line in lines if line.startswith("blocked "))
+  assert row.split()[1:6] == ["failed", "-", "refused", "-", "-"]
 
 
 def test_layer_variants_are_the_backends_that_run_here_and_the_baselines():

@@ -38,6 +38,7 @@ exceeds what the machine has available.
 from __future__ import annotations
 
 import os
+import textwrap
 
 from absl import app, flags
 
@@ -57,6 +58,9 @@ _HF_IMPLS = flags.DEFINE_list("hf_impls", ["eager", "grouped_mm"],
                               "MixtralSparseMoeBlock experts_implementation values to time")
 
 TORCH_BASE, JAX_BASE = "torch_dense", "dense"
+# The table's width: a row's reason (skipped, failed, refused) continues on indented lines.
+WIDTH = 100
+NAME_W = 22  # the variant column
 
 
 def jax_variants(run: list[str], opts: dict, capacity_factor: float, group: int) -> dict:
@@ -140,26 +144,36 @@ def _row_line(name: str, row: dict) -> str:
   runs = max((r.get("runs", 0) for r in row.values()), default=0)
   cpu = row.get("fwdbwd", {}).get("cpu_ratio_to_dense")
   cpu_s = "-" if cpu is None else f"{cpu:.2f}"
-  return (f"{name:<22}{cells[0]:>10}{cells[1]:>9}{cells[2]:>11}{cells[3]:>9}{cpu_s:>8}"
-          f"{runs:>6}" + (f"  ({'; '.join(notes)})" if notes else ""))
+  head = (f"{name:<{NAME_W}}{cells[0]:>10}{cells[1]:>9}{cells[2]:>11}{cells[3]:>9}{cpu_s:>8}"
+          f"{runs:>6}")
+  return head if not notes else wrapped(f"{head}  (", f"{'; '.join(notes)})", NAME_W + 2)
+
+
+def wrapped(head: str, text: str, indent: int) -> str:
+  """``head`` then ``text``, in lines of at most :data:`WIDTH` columns, the text continued
+  ``indent`` columns in (``head`` is kept as it is: its columns stay aligned)."""
+  return "\n".join(textwrap.wrap(text, WIDTH, initial_indent=head,
+                                  subsequent_indent=" " * indent, break_on_hyphens=False))
 
 
 def print_layer_table(res: dict) -> None:
   for shape, s in res["shapes"].items():
     print(f"\n{shape}: T={s['T']} d={s['d']} E={s['E']} K={s['K']} f={s['f']} "
           f"(dense width {s['dense_width']}, {s['fwd_gflop']:.1f} GFLOP forward)")
-    print("(x dense: JAX variants vs dense, torch variants vs torch_dense; cpu: the same "
-          "ratio in process CPU time)")
+    print("(x dense: JAX variants vs dense, torch ones vs torch_dense; cpu x: the same ratio in "
+          "CPU time)")
     if s.get("auto"):
-      print(f"auto here runs {s['auto']['backend']}: {s['auto']['line']}")
-    print(f"{'variant':<22}{'fwd s':>10}{'x dense':>9}{'fwd+bwd s':>11}{'x dense':>9}"
+      print(wrapped(f"auto here runs {s['auto']['backend']}: ", s["auto"]["line"], 4))
+    print(f"{'variant':<{NAME_W}}{'fwd s':>10}{'x dense':>9}{'fwd+bwd s':>11}{'x dense':>9}"
           f"{'cpu x':>8}{'runs':>6}")
     for name, row in s["variants"].items():
       print(_row_line(name, row))
-    for name, why in s["skipped"].items():
-      print(f"{name:<22}skipped: {why}")
+    skipped = dict(s["skipped"])
     if s.get("torch_skipped"):
-      print(f"{'torch variants':<22}skipped: {s['torch_skipped']}")
+      skipped["torch variants"] = s["torch_skipped"]
+    for name, why in skipped.items():  # the row names the backend: not its reason again
+      why = why.removeprefix(f"gmm backend '{name}': ")
+      print(wrapped(f"{name:<{NAME_W}}skipped: ", why, NAME_W + len("skipped: ")))
 
 
 SUITE = registry.register(registry.Suite(

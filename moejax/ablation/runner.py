@@ -60,6 +60,7 @@ from moejax.ablation import recheck
 from moejax.ablation import replay_finetune as replay_lib
 from moejax.ablation import scale as scale_lib
 from moejax.ablation import sources as sources_lib
+from moejax.ablation import terminal
 from moejax.ablation.suite import Suite
 from moejax.config.registry import BALANCE_LOSS_LOG_PREFIX
 from moejax.serve import consistency_child
@@ -491,11 +492,13 @@ def _analysis_passes(exp, options: dict, analyse_runs: bool) -> dict:
 
 
 def _report_suite(workdir: str, say) -> None:
-  """Prints the summary table and every output path of the suite."""
-  md = os.path.join(workdir, "summary.md")
-  if os.path.exists(md):
-    with open(md, encoding="utf-8") as f:
-      say(f.read().rstrip())
+  """Prints the suite's summary as text of at most 100 columns (moejax.ablation.terminal;
+  summary.md has the markdown tables) and every output path of the suite."""
+  path = os.path.join(workdir, "summary.json")
+  if os.path.exists(path):
+    with open(path, encoding="utf-8") as f:
+      say(terminal.render(json.load(f)))
+    say(f"the tables as markdown: {os.path.join(workdir, 'summary.md')}")
   say(f"outputs in {workdir}:")
   plots = os.path.join(workdir, "plots")
   pngs = sorted(os.path.join("plots", n) for n in os.listdir(plots)) if os.path.isdir(plots) \

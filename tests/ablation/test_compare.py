@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 import pytest
 
-from moejax.ablation import summary
+from moejax.ablation import summary, tables
 from tests.ablation import helpers
 
 OPT = "adamw lr=0.003 steps=10"
@@ -40,7 +41,11 @@ def test_flags_active_mismatch_across_suites(tmp_path):
   b = _result(str(tmp_path), "s2", "y", active=150.0, val=2.1)
   proc = _compare(a, b)
   assert proc.returncode == 0, proc.stderr
-  assert "| s1/x |" in proc.stdout and "| s2/y |" in proc.stdout
+  assert "\ns1/x: 1 seed; 1.00K params, 100 active, 200 FLOPs/token, 640 tokens\n" in proc.stdout
+  assert "\ns2/y: 1 seed; 1.00K params, 150 active, 300 FLOPs/token, 640 tokens\n" in proc.stdout
+  markdown = _compare(a, b, "--markdown").stdout  # the tables of summary.md
+  assert "| s1/x |" in markdown and "| s2/y |" in markdown and "s1/x: 1 seed" not in markdown
+  assert "active/token differs by 33.3% (s1/x 100 .. s2/y 150)" in markdown
   assert "BUDGET MISMATCH" in proc.stdout
   assert "active/token differs by 33.3% (s1/x 100 .. s2/y 150)" in proc.stdout
 
@@ -84,8 +89,9 @@ def test_different_seed_counts_compare_and_say_so(tmp_path):
   assert proc.returncode == 0, proc.stderr
   assert "seed counts differ (three/y: 3, one/x: 1)" in proc.stdout
   # One seed against three: the difference is unpaired, and one seed gives no interval.
-  assert "| one/x | val loss | -0.1 | n/a (1, unpaired) |" in proc.stdout
-  assert "| three/y (baseline) | 3 |" in proc.stdout
+  assert ("\n  val loss  2             Δ -0.1  seeds n/a (1, unpaired)  docs n/a  unresolved\n"
+          in proc.stdout)
+  assert "\nthree/y (baseline): 3 seeds; " in proc.stdout
   assert _compare(a, "--baseline=nope/z").returncode == 1
 
 
@@ -93,6 +99,29 @@ def test_compare_reads_a_real_suite(tiny_suite_dir):
   workdir, _, _ = tiny_suite_dir
   proc = _compare(workdir)
   assert proc.returncode == 0, proc.stderr
-  assert "| tiny/aux (baseline) |" in proc.stdout and "budgets match" in proc.stdout
-  assert "| tiny/bias | val loss |" in proc.stdout  # the suite's own baseline was found
+  assert "\ntiny/aux (baseline): 2 seeds; " in proc.stdout and "budgets match" in proc.stdout
+  bias = proc.stdout[proc.stdout.index("\ntiny/bias: 2 seeds; "):]
+  assert re.search(r"\n  val loss +\S+ ± \S+ +Δ ", bias)  # the suite's own baseline was found
   assert "CORPUS MISMATCH" not in proc.stdout
+
+
+def test_compare_fits_100_columns_and_markdown_keeps_the_tables():
+  """The committed quick suite (results/runs/quick): every printed line fits 100 columns;
+  --markdown prints the markdown tables of moejax.ablation.tables unchanged."""
+  quick = os.path.join(helpers.ROOT, "results", "runs", "quick")
+  proc = _compare(quick)
+  assert proc.returncode == 0, proc.stderr
+  lines = proc.stdout.splitlines()
+  assert max(len(line) for line in lines) <= 100, max(lines, key=len)
+  assert ("quick/aux_loss (baseline): 1 seed; 3.48M params, 697.47K active, 1.65M FLOPs/token, "
+          "512.00K tokens") in lines
+  assert "  val loss             1.856    Δ -0.002926  seeds n/a (1)  docs n/a  unresolved" in lines
+  assert "      why unresolved: no interval over seeds (1 seed)" in lines
+  assert lines[-1].startswith("budgets match within 2%")
+  markdown = _compare(quick, "--markdown")
+  summ = summary.summarise_results(summary.find_results(quick),
+                                   label=lambda r: f"{r['suite']}/{r['arm']}",
+                                   baseline="quick/aux_loss", order=["quick/aux_loss"])
+  for table in (tables.budget_table(summ), tables.arms_table(summ),
+                tables.comparison_table(summ)):
+    assert table + "\n\n" in markdown.stdout

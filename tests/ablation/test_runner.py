@@ -97,7 +97,12 @@ def test_tiny_suite_writes_results_table_and_plots(tiny_suite_dir):
   assert "[4/4] bias/seed_1: done in " in printed
   assert f"s, val loss {val_loss:.3f}; " in printed and repr(val_loss) not in printed
   tail = printed[printed.index("outputs in"):]
-  assert "| bias |" in printed[printed.rindex("| arm |"):]
+  # The summary as text of at most 100 columns (moejax.ablation.terminal), not summary.md's
+  # tables, which it names.
+  end = printed[printed.rindex("\nsuite tiny\n"):printed.index("outputs in")]
+  assert "\nbias: 2 seeds; " in end and "\n  val loss " in end and "| arm |" not in end
+  assert max(len(line) for line in end.splitlines()) <= 100
+  assert end.endswith(f"the tables as markdown: {os.path.join(workdir, 'summary.md')}\n")
   for name in ("summary.md", "summary.json", "summary.csv", "metrics.png", "curves.png",
                "suite.json", "budget.json"):
     assert name in tail[tail.index(f"outputs in {workdir}:"):], name
