@@ -29,6 +29,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+import textwrap
 
 from absl import flags
 
@@ -75,15 +76,27 @@ def record_provenance() -> dict:
   return {key: prov[key] for key in ("command", "commit", "date", "machine")}
 
 
+def check_outputs(suite: registry.Suite) -> None:
+  """One ``error:`` line, before anything runs, unless every path the run writes can be."""
+  cli.check_writable_file("--json_out", _JSON.value)
+  for flag, kind in suite.outputs:
+    value = getattr(flags.FLAGS, flag)
+    if kind == "dir":
+      cli.check_writable(f"--{flag}", value)
+    else:
+      cli.check_writable_file(f"--{flag}", value, os.path.basename(value or "") or "out")
+
+
 def main(argv):
   del argv
-  cli.check_writable_file("--json_out", _JSON.value)  # before the suite runs, not after
+  check_outputs(registry.get(_SUITE.value))  # before the suite runs, not after
   bench_lib.PROGRESS[0] = sys.stdout  # a line per variant as it goes, before the table
   try:
     res = run_suite(_SUITE.value)
   except bench_lib.BenchFailed as e:
     cli.fail(f"{e}. Fix: see the error above; nothing was timed")
-  print(f"\nconditions: {json.dumps(res['conditions'])}")
+  print("\n" + textwrap.fill(f"conditions: {json.dumps(res['conditions'])}", width=100,
+                             subsequent_indent="  "))
   if _JSON.value:
     res = {**record_provenance(), **res}
     with open(cli.file_to_write(_JSON.value), "w") as fh:

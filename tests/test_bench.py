@@ -195,11 +195,14 @@ def test_a_failing_variant_is_a_row_and_exit_status_1_naming_it():
       env={**__import__("os").environ, "JAX_PLATFORMS": "cpu"})
   assert r.returncode == 1, (r.stdout[-2000:], r.stderr[-2000:])
   out = r.stdout.splitlines()
-  assert out[0].startswith("coarse: T=64 d=32 E=8 K=2 f=1024, 4 runs")
-  assert out[1:3] == ["  dense/fwd: compiled and ran in " + out[1].rsplit(" ", 1)[1],
-                      "  dense/fwdbwd: compiled and ran in " + out[2].rsplit(" ", 1)[1]]
-  assert out[3] == ("  blocked/fwd: FAILED: RuntimeError: blocked/fwd forced to fail by "
-                    "--fail_variants")
+  assert out[0].startswith("coarse: T=64 d=32 E=8 K=2 f=1024, 4 runs; auto runs ")
+  assert out[1].startswith("  execution: T=64 K=2 E=8 d=32 f=1024:")  # the rule, wrapped
+  j = next(i for i, line in enumerate(out) if "dense/fwd:" in line)
+  assert out[j:j + 2] == ["  dense/fwd: compiled and ran in " + out[j].rsplit(" ", 1)[1],
+                          "  dense/fwdbwd: compiled and ran in " + out[j + 1].rsplit(" ", 1)[1]]
+  assert out[j + 2] == ("  blocked/fwd: FAILED: RuntimeError: blocked/fwd forced to fail by "
+                        "--fail_variants")
+  assert max(len(line) for line in out) <= 100, max(out, key=len)   # conditions too
   i = next(i for i, line in enumerate(out) if line.startswith("blocked "))
   assert out[i].split()[1:3] == ["failed", "-"]
   reason = out[i] + "".join(" " + line.strip() for line in out[i + 1:i + 3])  # wrapped under it

@@ -147,6 +147,10 @@ def _run(tmp_path, binary: str, *args: str) -> subprocess.CompletedProcess:
     # The binaries that write one file: its directory is tried, the file's name is the fix's.
     ("bench", ["--suite=layer"], "--json_out", "/sys/moejax_layer.json", "/sys",
      errno.EPERM, "Operation not permitted"),
+    ("bench", ["--suite=serving"], "--serving_plot", "/sys/moejax_serving.png", "/sys",
+     errno.EPERM, "Operation not permitted"),
+    ("bench", ["--suite=profile"], "--profile_trace_dir", "/sys/moejax_trace", "/sys",
+     errno.EPERM, "Operation not permitted"),
     ("quantize", ["--workdir=/nonexistent_run"], "--json_out", "/sys/moejax_q.json", "/sys",
      errno.EPERM, "Operation not permitted"),
     ("compare", ["/nonexistent_suite"], "--csv", "/sys/moejax.csv", "/sys",

@@ -94,7 +94,9 @@ def _one_shape(shape: str, run: list[str], skipped: dict, keep) -> dict:
   fns.update({n: fn for n, fn in torch_fns.items() if keep(n.split("/")[0])})
   auto = bench_lib.auto_decision(t, d, e, k, f)
   print(f"{shape}: T={t} d={d} E={e} K={k} f={f}, {len(fns)} runs; auto runs "
-        f"{auto['backend']} ({auto['line']})", flush=True)
+        f"{auto['backend']}", flush=True)
+  print(textwrap.fill(auto["line"], width=100, initial_indent="  ",
+                      subsequent_indent="    "), flush=True)
   timed = bench_lib.time_round_robin(common.forced_failures(fns), common.repeats(),
                                      common.SLOW_S.value, common.SLOW_REPEATS.value)
   table = bench_lib.split_modes(timed)

@@ -404,4 +404,4 @@ def run_from_flags(repeats: int, seed: int, conditions: dict) -> dict:
 SUITE = registry.register(registry.Suite(
     "profile", "where the MoE layer's extra time goes, by kind of XLA instruction",
     lambda: run_from_flags(common.repeats(), common.SEED.value, bench_lib.conditions()),
-    print_profile_table))
+    print_profile_table, outputs=(("profile_trace_dir", "dir"),)))

@@ -19,11 +19,13 @@ MODULES = ("layer", "gmm", "ep", "serving", "step", "scaling", "profile", "peak"
 class Suite:
   """One benchmark: ``run()`` measures and returns a JSON-able dict (its flags already
   parsed; it records its own conditions, since some suites set JAX up before it
-  starts); ``show(result)`` prints its table."""
+  starts); ``show(result)`` prints its table. ``outputs``: the suite's own flags that
+  name something it writes, each ``(flag, 'file' | 'dir')``, checked before it runs."""
   name: str
   summary: str
   run: Callable[[], dict]
   show: Callable[[dict], None]
+  outputs: tuple[tuple[str, str], ...] = ()
 
 
 _SUITES: dict[str, Suite] = {}

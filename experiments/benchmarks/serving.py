@@ -391,4 +391,5 @@ def markdown_tables(res: dict) -> str:
 
 SUITE = registry.register(registry.Suite(
     "serving", "decode and prefill latency and throughput of an MoE vs its dense twins",
-    lambda: serving_suite(bench_lib.conditions()), print_serving_table))
+    lambda: serving_suite(bench_lib.conditions()), print_serving_table,
+    outputs=(("serving_plot", "file"),)))
