@@ -383,7 +383,8 @@ class Checkpointer:
           state=ocp.args.StandardRestore(_placed(target)), data=ocp.args.JsonRestore()))
     state = layout_restore.join(out["state"], abstract_state, joined, f"checkpoint {step}",
                                 once=self.step_dir(step))
-    state = idea_restore.graft(state, abstract_state, new_ideas, fill, f"checkpoint {step}")
+    state = idea_restore.graft(state, abstract_state, new_ideas, fill, f"checkpoint {step}",
+                               once=self.step_dir(step))
     self.grafted, self.joined = new_ideas, joined  # what its checksums do not describe as is
     return state, dict(out["data"])
 

@@ -18,6 +18,7 @@ import jax
 import jax.numpy as jnp
 
 from moejax.routing import state as state_lib
+from moejax.train import notes
 
 IDEAS = "/ideas/"
 _GONE = object()
@@ -58,8 +59,9 @@ def without(tree, paths: set[str]):
 
 
 def graft(restored, abstract, paths: set[str], fill: Optional[Callable[[str], Any]],
-          where: str):
-  """``restored`` with the leaves at ``paths`` added from ``fill``, placed like ``abstract``'s."""
+          where: str, once: Optional[str] = None):
+  """``restored`` with the leaves at ``paths`` added from ``fill``, placed like ``abstract``'s;
+  says so in one line, once per process for the key ``once`` (None: every time)."""
   if not paths:
     return restored
   if fill is None:
@@ -70,7 +72,7 @@ def graft(restored, abstract, paths: set[str], fill: Optional[Callable[[str], An
   # Parents that pruning removed are rebuilt from the abstract tree's structure.
   merged = _rebuild(abstract, restored, "", paths, flat, fill)
   ideas = sorted({p.split(IDEAS, 1)[1].split("/", 1)[0] for p in paths})
-  if jax.process_index() == 0:
+  if jax.process_index() == 0 and notes.first_time("grafted", once):
     print(f"note: {where} has no state for {', '.join(ideas)} (written before it declared "
           "state): it starts from its initial value", file=sys.stderr)
   return merged

@@ -22,6 +22,7 @@ import jax
 import jax.numpy as jnp
 
 from moejax.topology import experts as experts_lib
+from moejax.train import notes
 
 GATE_UP = experts_lib.GATE_UP
 HALVES = ("w_gate", "w_up")
@@ -90,20 +91,6 @@ def legacy_target(abstract: Any, pairs: Mapping[str, tuple]) -> Any:
   return _map_dicts(abstract, pairs, split, lambda d: GATE_UP in d)
 
 
-# Checkpoints already said to be joined in this process (one line each, not one per restore:
-# experiments.quantize loads its run once per scheme, an analysis reloads).
-_SAID: set[str] = set()
-
-
-def _said_before(key: Optional[str]) -> bool:
-  """Whether the note of ``key`` was said in this process; from now on it has been."""
-  if key is None:
-    return False
-  said = key in _SAID
-  _SAID.add(key)
-  return said
-
-
 def join(restored: Any, abstract: Any, pairs: Mapping[str, tuple], where: str,
          once: Optional[str] = None) -> Any:
   """``restored`` (read with :func:`legacy_target`) with each pair of halves joined into
@@ -124,7 +111,7 @@ def join(restored: Any, abstract: Any, pairs: Mapping[str, tuple], where: str,
     out[GATE_UP] = jax.device_put(value, sharding) if sharding is not None else value
     return out
   merged = _map_dicts(restored, pairs, fuse, lambda d: all(h in d for h in HALVES))
-  if jax.process_index() == 0 and not _said_before(once):
+  if jax.process_index() == 0 and notes.first_time("joined", once):
     print(f"note: {where} stores the routed experts' w_gate and w_up apart (the layout "
           f"before w_gate_up): joined into w_gate_up ({len(pairs)} arrays)", file=sys.stderr)
   return merged
