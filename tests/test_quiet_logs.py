@@ -13,9 +13,6 @@ import pytest
 
 import moejax
 from experiments import cli
-from moejax.train import checkpoint as ckpt_lib
-from moejax.train import step as step_lib
-from moejax.train.optim import make_optimizer
 from tests.train import helpers
 
 
@@ -26,16 +23,8 @@ def tiny_run(tmp_path_factory) -> str:
   Made by hand rather than trained: loading it is what is tested, and
   compiling a train step would cost most of the test's time.
   """
-  workdir = str(tmp_path_factory.mktemp("quiet") / "run")
-  cfg = helpers.experiment("tiny", str(tmp_path_factory.mktemp("tfds")))
-  os.makedirs(workdir)
-  ckpt_lib.write_config(workdir, cfg)
-  _, state = step_lib.init_state(cfg, make_optimizer(cfg.train, cfg.model, cfg.finetune))
-  ckpt = ckpt_lib.Checkpointer(workdir, 1)
-  ckpt.save(1, state.checkpoint_tree(), {})
-  ckpt.wait()
-  ckpt.close()
-  return workdir
+  return helpers.initial_run(str(tmp_path_factory.mktemp("quiet") / "run"),
+                             str(tmp_path_factory.mktemp("tfds")))
 
 
 class _Records(logging.Handler):

@@ -32,6 +32,24 @@ def experiment(name: str = "tiny", data_dir: str | None = None, **overrides) -> 
   return apply_overrides(cfg, pairs)
 
 
+def initial_run(workdir: str, data_dir: str, name: str = "tiny") -> str:
+  """``workdir`` made a run of configs/``name``.py: its config and its initial state saved as
+  checkpoint 1. Made by hand rather than trained: tests that load a run need no train step."""
+  # pylint: disable=g-import-not-at-top
+  from moejax.train import checkpoint as ckpt_lib
+  from moejax.train import step as step_lib
+  from moejax.train.optim import make_optimizer
+  cfg = experiment(name, data_dir)
+  os.makedirs(workdir)
+  ckpt_lib.write_config(workdir, cfg)
+  _, state = step_lib.init_state(cfg, make_optimizer(cfg.train, cfg.model, cfg.finetune))
+  ckpt = ckpt_lib.Checkpointer(workdir, 1)
+  ckpt.save(1, state.checkpoint_tree(), {})
+  ckpt.wait()
+  ckpt.close()
+  return workdir
+
+
 def snapshot(directory: str) -> dict[str, str]:
   """{relative path: sha256 of the bytes} of every file under ``directory`` (with mtimes)."""
   out = {}
