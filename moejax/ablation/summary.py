@@ -257,7 +257,8 @@ def suite_summary(workdir: str) -> dict:
               "scale": suite.get("scale", results[0].get("scale", "s")),
               "suite_seeds": suite.get("seeds", sorted({r.get("seed", 0) for r in results})),
               "provenance": _collect_provenance(results),
-              "budget_flags": budget_mismatches(out, exempt=suite.get("exempt"))
+              "budget_flags": budget_mismatches(out, exempt=suite.get("exempt"),
+                                                held=suite.get("fixed"))
               + realised.summary_flags(out, suite.get("fixed") or {}, suite.get("exempt"))})
   return out
 
@@ -278,10 +279,15 @@ def add_plot_data(summary: dict, results: Sequence[dict]) -> None:
 
 
 def budget_mismatches(summary: Mapping, tolerance: float = 0.02,
-                      exempt: Optional[Mapping[str, Sequence[str]]] = None) -> list[str]:
+                      exempt: Optional[Mapping[str, Sequence[str]]] = None,
+                      held: Optional[Sequence[str]] = None) -> list[str]:
   """Lines naming every budget quantity on which the labels differ beyond ``tolerance``.
 
   ``exempt``: ``{label: quantities}`` (a suite's reference arms) left out of those quantities.
+  ``held``: the quantities the suite holds equal (its ``fixed``), or None for runs of no
+  suite. A suite that does not hold the optimizer equal studies it (the optimizer is its
+  axis, as in ``recipe``), so differing optimizer settings are no flag there; the budget
+  table still names each arm's optimizer.
   """
   arms = summary["arms"]
   exempt = exempt or {}
@@ -297,7 +303,7 @@ def budget_mismatches(summary: Mapping, tolerance: float = 0.02,
                  f"({lo} {human(vals[lo])} .. {hi} {human(vals[hi])})")
   opts = {a["budget"].get("optimizer") for n, a in arms.items()
           if "optimizer" not in exempt.get(n, ())}
-  if len(opts) > 1:
+  if len(opts) > 1 and (held is None or "optimizer" in held):
     out.append("optimizer settings differ: " + " | ".join(sorted(map(str, opts))))
   return out
 

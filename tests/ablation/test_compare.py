@@ -62,6 +62,17 @@ def test_equal_budgets_are_not_flagged_and_optimizer_is(tmp_path):
   assert any("optimizer settings differ" in line for line in summary.budget_mismatches(summ))
 
 
+@pytest.mark.parametrize("fixed,flagged", [({"tokens": 0.0}, False),
+                                           ({"tokens": 0.0, "optimizer": 0.0}, True)])
+def test_a_suite_that_studies_the_optimizer_is_not_flagged_for_it(tmp_path, fixed, flagged):
+  root = _result(str(tmp_path), "s", "adamw", active=100.0)
+  _result(str(tmp_path), "s", "muon", active=100.0, optimizer="muon() lr=0.003 steps=10")
+  with open(os.path.join(root, "suite.json"), "w") as f:
+    json.dump({"name": "s", "arm_order": ["adamw", "muon"], "fixed": fixed}, f)
+  flags = summary.suite_summary(root)["budget_flags"]
+  assert any("optimizer settings differ" in line for line in flags) == flagged
+
+
 def test_no_results_is_an_error(tmp_path):
   proc = _compare(str(tmp_path))
   assert proc.returncode == 1 and "no result.json" in proc.stderr
