@@ -16,7 +16,8 @@ record's path, which holds the date and the commit),
 ``gather``, ``layer`` and ``train`` tables, the layer, grouped-matmul and
 training-step, scaling, profile and expert-parallel benches' tables
 (``layer_bench``, ``gmm_bench``, ``step_twin``, ``scaling_bench``,
-``profile_bench``, ``ep_bench``; results/bench/), and the serving bench's and the
+``profile_bench``, ``ep_bench``, ``train_runs``,
+``step_profile``, ``tests_run``, ``interop_bench``; results/bench/), and the serving bench's and the
 quantisation tables (results/serving/). Everything outside the blocks
 is hand-written: short notes on what the numbers show.
 tests/test_bench_record.py checks that the committed file is its render.
@@ -216,6 +217,30 @@ def ep_bench(rec: Mapping) -> str:
   return "```\n" + ep.table_text(rec).strip("\n") + "\n```\n"
 
 
+def step_profile(rec: Mapping) -> str:
+  """``experiments.bench --suite=step``'s record: one step of a suite arm by part."""
+  from experiments.benchmarks import step  # pylint: disable=g-import-not-at-top
+  return step.step_markdown(rec)
+
+
+def interop_bench(rec: Mapping) -> str:
+  """``experiments.bench --suite=interop``'s record: each case's errors against transformers."""
+  from experiments.benchmarks import interop  # pylint: disable=g-import-not-at-top
+  return interop.markdown(rec)
+
+
+def tests_run(rec: Mapping) -> str:
+  """``experiments.bench --suite=tests``'s record: the default test run's time and memory."""
+  from experiments.benchmarks import tests_run as tests_bench  # pylint: disable=g-import-not-at-top
+  return tests_bench.markdown(rec)
+
+
+def train_runs(rec: Mapping) -> str:
+  """``experiments.bench --suite=train``'s record: cost and reached losses of each run."""
+  from experiments.benchmarks import train as train_bench  # pylint: disable=g-import-not-at-top
+  return train_bench.markdown(rec)
+
+
 def serving_bench(rec: Mapping) -> str:
   from experiments.benchmarks import serving  # pylint: disable=g-import-not-at-top
   return serving.markdown_tables(rec) + "\n"
@@ -232,7 +257,9 @@ KINDS: dict[str, Callable[[Mapping], str]] = {
     "provenance": provenance, "summary": summary, "gmm_timing": gmm_timing,
     "gather": gather, "layer": layer, "layer_bench": layer_bench, "gmm_bench": gmm_bench,
     "train": train, "step_twin": step_twin, "scaling_bench": scaling_bench,
-    "profile_bench": profile_bench, "ep_bench": ep_bench,
+    "profile_bench": profile_bench, "ep_bench": ep_bench, "train_runs": train_runs,
+    "step_profile": step_profile, "tests_run": tests_run,
+    "interop_bench": interop_bench,
     "serving_bench": serving_bench,
     "quantization_moejax": _quantization("moejax"), "quantization_hf": _quantization("hf")}
 

@@ -100,6 +100,24 @@ def test_step_bench_smoke(tmp_path):
   assert "| train step |" in r.stdout
 
 
+def test_the_step_profile_block_says_the_rung_and_each_parts_share():
+  from experiments import record_blocks  # pylint: disable=g-import-not-at-top
+  from experiments.benchmarks import step  # pylint: disable=g-import-not-at-top
+  times = {name: {"wall_s": 0.002, "cpu_s": 0.001} for name in step.ORDER}
+  times["train step"] = {"wall_s": 0.08, "cpu_s": 0.04}
+  times["attention"] = {"wall_s": 0.02, "cpu_s": 0.01, "per_layer": 2}
+  rec = {"suite": "configs/ablations/lossfree.py", "scale": "s", "steps": 300,
+         "val_batches": 20, "times": times,
+         "shape": {"d_model": 64, "n_layers": 2, "moe_layers": 2, "batch": 16, "seq_len": 64,
+                   "params": 460100, "active": 148800, "flops_per_token": 329730.0}}
+  text = record_blocks.KINDS["step_profile"](rec)
+  assert text.startswith("configs/ablations/lossfree.py at scale s: d=64, 2 layers (2 MoE), "
+                         "batch 16 x 64, 0.46M params (0.15M active); 300 steps (307K tokens, "
+                         "0.30 TFLOP of training), 20 validation batches\n")
+  assert "| train step | 80.0 | 40.0 |  |" in text
+  assert "| attention (x2 layers) | 20.0 | 10.0 | 25% |" in text
+
+
 def _default_experiment(**model):
   from moejax.config import files  # pylint: disable=g-import-not-at-top
   from moejax.train.config import experiment_from_dict  # pylint: disable=g-import-not-at-top

@@ -12,7 +12,8 @@ import importlib
 from typing import Callable
 
 # The suite modules, in the order ``--suite``'s help lists them.
-MODULES = ("layer", "gmm", "ep", "serving", "step", "scaling", "profile", "peak")
+MODULES = ("layer", "gmm", "ep", "serving", "step", "scaling", "profile", "peak", "train",
+           "tests_run", "interop")
 
 
 @dataclasses.dataclass(frozen=True)

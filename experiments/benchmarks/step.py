@@ -215,20 +215,29 @@ ORDER = ("train step", "attention", "MoE FFN", "embedding + LM head + CE", "opti
          "compile train step", "compile eval step")
 
 
-def print_step_table(res: dict) -> None:
+def step_markdown(res: dict) -> str:
+  """The profile's header line and table (also docs/benchmarks.md's ``step_profile`` block)."""
   sh, times = res["shape"], res["times"]
   step_cpu = times["train step"]["cpu_s"]
-  print(f"{res['suite']} at scale {res['scale']}: d={sh['d_model']}, {sh['n_layers']} layers "
-        f"({sh['moe_layers']} MoE), batch {sh['batch']} x {sh['seq_len']}, "
-        f"{sh['params'] / 1e6:.2f}M params; {res['steps']} steps, {res['val_batches']} "
-        "validation batches")
-  print("| part | wall ms | CPU ms | CPU share of the step |")
-  print("|---|---:|---:|---:|")
+  tokens = res["steps"] * sh["batch"] * sh["seq_len"]
+  lines = [f"{res['suite']} at scale {res['scale']}: d={sh['d_model']}, {sh['n_layers']} layers "
+           f"({sh['moe_layers']} MoE), batch {sh['batch']} x {sh['seq_len']}, "
+           f"{sh['params'] / 1e6:.2f}M params ({sh['active'] / 1e6:.2f}M active); "
+           f"{res['steps']} steps ({tokens / 1e3:.0f}K tokens, "
+           f"{3 * sh['flops_per_token'] * tokens / 1e12:.2f} TFLOP of training), "
+           f"{res['val_batches']} validation batches", "",
+           "| part | wall ms | CPU ms | CPU share of the step |", "|---|---:|---:|---:|"]
   for name in ORDER:
     t = times[name]
     layers = f" (x{t['per_layer']} layers)" if "per_layer" in t else ""
     share = (f"{100 * t['cpu_s'] / step_cpu:.0f}%" if name in ORDER[1:6] else "")
-    print(f"| {name}{layers} | {1e3 * t['wall_s']:.1f} | {1e3 * t['cpu_s']:.1f} | {share} |")
+    lines.append(f"| {name}{layers} | {1e3 * t['wall_s']:.1f} | {1e3 * t['cpu_s']:.1f} | "
+                 f"{share} |")
+  return "\n".join(lines) + "\n"
+
+
+def print_step_table(res: dict) -> None:
+  print(step_markdown(res))
 
 
 def run() -> dict:

@@ -14,7 +14,7 @@ pytest.importorskip("transformers")
 
 import numpy as np  # noqa: E402
 
-from moejax.interop import import_moe_block  # noqa: E402
+from moejax.interop import import_moe_block, parity  # noqa: E402
 from tests.interop import helpers  # noqa: E402
 
 RTOL = 1e-5
@@ -23,43 +23,18 @@ TOKENS = (1, 9, 48)
 
 
 _apply = helpers.apply_layer
-
-# (id, model_type, HF config overrides, extra block options)
-CASES = [
-    ("mixtral", "mixtral", {}, {}),
-    ("mixtral-top3", "mixtral", {"num_experts_per_tok": 3}, {}),
-    ("qwen2-norm", "qwen2_moe", {"norm_topk_prob": True}, {}),
-    ("qwen2-nonorm", "qwen2_moe", {"norm_topk_prob": False}, {}),
-    ("qwen3-norm", "qwen3_moe", {"norm_topk_prob": True}, {}),
-    ("qwen3-nonorm-top4", "qwen3_moe", {"norm_topk_prob": False, "num_experts_per_tok": 4}, {}),
-    # group-limited: 4 groups of 2, best 2 groups; scaled, renormalised gates.
-    ("dsv3-groups", "deepseek_v3", {"n_group": 4, "topk_group": 2, "norm_topk_prob": True,
-                                    "routed_scaling_factor": 2.5}, {"bias_std": 0.1}),
-    # one group of 2 for top-2: the group rule alone decides; a large bias
-    # makes biased keys negative (masking to 0 instead of -inf would differ).
-    ("dsv3-one-group-negative", "deepseek_v3",
-     {"n_group": 4, "topk_group": 1, "norm_topk_prob": False, "routed_scaling_factor": 1.0},
-     {"bias_std": 1.0}),
-    ("dsv3-no-groups", "deepseek_v3", {"n_group": 1, "topk_group": 1, "norm_topk_prob": True,
-                                       "n_shared_experts": 1}, {"bias_std": 0.3}),
-]
+CASES = list(parity.CASES)
 
 
 def _check(model_type, overrides, options, seed, tokens):
-  block, hf_cfg = helpers.make_block(model_type, seed, **options, **overrides)
-  x = helpers.ties_free_inputs(block, hf_cfg, tokens, seed)
-  want = helpers.hf_forward(block, x)
-  want_ids, want_w = helpers.hf_routing(block, x)
-
-  imported = import_moe_block(block.state_dict(), hf_cfg, prefix="")
-  y, ids, w = (np.asarray(a) for a in _apply(imported.params, x, imported.state,
-                                             imported.cfg))
-  order = np.argsort(ids, axis=-1)
-  np.testing.assert_array_equal(np.take_along_axis(ids, order, -1), want_ids)
-  np.testing.assert_allclose(np.take_along_axis(w, order, -1), want_w, rtol=1e-6, atol=1e-6)
-  err = float(np.max(np.abs(y - want)))
-  assert err <= RTOL * max(1.0, float(np.max(np.abs(want)))), (err, np.max(np.abs(want)))
-  return block, hf_cfg, x, err
+  got = parity.block_parity(model_type, seed, tokens, options, **overrides)
+  np.testing.assert_array_equal(got["ids"], got["want_ids"])
+  np.testing.assert_allclose(got["gates"], got["want_gates"], rtol=1e-6, atol=1e-6)
+  assert got["same_experts"]
+  want = got["want"]
+  assert got["max_abs"] <= RTOL * max(1.0, float(np.max(np.abs(want)))), (got["max_abs"],
+                                                                           np.max(np.abs(want)))
+  return got["block"], got["hf_cfg"], got["x"], got["max_abs"]
 
 
 # Token counts are swept on a softmax and the group-limited sigmoid case (each
