@@ -51,7 +51,8 @@ def _failed(r: Mapping) -> str:
 
 
 def provenance(rec: Mapping) -> str:
-  env = rec.get("steps", {}).get("environment", {})
+  steps = rec.get("steps")  # the device check's steps (a bench's "steps" is a count)
+  env = steps.get("environment", {}) if isinstance(steps, Mapping) else {}
   command = rec.get("command") or (
       "python -m experiments.device_check " + " ".join(env.get("argv", [])[1:])).strip()
   machine = rec.get("machine") or (
@@ -241,9 +242,21 @@ def train_runs(rec: Mapping) -> str:
   return train_bench.markdown(rec)
 
 
+def _load_line(rec: Mapping) -> str:
+  before = rec["conditions"].get("load_avg_1_5_15")
+  after = (rec.get("conditions_after") or {}).get("load_avg_1_5_15")
+  fmt = lambda xs: ", ".join(f"{x:.1f}" for x in xs)
+  return ("" if before is None else f"; load average (1, 5, 15 min) {fmt(before)} at the start"
+          + ("" if after is None else f" and {fmt(after)} at the end"))
+
+
 def serving_bench(rec: Mapping) -> str:
+  """The serving bench's conditions line and tables."""
   from experiments.benchmarks import serving  # pylint: disable=g-import-not-at-top
-  return serving.markdown_tables(rec) + "\n"
+  c = rec["conditions"]
+  return (f"Conditions: {c['platform']} ({c.get('processor', '?')}, {c['cpu_count']} cores), "
+          f"jax {c['jax']}, Python {c['python']}{_load_line(rec)}.\n\n"
+          + serving.markdown_tables(rec) + "\n")
 
 
 def _quantization(part: str) -> Callable[[Mapping], str]:

@@ -93,3 +93,8 @@ def test_a_failing_test_run_is_an_error_with_pytests_summary():
   assert line == "1 failed, 3 passed, 1 error in 2.5s"
   assert tests_run.counts(line) == {"failed": 1, "passed": 3, "error": 1}
   assert tests_run.summary_line(["no tests ran"]) == ""
+
+
+def test_wall_times_round_to_whole_seconds_without_a_60th_second():
+  assert train_bench.min_s(119.6) == "2m00s"
+  assert train_bench.min_s(137.2) == "2m17s" and train_bench.min_s(4.4) == "0m04s"

@@ -11,6 +11,11 @@ tokens), every arm at the same training compute:
   update-RMS matching (arXiv 2502.16982, "Muon is scalable") it runs at
   AdamW's learning rate and schedule, and they report about 2x the
   compute-efficiency of AdamW on their MoE models.
+- **Each optimizer at its own learning rate.** One learning rate can favour
+  one optimizer, so both loss-free arms also run at a third and at three
+  times the base rate 3e-3 (``adamw_lossfree_lr1e-3`` / ``_lr1e-2``,
+  ``muon_lossfree_lr1e-3`` / ``_lr1e-2``), each compared with the baseline:
+  the best rate of each optimizer is the fair comparison.
 - **Does the loss-free bias keep its balance advantage under Muon?** Wang et
   al. (arXiv 2408.15664, Table 2) measured it under AdamW: MaxVio_global
   0.72 with an auxiliary loss, 0.04 loss-free. ``adamw_aux`` is compared
@@ -28,7 +33,7 @@ Held equal: training compute within 1% (FLOPs per token x tokens), and,
 except for the MTP arm (which spends more FLOPs per token on fewer tokens and
 has its module's parameters, dropped at inference), total and active
 parameters, FLOPs per token and tokens exactly. The optimizer is the axis.
-Size: 5 arms x 3 seeds x ~2 min on 2 CPU cores.
+Size: 9 arms x 3 seeds x ~2 min on 2 CPU cores.
 
   python -m experiments.ablate --config=configs/ablations/recipe.py --workdir=/tmp/abl/recipe
 """
@@ -37,6 +42,7 @@ from moejax.ablation.bases import small_experiment, suite_config
 
 _ROUTER = dict(kind="topk", top_k=2, score_fn="sigmoid", gating="normalized", use_bias=False)
 _MTP = "muon_lossfree_mtp"
+_LR = 3e-3  # moejax.ablation.bases' rate; the sweep arms take a third and three times it
 
 
 def _moe(lossfree):
@@ -46,9 +52,9 @@ def _moe(lossfree):
                            bias_update="sign" if lossfree else "none", bias_rate=1e-2))
 
 
-def _arm(optimizer, lossfree, mtp_depth=0):
+def _arm(optimizer, lossfree, mtp_depth=0, learning_rate=_LR):
   return dict(model=dict(moe=_moe(lossfree), mtp_depth=mtp_depth),
-              train=dict(optimizer=optimizer))
+              train=dict(optimizer=optimizer, learning_rate=learning_rate))
 
 
 def get_config():
@@ -62,6 +68,8 @@ def get_config():
           "muon_lossfree": _arm("muon", True),
           "muon_aux": _arm("muon", False),
           _MTP: _arm("muon", True, mtp_depth=1),
+          **{f"{opt}_lossfree_lr{name}": _arm(opt, True, learning_rate=lr)
+             for opt in ("adamw", "muon") for name, lr in (("1e-3", 1e-3), ("1e-2", 1e-2))},
       },
       fixed=dict(total=0.0, active=0.0, flops_per_token=0.0, tokens=0.0, compute=0.01),
       exempt={_MTP: ("total", "flops_per_token", "tokens")},

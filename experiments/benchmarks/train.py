@@ -182,7 +182,8 @@ def run() -> dict:
 
 
 def min_s(s: float) -> str:
-  return f"{int(s // 60)}m{int(round(s % 60)):02d}s"
+  whole = int(round(s))
+  return f"{whole // 60}m{whole % 60:02d}s"
 
 
 def _num(x, fmt: str) -> str:
