@@ -232,7 +232,7 @@ def interop_bench(rec: Mapping) -> str:
 
 def tests_run(rec: Mapping) -> str:
   """``experiments.bench --suite=tests``'s record: the default test run's time and memory."""
-  from experiments.benchmarks import tests_run as tests_bench  # pylint: disable=g-import-not-at-top
+  from experiments.benchmarks import tests as tests_bench  # pylint: disable=g-import-not-at-top
   return tests_bench.markdown(rec)
 
 

@@ -69,8 +69,8 @@ def test_the_record_block_renders_the_table_the_excerpt_and_the_checksums():
 
 def test_the_tests_suite_runs_pytest_with_an_empty_home_and_records_its_counts(tmp_path):
   probe = tmp_path / "test_probe.py"
-  probe.write_text("import os\n\ndef test_home_is_fresh():\n"
-                   "  assert os.path.basename(os.environ['HOME']).startswith('moejax_tests_home_')\n"
+  probe.write_text("import os\n\ndef test_home_is_fresh():\n  assert os.path.basename("
+                   "os.environ['HOME']).startswith('moejax_tests_home_')\n"
                    "\ndef test_skipped():\n  import pytest; pytest.skip('no')\n")
   out = tmp_path / "tests.json"
   r = subprocess.run(
@@ -88,8 +88,9 @@ def test_the_tests_suite_runs_pytest_with_an_empty_home_and_records_its_counts(t
 
 
 def test_a_failing_test_run_is_an_error_with_pytests_summary():
-  from experiments.benchmarks import tests_run  # pylint: disable=g-import-not-at-top
-  line = tests_run.summary_line(["x", "FAILED tests/a.py::t", "1 failed, 3 passed, 1 error in 2.5s"])
+  from experiments.benchmarks import tests as tests_run  # pylint: disable=g-import-not-at-top
+  line = tests_run.summary_line(["x", "FAILED tests/a.py::t",
+                                 "1 failed, 3 passed, 1 error in 2.5s"])
   assert line == "1 failed, 3 passed, 1 error in 2.5s"
   assert tests_run.counts(line) == {"failed": 1, "passed": 3, "error": 1}
   assert tests_run.summary_line(["no tests ran"]) == ""

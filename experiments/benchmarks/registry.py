@@ -13,7 +13,7 @@ from typing import Callable
 
 # The suite modules, in the order ``--suite``'s help lists them.
 MODULES = ("layer", "gmm", "ep", "serving", "step", "scaling", "profile", "peak", "train",
-           "tests_run", "interop")
+           "tests", "interop")
 
 
 @dataclasses.dataclass(frozen=True)

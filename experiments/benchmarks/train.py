@@ -214,7 +214,8 @@ def markdown(res: dict) -> str:
          f"log interval; load average {_load(res)}.", "", *lines]
   first = next(iter(res["runs"].items()), None)
   if first and first[1].get("excerpt"):
-    out += ["", f"What `{first[0]}` printed (its first lines, evaluations and last line):", "", "```",
+    out += ["", f"What `{first[0]}` printed (its first lines, evaluations and last line):", "",
+            "```",
             *first[1]["excerpt"], "```"]
   cs = res.get("checksums")
   if cs:
