@@ -8,7 +8,7 @@ For each block with a record (``results/recheck/ID.json``, written by
 ``experiments.report ID=DIR --results_dir results`` from a suite run), the
 first steps of every arm's first seed are re-trained at the current code,
 from the current configs (the suite command the record names), and
-compared bit for bit with the record (moejax.ablation.recheck). One line
+compared bit for bit with the record (moejax.results.recheck). One line
 per block: ``current``, ``stale`` with the first arm, metric and step that
 differ, or, on another machine kind, where the curves part (never
 ``stale`` there). The outcome is stored in the record (unless
@@ -71,7 +71,7 @@ def suite_from_command(command: str):
 
 
 def _check_one(sid: str) -> None:
-  from moejax.ablation import recheck  # pylint: disable=g-import-not-at-top
+  from moejax.results import recheck# pylint: disable=g-import-not-at-top
   from moejax.ablation import freshness  # pylint: disable=g-import-not-at-top
   from moejax.data import fingerprint as fingerprint_lib  # pylint: disable=g-import-not-at-top
   record = recheck.load_records(_RESULTS.value)[sid]
@@ -107,7 +107,7 @@ def _spawn(sid: str, record: dict) -> dict:
 
 
 def main(argv):
-  from moejax.ablation import recheck  # pylint: disable=g-import-not-at-top
+  from moejax.results import recheck# pylint: disable=g-import-not-at-top
   if _ONE.value:
     return _check_one(_ONE.value)
   records = recheck.load_records(_RESULTS.value)

@@ -2,7 +2,7 @@
 
 :mod:`moejax.ablation.summary` computes the summary dict over :data:`METRICS`;
 :mod:`moejax.ablation.tables`, :mod:`moejax.ablation.plots` and
-:mod:`moejax.ablation.trend` render it. They all need the same lists (which
+:mod:`moejax.results.trend` render it. They all need the same lists (which
 metrics exist, their titles, units and directions, which get verdicts, which
 columns a table shows), so the lists live here, below all of them: the
 renderers need not import the summary module, which imports them to write

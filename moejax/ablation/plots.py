@@ -6,7 +6,7 @@ Every function draws from the summary dict alone (moejax.ablation.summary;
 the curves and load matrices are its per-arm ``curves`` / ``load``, see
 moejax.ablation.curves), so the same figure comes from a suite directory
 (its ``plots/``) and from a committed ``results/ID.json`` (RESULTS.md's
-images, moejax.ablation.images). Design rules, so that a picture does not
+images, moejax.results.images). Design rules, so that a picture does not
 overstate a result:
 
 - no bar charts; values are dots with their 95% interval over seeds (and

@@ -54,9 +54,9 @@ import numpy as np
 from moejax.ablation import analysis as analysis_lib
 from moejax.ablation import budget as budget_lib
 from moejax.ablation import final_eval
+from moejax.ablation import first_steps
 from moejax.ablation import provenance
 from moejax.ablation import realised
-from moejax.ablation import recheck
 from moejax.ablation import replay_finetune as replay_lib
 from moejax.ablation import scale as scale_lib
 from moejax.ablation import sources as sources_lib
@@ -426,7 +426,7 @@ def _train_runs(suite, workdir, b, plan, train_fn, analyse_runs, say, out, corpu
     t0, c0 = time.perf_counter(), time.process_time()
     hook = _FinalEvalHook(exp)
     summary = train_fn(exp, path, out, eta, hook,
-                       recheck.first_steps_probe(path) if seed == suite.seeds[0] else None)
+                       first_steps.first_steps_probe(path) if seed == suite.seeds[0] else None)
     t_trained, c_trained = time.perf_counter(), time.process_time()
     # Before anything of the run's result: a router that used more experts than it declares
     # (process 0 reads the log and decides for every process).

@@ -38,7 +38,7 @@ from typing import Optional
 import numpy as np
 
 from moejax.ablation import final_eval
-from moejax.ablation import recheck
+from moejax.ablation import first_steps
 from moejax.ablation.suite import SUITE_SOURCE, Suite
 from moejax.train import checkpoint as ckpt_lib
 from moejax.train import processes
@@ -97,7 +97,7 @@ def train_sources(suite: Suite, workdir: str, train_fn, say, out, corpus) -> dic
     # No suite ETA (the arms' runs are planned after the sources) and no final-evaluation
     # hook: the source's evaluation below reads its final checkpoint.
     summary = train_fn(exp, path, out, None, None,
-                       recheck.first_steps_probe(path) if seed == suite.seeds[0] else None)
+                       first_steps.first_steps_probe(path) if seed == suite.seeds[0] else None)
     ev = final_eval.final_evaluation(exp, path)
     res = {"run": rel, "seed": seed, "train_summary": summary,
            "val_loss": ev.metrics["loss"], "domain_names": list(ev.domain_names),

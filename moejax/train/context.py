@@ -22,7 +22,7 @@ A config with ``finetune.source`` set and no hook is refused
 (:func:`check_start`) rather than silently trained from scratch.
 
 A :class:`Probe` reads a fresh run's first steps back one by one, exactly
-as they trained: the results re-check (moejax.ablation.recheck) records
+as they trained: the results re-check (moejax.results.recheck) records
 them with a suite's runs and later re-trains them to compare bit for bit.
 """
 

@@ -8,7 +8,8 @@ import subprocess
 
 import pytest
 
-from moejax.ablation import freshness, report, summary as summary_lib
+from moejax.ablation import freshness, summary as summary_lib
+from moejax.results import report
 
 FILES = {"moejax/routing/topk.py": b"def route(): return 1\n",
          "moejax/layer.py": b"LAYER = 1\n",

@@ -9,7 +9,8 @@ import os
 import numpy as np
 import pytest
 
-from moejax.ablation import curves, images, plots, runner, summary as summary_lib
+from moejax.ablation import curves, plots, runner, summary as summary_lib
+from moejax.results import images
 
 ARMS = ("base", "wide", "fine")
 

@@ -22,7 +22,8 @@ import sys
 
 import pytest
 
-from moejax.ablation import report, summary as summary_lib
+from moejax.ablation import summary as summary_lib
+from moejax.results import report
 from tests import fast_compile
 from tests.ablation import helpers
 

@@ -2,7 +2,7 @@
 
 import json
 
-from moejax.ablation import recheck
+from moejax.results import recheck
 from moejax.train import checkpoint as ckpt_lib
 from moejax.train.config import experiment_to_json
 from tests.train import helpers

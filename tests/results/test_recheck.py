@@ -8,7 +8,8 @@ import os
 import optax
 import pytest
 
-from moejax.ablation import recheck, report, suite as suite_lib
+from moejax.ablation import suite as suite_lib
+from moejax.results import recheck, report
 from tests.ablation import helpers
 
 KIND = {"kind": {"platform": "cpu", "cpu": "X", "isa": ["avx2"], "jax": "1"}}

@@ -11,7 +11,7 @@ import re
 import nbformat
 import pytest
 
-from moejax.ablation import notebooks
+from moejax.results import notebooks
 from tests.ablation import helpers
 
 

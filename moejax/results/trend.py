@@ -23,7 +23,7 @@ never reached the loss says so. Its trend word is :func:`movement` where
 both rungs have a comparison, otherwise the count of seeds that reached
 the loss at each rung.
 In RESULTS.md the block ``<!-- moejax:generated trend.SUITE -->`` renders
-this table (moejax.ablation.report); it depends on the summaries alone.
+this table (moejax.results.report); it depends on the summaries alone.
 """
 
 from __future__ import annotations
@@ -122,7 +122,7 @@ def trend_markdown(suite: str, summaries: Mapping[str, Mapping]) -> str:
     raise ValueError(f"{suite}: the rungs name different baselines {sorted(base)}")
   base = base.pop()
   lines = [f"Differences to `{base}` (Δ, 95% interval over seeds (n), verdict) at each rung; "
-           f"the last column compares {rungs[0]} with {rungs[-1]} (moejax.ablation.trend).", "",
+           f"the last column compares {rungs[0]} with {rungs[-1]} (moejax.results.trend).", "",
            "| arm | metric | " + " | ".join(f"{r}: Δ vs {base}" for r in rungs) + " | trend |",
            "|---|---|" + "---|" * len(rungs) + "---|"]
   # The baseline's own level first: a difference means more next to what it differs from.

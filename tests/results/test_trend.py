@@ -1,10 +1,10 @@
-"""The s -> m trend table (moejax.ablation.trend), on hand-made summaries."""
+"""The s -> m trend table (moejax.results.trend), on hand-made summaries."""
 
 from __future__ import annotations
 
 import pytest
 
-from moejax.ablation import report, trend
+from moejax.results import report, trend
 
 
 def _comp(mean, lo, hi, verdict, n=3):

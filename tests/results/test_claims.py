@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from moejax.ablation import claims, images, report
+from moejax.results import claims, images, report
 
 
 def _summary(diff, lo, hi, verdict="unresolved", **extra):

@@ -62,7 +62,7 @@ def _cell(r: Optional[Mapping]) -> str:
 
 def markdown(summaries: Mapping[str, Mapping], states: Optional[Mapping[str, str]] = None) -> str:
   """The claims table (module doc); a line saying so when no summary states an effect.
-  ``states``: ``{id: freshness state}`` (moejax.ablation.report.block_state); blocks that
+  ``states``: ``{id: freshness state}`` (moejax.results.report.block_state); blocks that
   are not current are named under the table."""
   got = rows(summaries)
   if not got:
@@ -93,7 +93,7 @@ def markdown(summaries: Mapping[str, Mapping], states: Optional[Mapping[str, str
 
 
 def pseudo_summary(summaries: Mapping[str, Mapping]) -> dict:
-  """What the claims figure is drawn from (a summary-shaped dict for moejax.ablation.images)."""
+  """What the claims figure is drawn from (a summary-shaped dict for moejax.results.images)."""
   return {"arms": {}, "claims": [{k: r[k] for k in ("id", "arm", "metric", "diff", "lo", "hi",
                                                      "effect", "verdict")}
                                  for r in rows(summaries)]}

@@ -40,7 +40,8 @@ import re
 import struct
 from typing import Callable, Mapping, Optional
 
-from moejax.ablation import claims, plots
+from moejax.ablation import plots
+from moejax.results import claims
 
 VERSION = 1
 HASH_KEY = "moejax:data-sha256"
@@ -77,7 +78,7 @@ RESULT_PLOTS = (
                "seed", _arm_field("curves"), plots.plot_curves, True),
     ResultPlot("load", "load per MoE layer and expert, final evaluation, one shared colour "
                "scale", _arm_field("load"), plots.plot_load, True),
-    # Drawn for the claims block only (moejax.ablation.claims.pseudo_summary).
+    # Drawn for the claims block only (moejax.results.claims.pseudo_summary).
     ResultPlot("claims", "every claim's difference in units of its tested size, 95% over "
                "seeds", claims.claims_plot_data, claims.plot_claims, False),
 )

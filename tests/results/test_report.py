@@ -12,7 +12,8 @@ import sys
 
 import pytest
 
-from moejax.ablation import images, report, summary
+from moejax.ablation import summary
+from moejax.results import images, report
 from tests.ablation import helpers
 
 

@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from moejax.ablation import recheck
+from moejax.results import recheck
 from tests.ablation import helpers
 
 

@@ -8,7 +8,7 @@ Two markers, both HTML comments (invisible when the Markdown renders):
   everything between the two lines is replaced by the tables of the summary
   ``results/ID.json`` (:func:`moejax.ablation.tables.section_markdown`:
   provenance, arms with intervals, differences and verdicts, MDD, notes) and
-  its images ``results/plots/ID/*.png`` (:mod:`moejax.ablation.images`:
+  its images ``results/plots/ID/*.png`` (:mod:`moejax.results.images`:
   differences, curves, load; a summary that predates curve data says so);
 - an inline value inside prose:
   ``<!-- moejax:value ID ARM METRIC [FIELD] -->text<!-- /moejax:value -->``;
@@ -23,10 +23,10 @@ the order of its blocks): seeds, baseline, and which arms are better /
 worse / unresolved on the validation loss and MaxVio_global, with the
 validation-loss MDD. A block id ``trend.SUITE`` renders how the suite's
 differences move from scale s to m (and l): ``results/SUITE.json`` next to
-``SUITE@m.json`` (:mod:`moejax.ablation.trend`).
+``SUITE@m.json`` (:mod:`moejax.results.trend`).
 
 Every summary block starts with its freshness line. A block with a re-check
-record (``results/recheck/ID.json``, :mod:`moejax.ablation.recheck`) is
+record (``results/recheck/ID.json``, :mod:`moejax.results.recheck`) is
 judged by its numbers: ``current`` when its first steps retrained bit for bit
 at this checkout's code (or the code is the runs' own), **stale** when they
 did not or when code the first steps cannot reach changed, **re-check due**
@@ -55,7 +55,8 @@ import os
 import re
 from typing import Collection, Mapping, Optional
 
-from moejax.ablation import claims, freshness, images, recheck, tables, trend
+from moejax.ablation import freshness, tables
+from moejax.results import claims, images, recheck, trend
 
 BLOCK = re.compile(r"(<!-- moejax:generated (?P<id>[\w@.+-]+) -->\n)(?P<body>.*?)"
                    r"(<!-- moejax:end (?P=id) -->)", re.S)
@@ -130,7 +131,7 @@ def stale_parts(summary: Mapping, code=_NOW) -> Optional[list[str]]:
 
 def block_state(summary: Mapping, record: Optional[Mapping], code=_NOW) -> tuple[str, str]:
   """``(state, first line)`` of a block: from its re-check record when it has one
-  (:func:`moejax.ablation.recheck.freshness`), else the file rule. state: ``current``,
+  (:func:`moejax.results.recheck.freshness`), else the file rule. state: ``current``,
   ``stale``, ``unverified``, ``due`` (re-check due) or ``machine``."""
   code = freshness.current() if code is _NOW else code
   got = recheck.freshness(record, code)
@@ -231,7 +232,7 @@ def render(text: str, summaries: Mapping[str, Mapping], plots_base: str = "resul
 
 
 def block_images(sid: str, summary: Mapping, plots_base: str, written: bool = True) -> str:
-  """The images that end a suite's block (moejax.ablation.images): its plots, or the line
+  """The images that end a suite's block (moejax.results.images): its plots, or the line
   saying that the summary predates curve data."""
   return images.embed_markdown(sid, summary, plots_base, written)
 
