@@ -12,10 +12,12 @@ tokens), every arm at the same training compute:
   AdamW's learning rate and schedule, and they report about 2x the
   compute-efficiency of AdamW on their MoE models.
 - **Each optimizer at its own learning rate.** One learning rate can favour
-  one optimizer, so both loss-free arms also run at a third and at three
-  times the base rate 3e-3 (``adamw_lossfree_lr1e-3`` / ``_lr1e-2``,
-  ``muon_lossfree_lr1e-3`` / ``_lr1e-2``), each compared with the baseline:
-  the best rate of each optimizer is the fair comparison.
+  one optimizer, so both loss-free arms also run at 1e-3, 1e-2 and 3e-2
+  around the base rate 3e-3 (``adamw_lossfree_lr1e-3`` ... ``_lr3e-2``,
+  ``muon_lossfree_lr1e-3`` ...). An AdamW arm is compared with the baseline
+  (the rate's effect), a Muon arm with the AdamW arm at its rate (the
+  optimizer's effect at that rate); the best rate of each is the fair
+  comparison.
 - **Does the loss-free bias keep its balance advantage under Muon?** Wang et
   al. (arXiv 2408.15664, Table 2) measured it under AdamW: MaxVio_global
   0.72 with an auxiliary loss, 0.04 loss-free. ``adamw_aux`` is compared
@@ -33,7 +35,7 @@ Held equal: training compute within 1% (FLOPs per token x tokens), and,
 except for the MTP arm (which spends more FLOPs per token on fewer tokens and
 has its module's parameters, dropped at inference), total and active
 parameters, FLOPs per token and tokens exactly. The optimizer is the axis.
-Size: 9 arms x 3 seeds x ~2 min on 2 CPU cores.
+Size: 11 arms x 3 seeds x ~2 min on 2 CPU cores.
 
   python -m experiments.ablate --config=configs/ablations/recipe.py --workdir=/tmp/abl/recipe
 """
@@ -42,7 +44,8 @@ from moejax.ablation.bases import small_experiment, suite_config
 
 _ROUTER = dict(kind="topk", top_k=2, score_fn="sigmoid", gating="normalized", use_bias=False)
 _MTP = "muon_lossfree_mtp"
-_LR = 3e-3  # moejax.ablation.bases' rate; the sweep arms take a third and three times it
+_LR = 3e-3  # moejax.ablation.bases' rate
+_SWEEP = (("1e-3", 1e-3), ("1e-2", 1e-2), ("3e-2", 3e-2))
 
 
 def _moe(lossfree):
@@ -69,13 +72,14 @@ def get_config():
           "muon_aux": _arm("muon", False),
           _MTP: _arm("muon", True, mtp_depth=1),
           **{f"{opt}_lossfree_lr{name}": _arm(opt, True, learning_rate=lr)
-             for opt in ("adamw", "muon") for name, lr in (("1e-3", 1e-3), ("1e-2", 1e-2))},
+             for opt in ("adamw", "muon") for name, lr in _SWEEP},
       },
       fixed=dict(total=0.0, active=0.0, flops_per_token=0.0, tokens=0.0, compute=0.01),
       exempt={_MTP: ("total", "flops_per_token", "tokens")},
       match_compute={_MTP: "muon_lossfree"},
       baseline="adamw_lossfree",
-      compare_to={"muon_aux": "muon_lossfree", _MTP: "muon_lossfree"},
+      compare_to={"muon_aux": "muon_lossfree", _MTP: "muon_lossfree",
+                  **{f"muon_lossfree_lr{n}": f"adamw_lossfree_lr{n}" for n, _ in _SWEEP}},
       seeds=(0, 1, 2),
       reproduction=True,
       effects=dict(
