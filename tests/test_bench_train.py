@@ -82,6 +82,7 @@ def test_the_tests_suite_runs_pytest_with_an_empty_home_and_records_its_counts(t
   assert rec["counts"] == {"passed": 1, "skipped": 1} and rec["exit"] == 0
   assert rec["summary"].startswith("1 passed, 1 skipped in ")
   assert rec["peak_rss_mb"] > 10 and rec["wall_s"] > 0
+  assert rec["command"].startswith("python -m experiments.bench --suite=tests"), rec["command"]
   assert record_blocks.KINDS["tests_run"](rec).startswith(
       f"`python -m pytest -q -n 0 -p no:cacheprovider {probe}` with an empty HOME: 1 passed, "
       "1 skipped in ")

@@ -63,9 +63,10 @@ def run() -> dict:
       os.environ["HOME"] = env_home
     shutil.rmtree(home, ignore_errors=True)
   line = summary_line(lines)
-  out = {"command": shlex.join(["python", "-m", "pytest", *args]), **usage, "summary": line,
-         "counts": counts(line), "conditions": {"cpu_count": os.cpu_count(),
-                                                "load_avg_1_5_15": list(os.getloadavg())}}
+  # Not "command": the record's own key is the bench command that made it.
+  out = {"pytest_command": shlex.join(["python", "-m", "pytest", *args]), **usage,
+         "summary": line, "counts": counts(line),
+         "conditions": {"cpu_count": os.cpu_count(), "load_avg_1_5_15": list(os.getloadavg())}}
   if usage["exit"] != 0:
     out["error"] = f"pytest exit status {usage['exit']}: {line or ' | '.join(lines[-2:])}"
   return out
@@ -73,8 +74,8 @@ def run() -> dict:
 
 def markdown(res: dict) -> str:
   if "error" in res and not res.get("summary"):
-    return f"`{res['command']}`: failed: {res['error'][:200]}\n"
-  return (f"`{res['command']}` with an empty HOME: {res['summary'] or 'no summary line'}; "
+    return f"`{res['pytest_command']}`: failed: {res['error'][:200]}\n"
+  return (f"`{res['pytest_command']}` with an empty HOME: {res['summary'] or 'no summary line'}; "
           f"{train_bench.min_s(res['wall_s'])} wall, {res['user_s'] + res['sys_s']:.0f} s of "
           f"CPU (user + sys) on {res['conditions']['cpu_count']} cores, "
           f"**{res['peak_rss_mb'] / 1e3:.1f} GB peak RSS** (the largest single process).\n")
