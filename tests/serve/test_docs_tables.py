@@ -32,3 +32,17 @@ def test_quantisation_tables_are_the_committed_json():
   for part in res.values():
     assert serving_tables.quantization_table(part) in DOC
     assert serving_tables.quantization_table(part) in RESULTS
+
+
+def test_the_memory_table_is_what_experiments_params_prints():
+  """The record's memory table of the presets is computed, not measured: it must be what the
+  command above it prints at this code."""
+  import subprocess  # pylint: disable=g-import-not-at-top
+  import sys  # pylint: disable=g-import-not-at-top
+  out = subprocess.run([sys.executable, "-m", "experiments.params", "--preset=all"], cwd=ROOT,
+                       capture_output=True, text=True, timeout=300)
+  assert out.returncode == 0, out.stderr[-2000:]
+  table = out.stdout.rstrip("\n").split("\n\n")[-1]
+  assert table.startswith("model ") and "GB = 1e9 bytes" in table
+  assert table in DOC, ("docs/benchmarks.md: paste the table of `python -m experiments.params "
+                        "--preset=all`")
