@@ -71,7 +71,7 @@ def suite_from_command(command: str):
 
 
 def _check_one(sid: str) -> None:
-  from moejax.results import recheck# pylint: disable=g-import-not-at-top
+  from moejax.results import recheck  # pylint: disable=g-import-not-at-top
   from moejax.ablation import freshness  # pylint: disable=g-import-not-at-top
   from moejax.data import fingerprint as fingerprint_lib  # pylint: disable=g-import-not-at-top
   record = recheck.load_records(_RESULTS.value)[sid]
@@ -107,7 +107,7 @@ def _spawn(sid: str, record: dict) -> dict:
 
 
 def main(argv):
-  from moejax.results import recheck# pylint: disable=g-import-not-at-top
+  from moejax.results import recheck  # pylint: disable=g-import-not-at-top
   if _ONE.value:
     return _check_one(_ONE.value)
   records = recheck.load_records(_RESULTS.value)

@@ -71,8 +71,8 @@ def _fail(msg: str):
 
 def _new_summaries(args) -> tuple[dict, dict]:
   """({id: summary}, {id: re-check record}) of the RESULT_DIR arguments."""
-  from moejax.ablation import summary# pylint: disable=g-import-not-at-top
-  from moejax.results import recheck
+  from moejax.ablation import summary  # pylint: disable=g-import-not-at-top
+  from moejax.results import recheck  # pylint: disable=g-import-not-at-top
   pending, records = {}, {}
   for arg in args:
     sid, _, path = arg.rpartition("=") if "=" in arg else ("", "", arg)
@@ -109,14 +109,14 @@ def _annotate(summ: dict) -> bool:
 
 
 def _notebooks() -> None:
-  from moejax.results import notebooks# pylint: disable=g-import-not-at-top
+  from moejax.results import notebooks  # pylint: disable=g-import-not-at-top
   for path in notebooks.refresh(ROOT):
     print(f"executed {os.path.relpath(path, ROOT)} (commit it with its outputs)")
 
 
 def main(argv):
-  from moejax.ablation import summary# pylint: disable=g-import-not-at-top
-  from moejax.results import claims, images, report
+  from moejax.ablation import summary  # pylint: disable=g-import-not-at-top
+  from moejax.results import claims, images, report  # pylint: disable=g-import-not-at-top
   if _NOTEBOOKS.value:
     return _notebooks()
   if _CHECK.value and (len(argv) > 1 or _RESULTS.value):
@@ -127,7 +127,7 @@ def main(argv):
   if not _CHECK.value:  # before the suites are read and anything is said
     cli.check_writable_file("--out", _OUT.value, "RESULTS.md")
     cli.check_writable("--results_dir", _RESULTS.value)
-  from moejax.results import recheck# pylint: disable=g-import-not-at-top
+  from moejax.results import recheck  # pylint: disable=g-import-not-at-top
   pending, new_records = _new_summaries(argv[1:])
   from_dirs = set(pending)
   summaries = report.load_summaries(_SUMMARIES.value)
@@ -191,7 +191,7 @@ def main(argv):
 
 
 def _check(text: str, new: str, bad: list[str]) -> None:
-  from moejax.results import report# pylint: disable=g-import-not-at-top
+  from moejax.results import report  # pylint: disable=g-import-not-at-top
   fix = (f"Fix: python -m experiments.report --out {_OUT.value} --results_dir "
          f"{_SUMMARIES.value}")
   if new != text:
@@ -209,7 +209,7 @@ def _check(text: str, new: str, bad: list[str]) -> None:
 
 
 def _block(text: str, sid: str) -> str:
-  from moejax.results import report# pylint: disable=g-import-not-at-top
+  from moejax.results import report  # pylint: disable=g-import-not-at-top
   return next(m.group(0) for m in report.BLOCK.finditer(text) if m.group("id") == sid)
 
 

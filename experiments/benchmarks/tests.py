@@ -48,20 +48,17 @@ def counts(line: str) -> dict[str, int]:
 
 def run() -> dict:
   args = shlex.split(_ARGS.value) if _ARGS.value is not None else list(README_ARGS)
-  home = tempfile.mkdtemp(prefix="moejax_tests_home_")
-  log = os.path.join(home, "pytest.log")
-  env_home = os.environ.get("HOME")
-  os.environ["HOME"] = home  # the child inherits it: an empty HOME, as on a fresh machine
+  home = tempfile.mkdtemp(prefix="moejax_tests_home_")  # empty, as on a fresh machine
+  logs = tempfile.mkdtemp(prefix="moejax_tests_log_")  # not in HOME, which stays empty
+  log = os.path.join(logs, "pytest.log")
   try:
-    usage = train_bench.timed_process([sys.executable, "-m", "pytest", *args], log)
+    usage = train_bench.timed_process([sys.executable, "-m", "pytest", *args], log,
+                                      env={**os.environ, "HOME": home})
     with open(log, encoding="utf-8", errors="replace") as f:
       lines = [line.rstrip("\n") for line in f if line.strip()]
   finally:
-    if env_home is None:
-      os.environ.pop("HOME", None)
-    else:
-      os.environ["HOME"] = env_home
     shutil.rmtree(home, ignore_errors=True)
+    shutil.rmtree(logs, ignore_errors=True)
   line = summary_line(lines)
   # Not "command": the record's own key is the bench command that made it.
   out = {"pytest_command": shlex.join(["python", "-m", "pytest", *args]), **usage,

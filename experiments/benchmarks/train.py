@@ -62,12 +62,13 @@ def config_path(name: str) -> str:
   return name if name.endswith(".py") else os.path.join("configs", f"{name}.py")
 
 
-def timed_process(cmd: list[str], log_path: str) -> dict:
-  """Runs ``cmd`` (stdout and stderr to ``log_path``); its exit status, wall seconds and
-  the resource usage of that one process tree (``os.wait4``)."""
+def timed_process(cmd: list[str], log_path: str, env: dict | None = None) -> dict:
+  """Runs ``cmd`` (stdout and stderr to ``log_path``; ``env``: its environment, default
+  this process's); its exit status, wall seconds and the resource usage of that one
+  process tree (``os.wait4``)."""
   t0 = time.perf_counter()
   with open(log_path, "w", encoding="utf-8") as log:
-    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
+    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, env=env)
     _, status, usage = os.wait4(proc.pid, 0)
   proc.returncode = os.waitstatus_to_exitcode(status)
   return {"exit": proc.returncode, "wall_s": time.perf_counter() - t0,
@@ -95,7 +96,7 @@ def reached(workdir: str) -> dict:
   last = evals[-1]
   with open(os.path.join(workdir, "config.json"), encoding="utf-8") as f:
     exp = experiment_from_dict(json.load(f))
-  out = {"steps": last["step"], "train_loss": train[-1]["loss"], "val_loss": last["loss"],
+  return {"steps": last["step"], "train_loss": train[-1]["loss"], "val_loss": last["loss"],
          "val_loss_per_byte": last.get("loss_per_byte"),
          "bytes_per_token": last["bytes"] / last["tokens"] if last.get("bytes") else None,
          "max_vio_global": last.get("max_vio_global"),
@@ -103,7 +104,6 @@ def reached(workdir: str) -> dict:
          "unigram_baseline": last.get("unigram_baseline"),
          "vocab": exp.model.vocab_size,
          "params": budget(exp.model, seq_len=exp.data.seq_len).total}
-  return out
 
 
 def excerpt(log_path: str, workdir: str) -> list[str]:

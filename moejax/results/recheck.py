@@ -46,9 +46,9 @@ import tempfile
 from typing import Any, Mapping, Optional, Sequence
 
 from moejax.ablation import freshness as files_lib
-from moejax.ablation.first_steps import (  # noqa: F401  (re-exported: the record's parts)
-    FINETUNE_CODE, FIRST_STEPS_FILE, RUN_UNREACHED, STEPS, SUMMARY_CODE, UNREACHED,
-    environment, file_hashes, first_steps_payload, recorded_keys, write_record)
+from moejax.ablation.first_steps import (  # noqa: F401  (write_record: the binaries' writer)
+    FINETUNE_CODE, FIRST_STEPS_FILE, SUMMARY_CODE, UNREACHED, environment, file_hashes,
+    recorded_keys, write_record)
 
 FORMAT = 1
 RECORD_DIR = "recheck"
