@@ -15,8 +15,9 @@ controller plus a tiny sequence-wise balance loss), data and schedule, with:
   latent norm of each layer;
 - one multi-token prediction module (``model.mtp_depth=1``, arXiv
   2412.19437 Sec. 2.2) with DeepSeek-V3's early loss weight 0.3; its block's
-  dense FFN is 256 wide, the width K f of the experts a token uses.
-  Training only: its parameters are not active and generation ignores it;
+  FFN is an MoE layer like the main ones, with its own 16 experts
+  (``model.mtp_ffn='moe'``, as DeepSeek-V3's MTP layer). Training only: its
+  parameters are not active and generation ignores it;
 - Muon (``train.optimizer='muon'``) on the attention, MTP and expert
   matrices, each expert orthogonalised on its own, AdamW on the rest, at
   the default's learning rate (Liu et al.'s update-RMS matching).
@@ -45,7 +46,7 @@ def model():
       attention="mla",
       attention_options=dict(q_lora_rank=0, kv_lora_rank=72, qk_nope_head_dim=32,
                              qk_rope_head_dim=8, v_head_dim=32),
-      mtp_depth=1, mtp_loss_weight=0.3, dense_ff_width=256)
+      mtp_depth=1, mtp_loss_weight=0.3, mtp_ffn="moe")
 
 
 def get_config():

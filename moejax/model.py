@@ -31,7 +31,9 @@ wrapped in a mixture-of-depths router (``cfg.is_mod_layer(i)``).
   'loss', 'metrics'}}`` per mixture-of-depths block.
 - ``mtp`` (only when called with ``mtp=True`` and ``cfg.mtp_depth`` > 0): the
   multi-token prediction modules' logits, module k's f32[B, S-k, V]
-  (:mod:`moejax.nn.mtp`, built after the main model's layers).
+  (:mod:`moejax.nn.mtp`, built after the main model's layers); ``mtp_moe``
+  ``{'mtp_<k>': layer aux}`` of their MoE blocks (``cfg.mtp_ffn='moe'``),
+  whose losses ``loss`` includes.
 
 Router state (the aux-loss-free bias) lives in
 :class:`~moejax.nn.moe_block.RouterStateVar` leaves, outside ``nnx.Param``.
@@ -60,7 +62,7 @@ from moejax.topology import accounting
 from moejax.topology import roles as roles_lib
 
 __all__ = ["Transformer", "Block", "RouterStateVar", "ExpertParallel", "dense_equivalent",
-           "dense_twin",
+           "dense_twin", "mtp_block_config",
            "active_ffn_params", "param_count", "check_buildable", "param_role_tree"]
 
 _DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
@@ -163,10 +165,12 @@ class Transformer(nnx.Module):
                                 param_dtype=jnp.float32, rngs=rngs)
     if cfg.mtp_depth:
       # Built last, so the main model's initial weights do not depend on MTP.
-      dense = _dense(cfg, cfg.dense_ff_width, cfg.dense_activation)
+      block_cfg = mtp_block_config(cfg)
       self.mtp = nnx.List([
-          mtp_lib.MTPModule(d, Block(dense, cfg.n_layers + k, rngs=rngs), norm_eps=cfg.norm_eps,
-                            dtype=dtype, rngs=rngs) for k in range(cfg.mtp_depth)])
+          mtp_lib.MTPModule(d, Block(block_cfg, cfg.n_layers + k, rngs=rngs,
+                                     expert_parallel=expert_parallel),
+                            norm_eps=cfg.norm_eps, dtype=dtype, rngs=rngs)
+          for k in range(cfg.mtp_depth)])
 
   def __call__(self, tokens: jax.Array, *, train: bool = False,
                rng: Optional[jax.Array] = None,
@@ -182,7 +186,11 @@ class Transformer(nnx.Module):
       uses the recorded experts, weighted by its router's current scores.
     mtp: also run the multi-token prediction modules (``model.mtp_depth``;
       training only): ``aux['mtp']`` holds their logits, module k's f32[B,
-      S-k, V] (:mod:`moejax.nn.mtp`).
+      S-k, V] (:mod:`moejax.nn.mtp`), and ``aux['mtp_moe']`` the layer aux of
+      each MoE module block (``model.mtp_ffn='moe'``) as ``{'mtp_<k>': ...}``,
+      whose losses are in ``aux['loss']``. A replay covers the main layers
+      only: inference, which records one, never runs the modules, so they
+      route on their own.
     """
     if tokens.ndim != 2 or not jnp.issubdtype(tokens.dtype, jnp.integer):
       raise ValueError(f"Transformer: tokens must be int[B, S], got {tokens.dtype}"
@@ -212,7 +220,16 @@ class Transformer(nnx.Module):
         aux["moe"][f"layer_{i}"] = moe_aux
         aux["loss"] = aux["loss"] + moe_aux["losses"]["total"].astype(jnp.float32)
     if mtp and self.cfg.mtp_depth:
-      aux["mtp"] = mtp_lib.forward(self.mtp, x, tokens, self.embed, self._logits)
+      # Module k's block is layer n_layers + k - 1 (DeepSeek-V3's numbering): its own key.
+      keys = [None if rng is None else jax.random.fold_in(rng, self.cfg.n_layers + k)
+              for k in range(self.cfg.mtp_depth)]
+      aux["mtp"], moe_auxes = mtp_lib.forward(self.mtp, x, tokens, self.embed, self._logits,
+                                              keys=keys, train=train, axis_names=axis_names)
+      aux["mtp_moe"] = {}
+      for k, moe_aux in enumerate(moe_auxes, start=1):
+        if moe_aux is not None:
+          aux["mtp_moe"][f"mtp_{k}"] = moe_aux
+          aux["loss"] = aux["loss"] + moe_aux["losses"]["total"].astype(jnp.float32)
     return self._logits(self.final_norm(x)), aux
 
   def _logits(self, x: jax.Array) -> jax.Array:
@@ -256,15 +273,25 @@ class Transformer(nnx.Module):
         out[f"layer_{i}"] = inner.ffn
     return out
 
-  def apply_controllers(self, router_loads: dict[str, jax.Array]) -> None:
-    """One bias-controller step per MoE layer, in place.
+  def mtp_moe_ffns(self) -> dict[str, MoEFFN]:
+    """``{'mtp_<k>': MoEFFN}`` of every MoE multi-token prediction block (``aux['mtp_moe']``)."""
+    if not self.cfg.mtp_depth:
+      return {}
+    return {f"mtp_{k}": m.block.ffn for k, m in enumerate(self.mtp, start=1) if m.block.is_moe}
 
-    ``router_loads``: ``{'layer_<i>': f32[E_r]}``, the router loads of the
+  def trained_moe_ffns(self) -> dict[str, MoEFFN]:
+    """The MoE FFNs a training step runs: :meth:`moe_ffns` and :meth:`mtp_moe_ffns`."""
+    return {**self.moe_ffns(), **self.mtp_moe_ffns()}
+
+  def apply_controllers(self, router_loads: dict[str, jax.Array]) -> None:
+    """One bias-controller step per MoE layer (MTP blocks' included), in place.
+
+    ``router_loads``: ``{'layer_<i>' or 'mtp_<k>': f32[E_r]}``, the router loads of the
     whole global batch (``aux['moe'][name]['router_load']``, summed over
     micro-batches under gradient accumulation). Layers without a controller
     are left as they are.
     """
-    for name, ffn in self.moe_ffns().items():
+    for name, ffn in self.trained_moe_ffns().items():
       if name in router_loads:
         ffn.apply_controller(router_loads[name])
 
@@ -275,12 +302,12 @@ class Transformer(nnx.Module):
     the whole global batch (a layer whose ideas observe nothing may be
     absent); layers without stateful ideas are left as they are.
     """
-    for name, ffn in self.moe_ffns().items():
+    for name, ffn in self.trained_moe_ffns().items():
       ffn.update_ideas(observed.get(name, {}))
 
   def logged_state(self) -> dict:
     """``{'state/<idea>/<field>': f32[]}``: each logged idea-state field, its mean over layers."""
-    per_layer = [ffn.logged_state() for ffn in self.moe_ffns().values()]
+    per_layer = [ffn.logged_state() for ffn in self.trained_moe_ffns().values()]
     keys = sorted({k for d in per_layer for k in d})
     return {k: jnp.mean(jnp.stack([d[k] for d in per_layer if k in d])) for k in keys}
 
@@ -360,7 +387,20 @@ def active_ffn_params(cfg: ModelConfig) -> float:
 def _dense(cfg: ModelConfig, width: int, act: str) -> ModelConfig:
   return dataclasses.replace(cfg, moe=None, dense_ff_width=width, dense_activation=act,
                              moe_layout="all", first_dense_layers=0, expert_sharing_group=1,
-                             moe_schedule="serial")
+                             moe_schedule="serial", mtp_ffn="dense")
+
+
+def mtp_block_config(cfg: ModelConfig) -> ModelConfig:
+  """The config a multi-token prediction module's block is built from (any layer index).
+
+  ``mtp_ffn='dense'``: a dense FFN of ``dense_ff_width``. ``'moe'``: an MoE
+  layer of ``cfg.moe`` with its own experts (never shared with the main
+  layers'), in the serial schedule and outside any mixture-of-depths block.
+  """
+  if cfg.mtp_ffn == "moe":
+    return dataclasses.replace(cfg, moe_layout="all", first_dense_layers=0,
+                               expert_sharing_group=1, moe_schedule="serial", mod_every=0)
+  return _dense(cfg, cfg.dense_ff_width, cfg.dense_activation)
 
 
 def dense_equivalent(cfg: ModelConfig) -> ModelConfig:

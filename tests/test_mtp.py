@@ -144,3 +144,98 @@ def test_mtp_projection_is_a_muon_matrix_and_its_norms_adamw():
 def test_bad_mtp_fields_are_config_errors(field, value):
   with pytest.raises(ConfigError, match=f"model.{field}="):
     tiny(**{field: value})
+
+
+# MoE MTP blocks (model.mtp_ffn='moe', DeepSeek-V3's MTP layer).
+
+def tiny_moe(**kw) -> ModelConfig:
+  moe = dict(topology=dict(num_experts=4, expert_width=8),
+             routing=dict(kind="topk", top_k=2, score_fn="sigmoid", use_bias=True),
+             balance=dict(aux_loss_coef=1e-2, z_loss_coef=1e-3, bias_update="sign"))
+  from moejax.config import from_dict, MoEConfig  # pylint: disable=g-import-not-at-top
+  return tiny(moe=from_dict(MoEConfig, moe, "model.moe"), **kw)
+
+
+def test_an_moe_mtp_block_routes_with_its_own_experts_and_adds_its_balance_loss():
+  cfg = tiny_moe(mtp_depth=2, mtp_ffn="moe")
+  model = Transformer(cfg, rngs=nnx.Rngs(0))
+  assert list(model.mtp_moe_ffns()) == ["mtp_1", "mtp_2"]
+  assert list(model.moe_ffns()) == ["layer_0", "layer_1"]   # inference's layers
+  own = model.mtp[0].block.ffn.params["experts"]
+  assert own is not model.blocks[0].ffn.params["experts"]
+  tokens = jax.random.randint(jax.random.key(1), (2, 8), 0, V)
+  _, aux = model(tokens, mtp=True)
+  assert list(aux["mtp_moe"]) == ["mtp_1", "mtp_2"]
+  assert aux["mtp_moe"]["mtp_2"]["load"].shape == (4,)
+  layers = [*aux["moe"].values(), *aux["mtp_moe"].values()]
+  np.testing.assert_allclose(aux["loss"], sum(a["losses"]["total"] for a in layers), rtol=1e-6)
+  assert all(a["losses"]["total"] > 0 for a in aux["mtp_moe"].values())
+  # Without the modules (evaluation, inference) only the main layers route and cost.
+  _, plain = model(tokens)
+  assert "mtp_moe" not in plain and set(plain["moe"]) == {"layer_0", "layer_1"}
+  np.testing.assert_allclose(plain["loss"], sum(a["losses"]["total"]
+                                                for a in aux["moe"].values()), rtol=1e-6)
+  # A dense MTP block reports no MoE aux.
+  _, dense = Transformer(tiny_moe(mtp_depth=1), rngs=nnx.Rngs(0))(tokens, mtp=True)
+  assert dense["mtp_moe"] == {}
+
+
+def test_a_replay_covers_the_main_layers_and_the_mtp_blocks_route_freely():
+  from moejax import routing_record  # pylint: disable=g-import-not-at-top
+  model = Transformer(tiny_moe(mtp_depth=1, mtp_ffn="moe"), rngs=nnx.Rngs(0))
+  tokens = jax.random.randint(jax.random.key(2), (2, 8), 0, V)
+  recorded = routing_record.selections(model(tokens)[1])
+  assert sorted(recorded) == ["layer_0", "layer_1"]
+  _, aux = model(tokens, replay=recorded, mtp=True)
+  free = model(tokens, mtp=True)[1]["mtp_moe"]["mtp_1"]["expert_ids"]
+  np.testing.assert_array_equal(aux["mtp_moe"]["mtp_1"]["expert_ids"], free)
+
+
+def test_training_moves_the_mtp_blocks_selection_bias_and_logs_their_loads(tmp_path):
+  state, metrics = _train(tmp_path, steps=1, mtp_depth=1, mtp_ffn="moe")
+  bias = state.router_state["mtp"][0]["block"]["ffn"]["router_state"]["bias"]
+  assert np.abs(np.asarray(bias)).max() > 0      # the sign controller stepped it
+  m = metrics[0]
+  assert m["load/mtp_1"].shape == (4,) and "max_vio_batch/mtp_1" in m
+  balance = sum(v for k, v in m.items() if k.startswith("balance/"))
+  np.testing.assert_allclose(balance, m["aux_loss"], rtol=1e-5)
+  _, dense = _train(tmp_path, steps=1, mtp_depth=1)
+  assert "load/mtp_1" not in dense[0] and dense[0]["aux_loss"] < m["aux_loss"]
+
+
+def test_the_accounting_and_the_audit_count_an_moe_mtp_block():
+  cfg = tiny_moe(mtp_depth=2, mtp_ffn="moe")
+  d, e, f = 16, 4, 8
+  moe_ffn = e * 3 * d * f + d * e              # experts, router (its bias is router state)
+  per_module = 2 * d * d + 4 * d * d + moe_ffn + 2 * d + 3 * d
+  b, plain = accounting.budget(cfg, seq_len=8), accounting.budget(tiny_moe(), seq_len=8)
+  assert b.breakdown["mtp"].total == 2 * per_module == b.total - plain.total
+  assert b.active == plain.active
+  assert param_count(Transformer(cfg, rngs=nnx.Rngs(0))) == b.total
+  assert {r.name: r.initialised for r in audit.audit_model(cfg)}["mtp"] == 2 * per_module
+  # Training FLOPs: the MoE layer's active ones (K=2 experts of f=8, as a dense FFN of
+  # 2 f) plus its router's 2 d E, per module.
+  dense_b = accounting.budget(tiny_moe(mtp_depth=2, dense_ff_width=2 * f), seq_len=8)
+  assert b.breakdown["mtp"].flops - dense_b.breakdown["mtp"].flops == 2 * (2 * d * e)
+
+
+def test_an_moe_mtp_blocks_experts_are_muon_matrices_and_its_router_adamw():
+  model = nnx.eval_shape(lambda: Transformer(tiny_moe(mtp_depth=1, mtp_ffn="moe"),
+                                             rngs=nnx.Rngs(0)))
+  got = {"/".join(str(k) for k in path_keys(p)[3:]): r.matrix
+         for p, r in jax.tree_util.tree_leaves_with_path(param_role_tree(model))
+         if path_keys(p)[0] == "mtp" and "ffn" in path_keys(p)}
+  main = {"/".join(str(k) for k in path_keys(p)[2:]): r.matrix
+          for p, r in jax.tree_util.tree_leaves_with_path(param_role_tree(model))
+          if path_keys(p)[:2] == ("blocks", 0) and "ffn" in path_keys(p)}
+  assert got == main and any(got.values()) and not all(got.values())
+
+
+def test_mtp_ffn_moe_needs_an_moe_and_the_dense_twin_drops_it():
+  with pytest.raises(ConfigError, match=r"model.mtp_ffn='moe'.*no effect in a dense model"):
+    tiny(mtp_depth=1, mtp_ffn="moe")
+  with pytest.raises(ConfigError, match=r"model.mtp_ffn='sparse'"):
+    tiny_moe(mtp_ffn="sparse")
+  from moejax.model import dense_twin  # pylint: disable=g-import-not-at-top
+  twin = dense_twin(tiny_moe(mtp_depth=1, mtp_ffn="moe"))
+  assert (twin.moe, twin.mtp_ffn, twin.mtp_depth) == (None, "dense", 1)

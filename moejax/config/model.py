@@ -68,6 +68,10 @@ class ModelConfig:
     loss weight lambda = ``mtp_loss_weight`` times the mean of the D
     modules' cross-entropies (:mod:`moejax.nn.mtp`). 0: none. Inference
     never runs them.
+  mtp_ffn: the FFN of each MTP module's block: ``dense`` (``dense_ff_width``
+    wide) or ``moe``, an MoE layer of ``moe`` as DeepSeek-V3's MTP layer has
+    (its balance losses, bias controller and idea state are the main
+    layers', under the names ``mtp_<k>``).
   """
 
   vocab_size: int = 256
@@ -97,6 +101,7 @@ class ModelConfig:
   attention_options: Any = None
   mtp_depth: int = 0
   mtp_loss_weight: float = 0.3
+  mtp_ffn: str = "dense"
   moe: Optional[MoEConfig] = dataclasses.field(default_factory=MoEConfig)
 
   @property
@@ -169,6 +174,7 @@ class ModelConfig:
     check_choice(f"{p}.dense_activation", self.dense_activation, reg.ACTIVATIONS)
     check_choice(f"{p}.moe_schedule", self.moe_schedule, reg.MOE_SCHEDULES)
     check_choice(f"{p}.dense_twin", self.dense_twin, reg.DENSE_TWINS)
+    check_choice(f"{p}.mtp_ffn", self.mtp_ffn, reg.MTP_FFNS)
     for name in ("vocab_size", "d_model", "n_layers", "n_heads", "dense_ff_width",
                  "expert_sharing_group"):
       check_count(f"{p}.{name}", getattr(self, name))
@@ -224,7 +230,7 @@ def _moe_fields_need_moe(cfg: ModelConfig) -> None:
   if cfg.moe is not None:
     return
   for name, default in (("moe_layout", "all"), ("first_dense_layers", 0),
-                        ("moe_schedule", "serial")):
+                        ("moe_schedule", "serial"), ("mtp_ffn", "dense")):
     if getattr(cfg, name) != default:
       raise ConfigError(f"model.{name}", getattr(cfg, name),
                         "has no effect in a dense model (model.moe is None)",

@@ -306,6 +306,7 @@ ROUTE_LIMITS = ("none", "nodes", "devices")
 MOE_LAYOUTS = ("all", "every_other", "first_dense")
 MOE_SCHEDULES = ("serial", "scmoe")
 DENSE_TWINS = ("none", "active", "total")
+MTP_FFNS = ("dense", "moe")
 COMPUTE_DTYPES = ("float32", "bfloat16")
 MOD_GATES = ("sigmoid", "raw")
 

@@ -52,10 +52,10 @@ from moejax.train.config import ExperimentConfig
 
 FIELD = source_lib.FIELD
 # Model fields of the run that upcycling sets (the rest must be the source's).
-MOE_FIELDS = ("moe", "moe_layout", "first_dense_layers")
+MOE_FIELDS = ("moe", "moe_layout", "first_dense_layers", "mtp_ffn")
 # Fields that do not change a parameter or the function (or are labels).
 _FREE = ("moe", "moe_layout", "first_dense_layers", "dense_twin", "expert_sharing_group",
-         "moe_schedule", "remat", "compute_dtype")
+         "moe_schedule", "remat", "compute_dtype", "mtp_ffn")
 _SALT = 0x5C1E   # folded into train.seed: the upcycling draws are not the init's
 
 
@@ -124,17 +124,29 @@ def upcycle_params(dense_params: dict, model: ModelConfig, up: UpcycleConfig,
     block = dict(block)
     inner = dict(_inner(block))
     if model.is_moe_layer(int(i)):
-      experts = upcycle_ffn(inner["ffn"], model.moe, up, jax.random.fold_in(base, int(i)))
-      layer = {"experts": experts}
-      if up.router_init == "uniform":
-        layer["router"] = jnp.zeros_like
-      inner["ffn"] = {"params": layer}
+      inner["ffn"] = _upcycled(inner["ffn"], model, up, jax.random.fold_in(base, int(i)))
     if "block" in block and "ffn" not in block:
       block["block"] = inner
     else:
       block = inner
     out["blocks"][i] = block
+  if model.mtp_ffn == "moe" and "mtp" in dense_params:
+    # An MoE multi-token prediction block (model.mtp_ffn) upcycles its dense FFN likewise.
+    out["mtp"] = {}
+    for k, module in dense_params["mtp"].items():
+      block = dict(module["block"])
+      block["ffn"] = _upcycled(block["ffn"], model, up,
+                               jax.random.fold_in(base, model.n_layers + int(k)))
+      out["mtp"][k] = {**module, "block": block}
   return out
+
+
+def _upcycled(ffn: dict, model: ModelConfig, up: UpcycleConfig, key: jax.Array) -> dict:
+  """A dense FFN's params as an MoE FFN's: upcycled experts, the router fresh or zeros."""
+  layer = {"experts": upcycle_ffn(ffn, model.moe, up, key)}
+  if up.router_init == "uniform":
+    layer["router"] = jnp.zeros_like
+  return {"params": layer}
 
 
 def _dense_source(cfg: ExperimentConfig, path: str):
@@ -244,7 +256,8 @@ def upcycled_model(dense: ModelConfig, spec: Optional[dict] = None, split: int =
   moe = moe if isinstance(moe, MoEConfig) else from_dict(MoEConfig, moe, "model.moe")
   return dataclasses.replace(dense, moe=moe, dense_twin="none",
                              moe_layout=spec.get("moe_layout", "all"),
-                             first_dense_layers=spec.get("first_dense_layers", 0))
+                             first_dense_layers=spec.get("first_dense_layers", 0),
+                             mtp_ffn=spec.get("mtp_ffn", "dense"))
 
 
 def _model(ft_source: str, tree: dict) -> ModelConfig:

@@ -33,11 +33,11 @@ Multi-token prediction: transformers builds none (it skips DeepSeek-V3's MTP
 layer on load). An export leaves moejax's MTP modules out with one line
 saying so (:mod:`moejax.interop.mtp_notes`) and writes
 ``num_nextn_predict_layers=0``. An import of a checkpoint that holds MTP
-layers (decoder layers L .. L + D - 1, as DeepSeek releases them) keeps each
-whose FFN is dense as a moejax MTP module (``model.mtp_depth``; the mapping is
-:func:`_read_mtp`'s); an MTP layer with an MoE FFN (DeepSeek-V3's own) has no
-moejax counterpart (moejax's MTP block is dense) and is left out with one
-line saying so.
+layers (decoder layers L .. L + D - 1, as DeepSeek releases them) keeps them
+as moejax MTP modules (``model.mtp_depth``; the mapping is
+:func:`_read_mtp`'s): an MoE FFN (DeepSeek-V3's own MTP layer) as an MoE
+block (``model.mtp_ffn='moe'``) with its selection bias, a dense one as a
+dense block.
 """
 
 from __future__ import annotations
@@ -189,26 +189,33 @@ def _mtp_layers(store, cfg: ModelConfig) -> list[int]:
   return out
 
 
-def _read_mtp(store, cfg: ModelConfig, dtype: Any, attn, dense) -> list[dict]:
-  """Each dense-FFN MTP layer as a moejax MTP module's params.
+def _read_mtp(store, cfg: ModelConfig, dtype: Any, attn, dense, moe,
+              router_state: dict) -> tuple[list[dict], str]:
+  """The checkpoint's MTP layers as moejax MTP modules' params, and their FFN kind.
 
   DeepSeek's ``eh_proj`` [d, 2d] reads [enorm(embedding); hnorm(hidden)]; moejax's
   ``proj.kernel`` [2d, d] reads [hidden_norm(hidden); embed_norm(embedding)], so the two
   column halves swap. ``shared_head.norm`` is the module's head norm; DeepSeek's copies of
   the embedding and the head in the layer (``embed_tokens``, ``shared_head.head``) are the
-  main model's, which moejax shares.
+  main model's, which moejax shares. A layer with ``mlp.gate`` has an MoE FFN (DeepSeek-V3's
+  own; ``model.mtp_ffn='moe'``), read like a main layer's, its selection bias into
+  ``router_state['mtp']``; one kind holds for all modules, so a later layer of the other
+  kind is left out with a note.
   """
   import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
   cast = lambda a: jnp.asarray(a, dtype)
   d = cfg.d_model
   prefix = next(p for p in ("model.", "") if p + "embed_tokens.weight" in store)
-  modules = []
-  for i in _mtp_layers(store, cfg):
+  modules, kind = [], "dense"
+  for k, i in enumerate(_mtp_layers(store, cfg)):
     lp = f"{prefix}layers.{i}."
-    if lp + "mlp.gate.weight" in store:
-      print(f"note: MTP layer {i} of this checkpoint has an MoE FFN, and moejax's MTP block is "
-            "dense: it is left out of the import (model.mtp_depth counts the MTP layers kept)",
-            file=sys.stderr)
+    this = "moe" if lp + "mlp.gate.weight" in store else "dense"
+    if k == 0:
+      kind = this
+    elif this != kind:
+      print(f"note: MTP layer {i} of this checkpoint has a {this} FFN and the ones before it "
+            f"a {kind} one; moejax's MTP modules share one kind (model.mtp_ffn), so it and "
+            "any later MTP layer are left out of the import", file=sys.stderr)
       break
 
     def get(key, want, why, lp=lp):
@@ -217,6 +224,11 @@ def _read_mtp(store, cfg: ModelConfig, dtype: Any, attn, dense) -> list[dict]:
         raise InteropError(f"tensor {lp + key!r} has shape {w.shape}, expected {want} ({why}). "
                            "Fix: pass the config this checkpoint was saved with")
       return w
+    if kind == "moe":
+      ffn = moe(i, get, cast, prefix=lp + "mlp")
+      router_state.setdefault("mtp", {})[k] = {"block": router_state["blocks"].pop(i)}
+    else:
+      ffn = dense(get, cast)
     eh = get("eh_proj.weight", (d, 2 * d), "[d, 2d]")
     scale = lambda key: {"scale": cast(get(key, (d,), "[d]"))}
     modules.append({
@@ -224,8 +236,8 @@ def _read_mtp(store, cfg: ModelConfig, dtype: Any, attn, dense) -> list[dict]:
         "proj": {"kernel": cast(np.concatenate([eh[:, d:], eh[:, :d]], axis=1).T)},
         "head_norm": scale("shared_head.norm.weight"),
         "block": {"attn_norm": scale("input_layernorm.weight"), "attn": attn(get, cast),
-                  "ffn_norm": scale("post_attention_layernorm.weight"), "ffn": dense(get, cast)}})
-  return modules
+                  "ffn_norm": scale("post_attention_layernorm.weight"), "ffn": ffn}})
+  return modules, kind
 
 
 def read(store, hf_config: Any, cfg: ModelConfig, dtype: Any) -> whole.ImportedModel:
@@ -235,10 +247,10 @@ def read(store, hf_config: Any, cfg: ModelConfig, dtype: Any) -> whole.ImportedM
   attn = _attention_reader(cfg, bool(fam.hf_get(hf_config, "rope_interleave", default=True)))
   ffn = lambda i, get, cast: moe(i, get, cast) if cfg.is_moe_layer(i) else dense(get, cast)
   params = whole.decoder_params(store, hf_config, cfg, dtype, ffn, CAUSAL_LM, attn=attn)
-  mtp = _read_mtp(store, cfg, dtype, attn, dense)
+  mtp, kind = _read_mtp(store, cfg, dtype, attn, dense, moe, router_state)
   if mtp:
     params["mtp"] = dict(enumerate(mtp))
-    cfg = dataclasses.replace(cfg, mtp_depth=len(mtp))
+    cfg = dataclasses.replace(cfg, mtp_depth=len(mtp), mtp_ffn=kind)
   return whole.ImportedModel(cfg, params, router_state)
 
 

@@ -194,10 +194,12 @@ def import_model(source: Any, hf_config: Any = None, *, base: Optional[ModelConf
 def moe_ffn_reader(store, hf_config: Any, cfg: ModelConfig, dtype: Any,
                    router_state: dict) -> Callable[[int, Callable, Callable], dict]:
   """``ffn(layer, get, cast)`` for :func:`decoder_params` reading layer's MoE block (its
-  router state into ``router_state['blocks']``)."""
+  router state into ``router_state['blocks']``). ``prefix``: the block's key prefix, for a
+  layer past the config's decoder layers (an MTP layer)."""
 
-  def ffn(i: int, get, cast) -> dict:
-    block = import_moe_block(store, hf_config, layer=i, base_cfg=cfg.moe, dtype=dtype)
+  def ffn(i: int, get, cast, prefix: Optional[str] = None) -> dict:
+    where = dict(layer=i) if prefix is None else dict(prefix=prefix)
+    block = import_moe_block(store, hf_config, base_cfg=cfg.moe, dtype=dtype, **where)
     router_state["blocks"][i] = {"ffn": {"router_state": {
         "bias": jnp.asarray(block.state.bias, jnp.float32),
         "step": jnp.asarray(block.state.step, jnp.int32)}}}

@@ -17,9 +17,10 @@ The embedding and the output head are the main model's (shared); each
 module has its own two input norms, projection, transformer block and head
 norm. Sequences shorten by one per depth (the last k positions have no
 token t_{i+k} to read). The block's FFN is dense (width
-``model.dense_ff_width``), where DeepSeek-V3's is an MoE layer: a dense block
-keeps the bias controller, the balance statistics and routing replay to the
-main model's layers.
+``model.dense_ff_width``) or, with ``model.mtp_ffn='moe'``, an MoE layer
+with its own experts, as DeepSeek-V3's MTP layer is: its layer aux goes
+back to the model, which adds its balance losses to the objective and
+gives its loads to its bias controller like a main layer's.
 
 The loss (:func:`mtp_loss`) is the paper's eq. 24-25: L_k is the
 cross-entropy of module k summed over its scored tokens and divided by the
@@ -31,7 +32,7 @@ lambda / D sum_k L_k. Inference never runs the modules
 
 from __future__ import annotations
 
-from typing import Callable
+from typing import Callable, Optional, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -69,28 +70,35 @@ class MTPModule(nnx.Module):
             **{n: roles.elementwise("norm") for n in ("hidden_norm", "embed_norm", "head_norm")}}
 
   def __call__(self, hidden: jax.Array, embedded: jax.Array, positions: jax.Array,
-               token_ids: jax.Array) -> jax.Array:
+               token_ids: jax.Array, **block_kw) -> tuple[jax.Array, Optional[dict]]:
+    """-> (h^k [B, S', d], the block's MoE layer aux or None for a dense FFN).
+    block_kw: the block's ``train`` / ``rng`` / ``axis_names``."""
     x = jnp.concatenate([self.hidden_norm(hidden), self.embed_norm(embedded)], axis=-1)
-    out, _ = self.block(self.proj(x), positions, token_ids)
-    return out
+    return self.block(self.proj(x), positions, token_ids, **block_kw)
 
 
-def forward(modules, hidden: jax.Array, tokens: jax.Array, embed: Callable,
-            head: Callable) -> tuple[jax.Array, ...]:
-  """The D modules' logits: (f32[B, S-1, V], ..., f32[B, S-D, V]).
+def forward(modules, hidden: jax.Array, tokens: jax.Array, embed: Callable, head: Callable,
+            *, keys: Sequence[Optional[jax.Array]] = (), train: bool = False,
+            axis_names: Sequence[str] = ()) -> tuple[tuple[jax.Array, ...], tuple]:
+  """(the D modules' logits (f32[B, S-1, V], ..., f32[B, S-D, V]), their MoE aux).
 
   hidden: [B, S, d] the main model's last hidden state (before its final
   norm); tokens: int[B, S] its input; embed / head: the shared embedding and
-  output head (the head applied after each module's own head norm).
+  output head (the head applied after each module's own head norm); keys:
+  one router-noise key per module (empty: none). The second element holds
+  each module's MoE layer aux, None where its FFN is dense.
   """
   b, s = tokens.shape
-  out = []
+  out, moe_aux = [], []
   for k, module in enumerate(modules, start=1):
     n = s - k
     positions = jnp.broadcast_to(jnp.arange(n, dtype=jnp.int32), (b, n))
-    hidden = module(hidden[:, :n], embed(tokens[:, k:]), positions, tokens[:, k:])
+    key = keys[k - 1] if keys else None
+    hidden, aux = module(hidden[:, :n], embed(tokens[:, k:]), positions, tokens[:, k:],
+                         train=train, rng=key, axis_names=axis_names)
     out.append(head(module.head_norm(hidden)))
-  return tuple(out)
+    moe_aux.append(aux)
+  return tuple(out), tuple(moe_aux)
 
 
 def mtp_loss(logits: tuple, targets: jax.Array, mask: jax.Array,

@@ -49,7 +49,9 @@ Conventions (what every number in :class:`Budget` means):
   (inference drops the modules, DeepSeek-V3's 37B activated excludes them),
   but their training FLOPs are in flops_per_token: per module and token the
   [2d, d] projection, one block (attention with its mixing at S, a dense FFN
-  of ``dense_ff_width``) and the shared LM head again (2 V d).
+  of ``dense_ff_width`` or, with ``mtp_ffn='moe'``, an MoE layer counted as a
+  main one: all its parameters, its active ones' FLOPs) and the shared LM
+  head again (2 V d).
 """
 
 from __future__ import annotations
@@ -331,11 +333,18 @@ def mtp_component(cfg: ModelConfig, seq_len: int) -> Component:
   """The D multi-token prediction modules (module docstring): params, not active, FLOPs."""
   d = cfg.d_model
   spec, opts = cfg.attention_spec, cfg.attention_options
-  matmul = 2 * d * d + spec.params(cfg, opts) + ffn_params(d, cfg.dense_ff_width,
-                                                         cfg.dense_activation)
+  matmul = 2 * d * d + spec.params(cfg, opts)
+  if cfg.mtp_ffn == "moe":
+    ffn = moe_components(cfg.moe, d, seq_len).values()
+    ffn_total, ffn_flops = sum(c.total for c in ffn), sum(c.flops for c in ffn)
+  else:
+    ffn_total = ffn_params(d, cfg.dense_ff_width, cfg.dense_activation)
+    ffn_flops = 2.0 * ffn_total
   norms = 5 * d + spec.norm_params(cfg, opts)  # hidden, embedding, 2 block, head norms
-  flops = 2.0 * matmul + spec.mix_flops(cfg, opts, seq_len) + 2.0 * cfg.vocab_size * d
-  return Component(cfg.mtp_depth * (matmul + norms), 0.0, 0.0, cfg.mtp_depth * flops)
+  flops = (2.0 * matmul + ffn_flops + spec.mix_flops(cfg, opts, seq_len)
+           + 2.0 * cfg.vocab_size * d)
+  return Component(cfg.mtp_depth * (matmul + ffn_total + norms), 0.0, 0.0,
+                   cfg.mtp_depth * flops)
 
 
 # ---------------------------------------------------------------------------

@@ -123,9 +123,15 @@ def _mean(vals):
   return None if not vals else jnp.mean(jnp.stack(vals).astype(jnp.float32))
 
 
+def moe_layers(aux: dict) -> dict[str, dict]:
+  """Every MoE layer aux a training forward returned: the main model's (``layer_<i>``) and
+  the multi-token prediction blocks' (``mtp_<k>``, with ``model.mtp_ffn='moe'``)."""
+  return {**aux["moe"], **aux.get("mtp_moe", {})}
+
+
 def _moe_mean(aux: dict, field: str):
   """Mean over MoE layers of their ``LayerMetrics.<field>``; None if no layer fills it."""
-  return _mean([getattr(layer["metrics"], field) for layer in aux["moe"].values()
+  return _mean([getattr(layer["metrics"], field) for layer in moe_layers(aux).values()
                 if getattr(layer["metrics"], field) is not None])
 
 
@@ -161,7 +167,8 @@ def routing_summary(aux: dict) -> dict[str, jax.Array]:
 
 
 def layer_loads(aux: dict) -> dict[str, jax.Array]:
-  """Per MoE layer ``<i>``: ``max_vio_batch/layer_<i>`` f32[] and ``load/layer_<i>`` f32[E].
+  """Per MoE layer ``<name>`` (``layer_<i>``, ``mtp_<k>``): ``max_vio_batch/<name>`` f32[]
+  and ``load/<name>`` f32[E].
 
   The load is :attr:`LayerMetrics.load` (sparse: token copies the router
   sent to each FFN expert, before capacity; soft: combine mass); PEER layers
@@ -169,7 +176,7 @@ def layer_loads(aux: dict) -> dict[str, jax.Array]:
   dead-expert counts and TensorBoard histograms (:mod:`moejax.train.layer_load`).
   """
   out = {}
-  for name, layer in aux["moe"].items():
+  for name, layer in moe_layers(aux).items():
     m = layer["metrics"]
     if m.max_vio is not None:
       out[f"max_vio_batch/{name}"] = m.max_vio
@@ -190,7 +197,7 @@ def balance_loss_summary(aux: dict, balance) -> dict[str, jax.Array]:
   if balance is None:
     return {}
   out: dict[str, jax.Array] = {}
-  for layer in aux["moe"].values():
+  for layer in moe_layers(aux).values():
     for name, value in (layer.get("losses") or {}).items():
       if name == "total" or not BALANCE_LOSSES.get(name).coefficient(balance):
         continue
@@ -208,7 +215,7 @@ def kind_aux_summary(aux: dict) -> dict[str, jax.Array]:
   ``kind/<field>/layer_<i>`` per layer. Array fields are the kind's own business (not
   logged); the shipped kinds have no aux of their own."""
   out, per_field = {}, {}
-  for name, layer in aux["moe"].items():
+  for name, layer in moe_layers(aux).items():
     own = layer.get("kind_aux")
     if own is None:
       continue
@@ -224,14 +231,15 @@ def kind_aux_summary(aux: dict) -> dict[str, jax.Array]:
 
 
 def router_loads(aux: dict) -> dict[str, jax.Array]:
-  """``{'layer_<i>': f32[E_r]}`` router loads of the routed MoE layers (controller input)."""
-  return {name: layer["router_load"] for name, layer in aux["moe"].items()
+  """``{'layer_<i>' or 'mtp_<k>': f32[E_r]}`` router loads of the routed MoE layers (the
+  controllers' input)."""
+  return {name: layer["router_load"] for name, layer in moe_layers(aux).items()
           if "router_load" in layer}
 
 
 def observations(aux: dict) -> dict[str, dict]:
   """``{'layer_<i>': {idea: {name: f32}}}`` what each layer's stateful ideas observed."""
-  return {name: layer["observed"] for name, layer in aux["moe"].items()
+  return {name: layer["observed"] for name, layer in moe_layers(aux).items()
           if layer.get("observed")}
 
 

@@ -191,3 +191,18 @@ def test_only_moe_fields_come_from_the_config():
     up_lib.upcycled_model(DENSE, {"d_model": 8})
   run = up_lib.upcycled_model(DENSE, None, split=2)
   assert (run.moe.num_experts, run.moe.routing.top_k, run.moe.topology.expert_width) == (8, 2, 16)
+
+
+def test_an_moe_mtp_block_upcycles_from_the_dense_one():
+  """model.mtp_ffn='moe': the dense source's MTP block FFN becomes experts too, so the
+  modules' first predictions are the dense model's."""
+  dense_cfg = dataclasses.replace(DENSE, mtp_depth=1)
+  dense_model = Transformer(dense_cfg, rngs=nnx.Rngs(0))
+  run = up_lib.upcycled_model(dense_cfg, {"moe": _moe(), "mtp_ffn": "moe"})
+  up_lib.check_compatible(dense_cfg, run, UpcycleConfig(), "/src")
+  model, params, _ = _upcycled(run, UpcycleConfig(), _pure(dense_model)[0])
+  assert params["mtp"][0]["block"]["ffn"]["params"]["experts"]["w_gate_up"].shape == (4, 16, 64)
+  _, want = dense_model(TOKENS, mtp=True)
+  _, got = model(TOKENS, mtp=True)
+  np.testing.assert_allclose(np.asarray(got["mtp"][0]), np.asarray(want["mtp"][0]), atol=2e-5)
+  assert list(got["mtp_moe"]) == ["mtp_1"]

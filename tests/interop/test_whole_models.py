@@ -4,7 +4,7 @@ Each case is a tiny random HF model (or a moejax model of the imported config): 
 reproduces the HF logits, a moejax model exported loads in transformers with the moejax
 logits, HF -> moejax -> HF returns the state dict bit for bit, and moejax -> HF -> moejax
 returns the params and the config. Multi-token prediction: the export leaves it out with one
-line; an import keeps the MTP layers a checkpoint holds. Unsupported HF field values are
+line; an import keeps the MTP layers a checkpoint holds, dense or MoE. Unsupported HF field values are
 one-line errors. Tolerance: the Mixtral whole-model tests' (rtol 1e-4, atol 1e-5).
 """
 
@@ -138,15 +138,17 @@ def test_the_rotary_permutation_is_what_makes_deepseek_v3_match():
   assert np.abs(np.asarray(got) - _logits(hf)).max() > 1e-3
 
 
-def _with_mtp(model_type="deepseek_v3"):
+def _with_mtp(model_type="deepseek_v3", mtp_ffn="dense"):
   """A moejax DeepSeek-V3-shaped model with one MTP module, random weights."""
   hf = _hf(model_type, {})
-  cfg = dataclasses.replace(whole.import_model(hf.state_dict(), hf.config).cfg, mtp_depth=1)
+  cfg = dataclasses.replace(whole.import_model(hf.state_dict(), hf.config).cfg, mtp_depth=1,
+                            mtp_ffn=mtp_ffn)
   return cfg, *_random_moejax(cfg, seed=5)
 
 
-def _mtp_tensors(module, cfg) -> dict:
-  """The MTP module as DeepSeek's checkpoints hold it (layer L), written here by hand."""
+def _mtp_tensors(module, cfg, router_state=None) -> dict:
+  """The MTP module as DeepSeek's checkpoints hold it (layer L), written here by hand; an
+  MoE block's FFN (with its module's ``router_state``) through the main layers' writer."""
   from moejax.interop import deepseek_v3  # pylint: disable=g-import-not-at-top
   d, lp = cfg.d_model, f"model.layers.{cfg.n_layers}."
   proj = np.asarray(module["proj"]["kernel"]).T           # [d, 2d]: [hidden | embedding]
@@ -159,9 +161,16 @@ def _mtp_tensors(module, cfg) -> dict:
         lp + "post_attention_layernorm.weight": block["ffn_norm"]["scale"]}
   sd.update({f"{lp}self_attn.{k}": v
              for k, v in deepseek_v3.attention_tensors(block["attn"], cfg).items()})
-  sd.update({f"{lp}mlp.{hf}.weight": np.asarray(block["ffn"][ours]["kernel"]).T
-             for hf, ours in (("gate_proj", "w_gate"), ("up_proj", "w_up"),
-                              ("down_proj", "w_down"))})
+  if router_state is not None:
+    from moejax.interop import export_moe_block  # pylint: disable=g-import-not-at-top
+    from moejax.routing.types import RouterState  # pylint: disable=g-import-not-at-top
+    rs = router_state["block"]["ffn"]["router_state"]
+    sd.update(export_moe_block(block["ffn"]["params"], RouterState(**rs), cfg.moe,
+                               "deepseek_v3", prefix=lp + "mlp").state_dict)
+  else:
+    sd.update({f"{lp}mlp.{hf}.weight": np.asarray(block["ffn"][ours]["kernel"]).T
+               for hf, ours in (("gate_proj", "w_gate"), ("up_proj", "w_up"),
+                                ("down_proj", "w_down"))})
   return {k: np.ascontiguousarray(np.asarray(v)) for k, v in sd.items()}
 
 
@@ -190,14 +199,44 @@ def test_import_keeps_the_mtp_layers_a_checkpoint_holds(capsys):
   _, want = _moejax_logits(cfg, params, state, mtp=True)
   _, got = _moejax_logits(back.cfg, back.params, back.router_state, mtp=True)
   np.testing.assert_allclose(np.asarray(got["mtp"][0]), np.asarray(want["mtp"][0]), rtol=1e-6)
-  # DeepSeek-V3's own MTP layer has an MoE FFN, which moejax's dense MTP block cannot hold.
+
+
+def test_import_keeps_an_moe_mtp_layer_with_its_selection_bias(capsys):
+  """DeepSeek-V3's own MTP layer has an MoE FFN: it becomes an MoE MTP block
+  (model.mtp_ffn='moe') with the same experts, router and e_score_correction_bias."""
+  cfg, params, state = _with_mtp(mtp_ffn="moe")
+  sd, hf_config = whole.export_model(params, state, cfg, "deepseek_v3")
+  assert not any(k.startswith(f"model.layers.{cfg.n_layers}.") for k in sd)
+  sd.update(_mtp_tensors(params["mtp"][0], cfg, state["mtp"][0]))
+  assert f"model.layers.{cfg.n_layers}.mlp.gate.e_score_correction_bias" in sd
   capsys.readouterr()
-  sd[f"model.layers.{cfg.n_layers}.mlp.gate.weight"] = np.zeros((8, cfg.d_model), np.float32)
-  moe_mtp = whole.import_model(sd, hf_config)
-  assert moe_mtp.cfg.mtp_depth == 0 and "mtp" not in moe_mtp.params
+  back = whole.import_model(sd, {**hf_config, "num_nextn_predict_layers": 1})
+  assert capsys.readouterr().err == ""
+  assert (back.cfg.mtp_depth, back.cfg.mtp_ffn) == (1, "moe")
+  for a, b in zip(jax.tree.leaves((back.params["mtp"], back.router_state["mtp"])),
+                  jax.tree.leaves((params["mtp"], state["mtp"]))):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+  _, want = _moejax_logits(cfg, params, state, mtp=True)
+  _, got = _moejax_logits(back.cfg, back.params, back.router_state, mtp=True)
+  np.testing.assert_allclose(np.asarray(got["mtp"][0]), np.asarray(want["mtp"][0]), rtol=1e-6)
+  assert list(got["mtp_moe"]) == ["mtp_1"]
+
+
+def test_mtp_layers_of_two_ffn_kinds_keep_the_first_kind_with_a_note(capsys):
+  cfg, params, state = _with_mtp()
+  sd, hf_config = whole.export_model(params, state, cfg, "deepseek_v3")
+  sd.update(_mtp_tensors(params["mtp"][0], cfg))
+  second = {k.replace(f".{cfg.n_layers}.", f".{cfg.n_layers + 1}."): v
+            for k, v in _mtp_tensors(params["mtp"][0], cfg).items()}
+  second[f"model.layers.{cfg.n_layers + 1}.mlp.gate.weight"] = np.zeros((8, cfg.d_model),
+                                                                         np.float32)
+  sd.update(second)
+  capsys.readouterr()
+  back = whole.import_model(sd, {**hf_config, "num_nextn_predict_layers": 2})
+  assert (back.cfg.mtp_depth, back.cfg.mtp_ffn) == (1, "dense")
   err = capsys.readouterr().err.strip().splitlines()
-  assert len(err) == 1 and err[0].startswith(f"note: MTP layer {cfg.n_layers} of this "
-                                             "checkpoint has an MoE FFN")
+  assert len(err) == 1 and err[0].startswith(f"note: MTP layer {cfg.n_layers + 1} of this "
+                                             "checkpoint has a moe FFN")
 
 
 @pytest.mark.parametrize("model_type, field, value, message", [

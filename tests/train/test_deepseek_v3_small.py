@@ -17,7 +17,7 @@ from tests.train import helpers
 def test_the_config_is_the_default_model_with_the_recipe():
   cfg, default = helpers.experiment("deepseek_v3_small"), helpers.experiment("default")
   m, d = cfg.model, default.model
-  assert (m.attention, cfg.train.optimizer, m.mtp_depth) == ("mla", "muon", 1)
+  assert (m.attention, cfg.train.optimizer, m.mtp_depth, m.mtp_ffn) == ("mla", "muon", 1, "moe")
   assert (m.d_model, m.n_layers, m.n_heads, m.moe) == (d.d_model, d.n_layers, d.n_heads, d.moe)
   assert m.moe.routing.use_bias and m.moe.balance.bias_update == "sign"
   assert (cfg.data, cfg.train.learning_rate) == (default.data, default.train.learning_rate)
