@@ -5,7 +5,8 @@ process has already done with one device, so the expert-parallel run is this
 module run as a script (``python -m tests.train.test_loop_expert_parallel
 DATA_DIR WORKDIR OUT_JSON``) with JAX_NUM_CPU_DEVICES=4: a ('data', 'fsdp',
 'expert') = (2, 1, 2) mesh, the tiny config's 4 experts 2 per device,
-dropless capacity dispatch (ep_moe_layer's default; no token is dropped).
+dropless capacity dispatch (ep_moe_layer's default; no token is dropped). The
+runs have one MoE multi-token prediction block, expert-parallel like a main layer.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ from tests.train import helpers
 
 STEPS = 4
 DEVICES = 4
+MTP = dict(model__mtp_depth=1, model__mtp_ffn="moe")
 
 
 def _config(data_dir: str, **overrides):
@@ -45,8 +47,11 @@ def _router_biases(cfg, workdir: str) -> dict[str, list[float]]:
     tree, _ = ckpt.restore(STEPS, abstract.checkpoint_tree())
   finally:
     ckpt.close()
-  return {str(i): np.asarray(tree["router_state"]["blocks"][i]["ffn"]["router_state"]["bias"],
-                             np.float64).tolist() for i in range(cfg.model.n_layers)}
+  rs = tree["router_state"]
+  blocks = {str(i): rs["blocks"][i] for i in range(cfg.model.n_layers)}
+  blocks.update({f"mtp_{k + 1}": rs["mtp"][k]["block"] for k in range(cfg.model.mtp_depth)})
+  return {name: np.asarray(b["ffn"]["router_state"]["bias"], np.float64).tolist()
+          for name, b in blocks.items()}
 
 
 def _child(data_dir: str, workdir: str, out_json: str) -> None:
@@ -54,7 +59,7 @@ def _child(data_dir: str, workdir: str, out_json: str) -> None:
   from jax.sharding import PartitionSpec as P  # pylint: disable=g-import-not-at-top
   from moejax import data as data_lib  # pylint: disable=g-import-not-at-top
   assert jax.device_count() == DEVICES, jax.devices()
-  cfg = _config(data_dir, parallel__expert=2)
+  cfg = _config(data_dir, parallel__expert=2, **MTP)
   layout = loop.device_layout(cfg)
   mesh = layout.expert_parallel.mesh
   assert dict(mesh.shape) == {"data": 2, "fsdp": 1, "expert": 2}, mesh.shape
@@ -79,7 +84,7 @@ def _child(data_dir: str, workdir: str, out_json: str) -> None:
 @pytest.mark.slow  # ~40 s on 2 cores: two tiny runs, one in a 4-device subprocess
 def test_expert_parallel_matches_one_device(tmp_path, data_dir, compilation_cache):
   one, ep, out_json = (str(tmp_path / n) for n in ("one", "ep", "ep.json"))
-  cfg = _config(data_dir)
+  cfg = _config(data_dir, **MTP)
   assert jax.device_count() == 1
   loop.train(cfg, one, out=io.StringIO())
   env = dict(os.environ, JAX_PLATFORMS="cpu", JAX_NUM_CPU_DEVICES=str(DEVICES),
@@ -94,7 +99,8 @@ def test_expert_parallel_matches_one_device(tmp_path, data_dir, compilation_cach
   got = {r["step"]: r for r in metrics_log.read_metrics(ep, "train")}
   assert sorted(got) == sorted(want) == list(range(1, STEPS + 1))
   for step in want:
-    for key in ("loss", "ce", "aux_loss", "max_vio_batch", "drop_rate", "grad_norm"):
+    for key in ("loss", "ce", "aux_loss", "max_vio_batch", "drop_rate", "grad_norm",
+                "mtp/loss", "max_vio_batch/mtp_1"):
       # Same global batch and routing; other reduction order: equal up to rounding.
       np.testing.assert_allclose(got[step][key], want[step][key], rtol=1e-4, atol=1e-6,
                                  err_msg=f"step {step} {key}")
