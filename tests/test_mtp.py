@@ -232,7 +232,8 @@ def test_an_moe_mtp_blocks_experts_are_muon_matrices_and_its_router_adamw():
 
 
 def test_mtp_ffn_moe_needs_an_moe_and_the_dense_twin_drops_it():
-  with pytest.raises(ConfigError, match=r"model.mtp_ffn='moe'.*no effect in a dense model"):
+  with pytest.raises(ConfigError, match=r"model.mtp_ffn='moe': builds the MTP blocks' FFN from "
+                                        r"model.moe, and this model is dense.*Fix: set "):
     tiny(mtp_depth=1, mtp_ffn="moe")
   with pytest.raises(ConfigError, match=r"model.mtp_ffn='sparse'"):
     tiny_moe(mtp_ffn="sparse")

@@ -230,11 +230,18 @@ def _moe_fields_need_moe(cfg: ModelConfig) -> None:
   if cfg.moe is not None:
     return
   for name, default in (("moe_layout", "all"), ("first_dense_layers", 0),
-                        ("moe_schedule", "serial"), ("mtp_ffn", "dense")):
+                        ("moe_schedule", "serial")):
     if getattr(cfg, name) != default:
       raise ConfigError(f"model.{name}", getattr(cfg, name),
                         "has no effect in a dense model (model.moe is None)",
                         f"remove it (default {default!r})")
+
+
+def _moe_mtp_needs_moe(cfg: ModelConfig) -> None:
+  if cfg.mtp_ffn == "moe" and cfg.moe is None:
+    raise ConfigError("model.mtp_ffn", cfg.mtp_ffn, "builds the MTP blocks' FFN from "
+                      "model.moe, and this model is dense (model.moe is None)",
+                      "set mtp_ffn='dense' or configure model.moe")
 
 
 def _attention_fits(cfg: ModelConfig) -> None:
@@ -242,4 +249,4 @@ def _attention_fits(cfg: ModelConfig) -> None:
 
 
 MODEL_RULES = (_attention_fits, _sharing_needs_routed_experts, _dense_layers_fit,
-               _scmoe_needs_a_previous_block, _moe_fields_need_moe)
+               _scmoe_needs_a_previous_block, _moe_fields_need_moe, _moe_mtp_needs_moe)
