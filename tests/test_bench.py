@@ -10,7 +10,10 @@ import types
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
+
+from experiments.benchmarks import lib as bench_lib
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 
@@ -396,11 +399,28 @@ def test_layer_table_rows_fit_100_columns(capsys):
 def test_layer_variants_are_the_backends_that_run_here_and_the_baselines():
   from experiments.benchmarks import layer  # pylint: disable=g-import-not-at-top
   v = layer.jax_variants(["blocked", "ragged_dot", "pallas_x"], {"tile_m": 64}, 1.5, 128)
-  assert list(v) == ["dense", "blocked", "blocked_unfused", "blocked_folded", "pallas_x",
+  assert list(v) == ["dense", "expert_matmuls", "blocked", "blocked_unfused", "blocked_folded",
+                     "pallas_x",
                      "gshard", "ragged_dot"]
   assert v["blocked"] == {"backend": "blocked", "tile_m": 64}
   assert v["blocked_unfused"] == {"backend": "blocked", "fused": False, "fold_permute": False,
                                   "tile_m": 64}
   assert v["gshard"] == {"capacity_factor": 1.5, "group": 128}
-  assert list(layer.jax_variants(["ragged_dot"], {}, 1.25, 8)) == ["dense", "gshard",
-                                                                   "ragged_dot"]
+  assert list(layer.jax_variants(["ragged_dot"], {}, 1.25, 8)) == [
+      "dense", "expert_matmuls", "gshard", "ragged_dot"]
+
+
+def test_expert_matmuls_is_each_experts_ffn_on_an_equal_share_of_rows():
+  """The layer suite's matmul-only baseline: expert e's rows are tokens e*C .. e*C+C-1
+  (mod T), C = ceil(T K / E), each through expert e's SwiGLU FFN."""
+  prob = bench_lib.layer_problem(6, 4, 4, 2, 3, seed=0)
+  x, p = prob["x"], prob["moe"]
+  xe = bench_lib.expert_rows(x, 4, 2)
+  assert xe.shape == (4, 3, 4)
+  np.testing.assert_array_equal(xe[1, 0], x[3])
+  np.testing.assert_array_equal(xe[3, 2], x[(3 * 3 + 2) % 6])
+  got = bench_lib.expert_matmuls(p, xe)
+  for e in range(4):
+    a, b = np.split(np.asarray(xe[e] @ p["w_gate_up"][e]), 2, axis=-1)
+    want = (a / (1 + np.exp(-a)) * b) @ np.asarray(p["w_down"][e])
+    np.testing.assert_allclose(got[e], want, rtol=1e-5, atol=1e-6)

@@ -136,6 +136,7 @@ def test_a_scaling_record_renders_the_suites_markdown_tables(tmp_path):
       "min": r - 0.1, "max": r + 0.1}} if r else {})}
   point = {"E": 4, "T": 32, "load_1min_before": 1.0, "load_1min_after": 1.5,
            "variants": {"dense": {"fwd": timed(0.5), "fwdbwd": timed(1.0)},
+                        "expert_matmuls": {"fwd": timed(0.5, 1.0), "fwdbwd": timed(1.1, 1.1)},
                         "blocked": {"fwd": timed(0.6, 1.2), "fwdbwd": timed(1.3, 1.3)}},
            "floor": {m: {"x_dense": 0.01, "excess_x_dense": 0.002} for m in ("fwd", "fwdbwd")}}
   rec = {"spec": {"expert_sweep_tokens": 32, "token_sweep_experts": 4, "k": 2, "f": 8,
@@ -145,7 +146,8 @@ def test_a_scaling_record_renders_the_suites_markdown_tables(tmp_path):
   got = _render_bench(tmp_path, "scaling_bench", rec)
   assert got[1] == ("E sweep, fwd+bwd (T=32, K=2, f=8, d=16, float32; copy bandwidth "
                     "40.00 GB/s, first touch 4.00 GB/s):")
-  assert got[5] == "| 4 | 1.000 | 1.30 [1.20-1.40] | - | - | - | 0.010 | 0.002 | 1.0 -> 1.5 |"
+  assert got[5] == ("| 4 | 1.000 | 1.30 [1.20-1.40] | 1.10 | - | - | - | 0.010 | 0.002 "
+                    "| 1.0 -> 1.5 |")
   assert got[7].startswith("E sweep, fwd (T=32")
 
 

@@ -88,7 +88,7 @@ TINY = dict(experts=(4,), tokens=(32,), expert_sweep_tokens=32, token_sweep_expe
 
 
 def test_scaling_suite_tiny_run_writes_every_point_floor_and_table():
-  spec = sc.ScalingSpec(variants=("dense", "blocked"), **TINY)
+  spec = sc.ScalingSpec(variants=("dense", "expert_matmuls", "blocked"), **TINY)
   res = json.loads(json.dumps(sc.scaling_suite(spec, {"platform": "cpu"})))
   assert res["sweeps"] == {"experts": ["T32_E4"], "tokens": ["T32_E4"]}
   assert set(res["points"]) == {"T32_E4"}
@@ -96,7 +96,7 @@ def test_scaling_suite_tiny_run_writes_every_point_floor_and_table():
   assert bw["bytes_per_s"] == max(bw[w][k]["bytes_per_s"] for w in ("start", "end")
                                   for k in ("xla", "numpy")) > 0
   for p in res["points"].values():
-    assert set(p["variants"]) == {"dense", "blocked"}
+    assert set(p["variants"]) == {"dense", "expert_matmuls", "blocked"}
     for row in p["variants"].values():
       for mode in ("fwd", "fwdbwd"):
         r = row[mode]
@@ -107,14 +107,16 @@ def test_scaling_suite_tiny_run_writes_every_point_floor_and_table():
         p["floor"]["fwdbwd"]["s"] / p["variants"]["dense"]["fwdbwd"]["median_s"])
     assert p["load_1min_before"] >= 0 and p["load_1min_after"] >= 0
   md = sc.markdown_tables(res)
-  assert md.count("| E | dense fwd+bwd s | moejax fwd+bwd x dense [spread] | unfused x dense "
-                  "| folded x dense | HF x torch dense | floor x dense | excess x dense "
-                  "| load |") == 1
+  assert md.count("| E | dense fwd+bwd s | moejax fwd+bwd x dense [spread] | matmuls alone x "
+                  "dense | unfused x dense | folded x dense | HF x torch dense | floor x dense "
+                  "| excess x dense | load |") == 1
   assert bw["first_touch"]["bytes_per_s"] > 0
   assert p["floor"]["fwdbwd"]["excess_bytes"] == 3 * 3 * 2 * 16 * 8 * 4  # E - K = 2
   assert md.count("| T | dense fwd s |") == 1
   row = next(line for line in md.splitlines() if line.startswith("| 32 |"))
-  assert row.split(" | ")[3:6] == ["-", "-", "-"]  # unfused, folded and HF: not timed
+  cells = row.split(" | ")
+  assert float(cells[3]) == pytest.approx(_ratio_of(p, "expert_matmuls", "fwdbwd"))
+  assert cells[4:7] == ["-", "-", "-"]  # unfused, folded and HF: not timed
 
 
 @pytest.mark.slow  # imports torch and launches the binary (~40 s); the in-process run
@@ -201,3 +203,7 @@ def test_a_variant_over_once_s_is_timed_by_its_first_run_only(monkeypatch):
   assert timed["huge"]["first_run_only"] and timed["huge"]["all_s"] == [100.0]
   assert timed["huge"]["median_s"] == 100.0 and timed["huge"]["cpu_s"] == 100.0
   assert timed["fast"]["runs"] == 3 and "first_run_only" not in timed["fast"]
+
+
+def _ratio_of(p, name, mode):
+  return round(p["variants"][name][mode]["ratio_to_dense"], 2)

@@ -9,6 +9,9 @@ Times, side by side in one process, forward and forward+backward of
       3 gmm + unpermute, ``blocked_folded`` = 3 gmm with the gather and the
       combine folded into their row loads and stores); Pallas backends off
       their platform would only run interpreted and are listed as skipped,
+  (b') ``expert_matmuls``: the experts' three matmuls alone on rows already
+      grouped by expert, M / E each (``bench_lib.expert_matmuls``): what XLA's
+      matmuls at the experts' shapes cost without routing, sort, gather or combine,
   (c) ``gshard``: GShard one-hot einsum dispatch/combine, capacity factor
       ``--capacity_factor`` per group of ``--gshard_group`` tokens,
   (d) ``ragged_dot``: routed_experts with ``jax.lax.ragged_dot``,
@@ -66,7 +69,7 @@ NAME_W = 22  # the variant column
 def jax_variants(run: list[str], opts: dict, capacity_factor: float, group: int) -> dict:
   """{variant name: routed_experts options} of the JAX rows, given the native backends
   ``run`` and the blocked backend's tile ``opts``."""
-  variants = {"dense": None}
+  variants = {"dense": None, "expert_matmuls": None}
   if "blocked" in run:
     variants["blocked"] = dict(backend="blocked", **opts)
     variants["blocked_unfused"] = dict(backend="blocked", fused=False, fold_permute=False,

@@ -258,6 +258,22 @@ def dense_ffn(p, x):
   return h @ p["w_down"]
 
 
+def expert_rows(x, num_experts: int, k: int):
+  """[E, C, d] rows in expert order, C = ceil(T K / E): row c of expert e is token
+  (e C + c) mod T, so every expert gets the same count (the ``expert_matmuls`` input)."""
+  t, d = x.shape
+  c = -(-t * k // num_experts)
+  return jnp.take(x, jnp.arange(num_experts * c) % t, axis=0).reshape(num_experts, c, d)
+
+
+def expert_matmuls(p, xe):
+  """The experts' three matmuls alone, one batched einsum per weight over rows already
+  grouped by expert: no routing, sort, gather, combine or padding. Its time over the
+  dense FFN's is what XLA's matmuls at the experts' shapes cost by themselves."""
+  a, b = experts_lib.split_gate_up(jnp.einsum("ecd,edf->ecf", xe, p["w_gate_up"]))
+  return jnp.einsum("ecf,efd->ecd", jax.nn.silu(a) * b, p["w_down"])
+
+
 def gshard_ffn(p, x, ids, weights, *, num_experts, capacity_factor, group):
   """GShard (Lepikhin et al. 2006.16668) one-hot dispatch and combine.
 
@@ -322,7 +338,8 @@ def jax_layer_fns(prob: dict, variants: dict[str, Optional[dict]]) -> dict[str, 
 
   ``variants`` maps a name to the keyword arguments of
   :func:`moejax.execution.grouped_ffn.routed_experts` (backend, fused, ...);
-  the names ``dense`` and ``gshard`` (value: its options) are the baselines.
+  the names ``dense``, ``expert_matmuls`` (:func:`expert_matmuls`) and ``gshard`` (value:
+  its options) are the baselines.
   fwd+bwd differentiates params, x and the gate weights against a fixed
   random cotangent; the routing is computed outside the timed functions.
   """
@@ -335,6 +352,14 @@ def jax_layer_fns(prob: dict, variants: dict[str, Optional[dict]]) -> dict[str, 
       fb = jax.jit(jax.grad(lambda p, x: jnp.vdot(dense_ffn(p, x), cot), (0, 1)))
       out["dense/fwd"] = lambda fwd=fwd: fwd(prob["dense"], x)
       out["dense/fwdbwd"] = lambda fb=fb: fb(prob["dense"], x)
+      continue
+    if name == "expert_matmuls":
+      xe = expert_rows(x, e, prob["dims"]["K"])
+      xe_cot = jax.random.normal(jax.random.PRNGKey(1), xe.shape, xe.dtype)
+      fwd = jax.jit(expert_matmuls)
+      fb = jax.jit(jax.grad(lambda p, xe: jnp.vdot(expert_matmuls(p, xe), xe_cot), (0, 1)))
+      out[f"{name}/fwd"] = lambda fwd=fwd, xe=xe: fwd(prob["moe"], xe)
+      out[f"{name}/fwdbwd"] = lambda fb=fb, xe=xe: fb(prob["moe"], xe)
       continue
     if name == "gshard":
       fn = (lambda p, x, w, ids, kw=kw: gshard_ffn(p, x, ids, w, num_experts=e, **kw))

@@ -21,7 +21,9 @@ K = 8, f = 256, d = 512, float32 by default. A point both sweeps contain
 first run excluded; a variant whose first timed run exceeds ``slow_s`` gets
 ``slow_repeats`` runs), forward and forward+backward of the variants
 ``--scaling_variants`` (``bench_lib.jax_layer_fns`` / ``torch_layer_fns``):
-``dense`` (JAX SwiGLU of width K*f), ``blocked`` (moejax's default, fused),
+``dense`` (JAX SwiGLU of width K*f), ``expert_matmuls`` (the experts' three
+matmuls alone, one batched einsum per weight on M / E rows per expert already
+in expert order: what XLA's matmuls cost at the experts' shapes), ``blocked`` (moejax's default, fused),
 ``blocked_unfused`` (permute -> 3 gmm -> unpermute), ``blocked_folded`` (the
 composed path with the permutation folded into the gmm row loads and
 stores, ``folded_gmm``), ``torch_dense`` and ``hf_mixtral`` (Hugging Face's
@@ -67,12 +69,12 @@ from absl import app, flags, logging
 from experiments.benchmarks import lib as bench_lib
 from experiments.benchmarks import common, registry
 
-JAX_VARIANTS = {"dense": None, "blocked": dict(backend="blocked"),
+JAX_VARIANTS = {"dense": None, "expert_matmuls": None, "blocked": dict(backend="blocked"),
                 "blocked_unfused": dict(backend="blocked", fused=False, fold_permute=False),
                 "blocked_folded": dict(backend="blocked", fused=False)}
 TORCH_VARIANTS = ("torch_dense", "hf_mixtral")
 VARIANTS = tuple(JAX_VARIANTS) + TORCH_VARIANTS
-BASE = {"dense": "dense", "blocked": "dense", "blocked_unfused": "dense",
+BASE = {"dense": "dense", "expert_matmuls": "dense", "blocked": "dense", "blocked_unfused": "dense",
         "blocked_folded": "dense",
         "torch_dense": "torch_dense", "hf_mixtral": "torch_dense"}
 MODES = ("fwdbwd", "fwd")
@@ -423,9 +425,10 @@ def markdown_tables(res: dict) -> str:
       lab = MODE_LABEL[mode]
       lines = [f"{col} sweep, {lab} ({fixed}, K={spec['k']}, f={spec['f']}, d={spec['d']}, "
                f"float32; copy bandwidth {bw:.2f} GB/s, first touch {touch:.2f} GB/s):", "",
-               f"| {col} | dense {lab} s | moejax {lab} x dense [spread] | unfused x dense "
-               f"| folded x dense | HF x torch dense | floor x dense | excess x dense | load |",
-               "|---:|---:|---|---:|---:|---:|---:|---:|---|"]
+               f"| {col} | dense {lab} s | moejax {lab} x dense [spread] | matmuls alone x dense "
+               f"| unfused x dense | folded x dense | HF x torch dense | floor x dense "
+               f"| excess x dense | load |",
+               "|---:|---:|---|---:|---:|---:|---:|---:|---:|---|"]
       for key in keys:
         lines.append(_markdown_row(res["points"][key], col, mode))
       if any(_once(res["points"][k], "hf_mixtral", mode) for k in keys):
@@ -446,6 +449,7 @@ def _markdown_row(p: dict, col: str, mode: str) -> str:
   moe_s = "-" if moe is None else (f"{moe:.2f}" + (
       f" [{rs['min']:.2f}-{rs['max']:.2f}]" if rs else ""))
   return (f"| {p[col]} | {_fmt(dense, '.3f')} | {moe_s} "
+          f"| {_fmt(_ratio(p, 'expert_matmuls', mode))} "
           f"| {_fmt(_ratio(p, 'blocked_unfused', mode))} "
           f"| {_fmt(_ratio(p, 'blocked_folded', mode))} "
           f"| {_fmt(_ratio(p, 'hf_mixtral', mode))}{_once(p, 'hf_mixtral', mode)} "
