@@ -30,7 +30,9 @@ from moejax.topology import experts as experts_lib
 # The two layer shapes of docs/execution.md (T = 8192, d = 512 by default), and two
 # more for ``auto``'s shape rule (--shapes): groups of M / E = 512 and 8192 rows.
 SHAPES = {"fine": dict(num_experts=64, k=8, f=256), "coarse": dict(num_experts=8, k=2, f=1024),
-          "e32k2": dict(num_experts=32, k=2, f=1024), "e8k8": dict(num_experts=8, k=8, f=256)}
+          "e32k2": dict(num_experts=32, k=2, f=1024), "e8k8": dict(num_experts=8, k=8, f=256),
+          # configs/default.py's MoE layer (with --tokens=2048 --d_model=128: one train step)
+          "default": dict(num_experts=16, k=2, f=128)}
 
 
 THP_ENABLED = "/sys/kernel/mm/transparent_hugepage/enabled"
