@@ -115,7 +115,8 @@ def test_scaling_suite_tiny_run_writes_every_point_floor_and_table():
   assert md.count("| T | dense fwd s |") == 1
   row = next(line for line in md.splitlines() if line.startswith("| 32 |"))
   cells = row.split(" | ")
-  assert float(cells[3]) == pytest.approx(_ratio_of(p, "expert_matmuls", "fwdbwd"))
+  assert float(cells[3]) == pytest.approx(
+      round(p["variants"]["expert_matmuls"]["fwdbwd"]["ratio_to_dense"], 2))
   assert cells[4:7] == ["-", "-", "-"]  # unfused, folded and HF: not timed
 
 
@@ -203,7 +204,3 @@ def test_a_variant_over_once_s_is_timed_by_its_first_run_only(monkeypatch):
   assert timed["huge"]["first_run_only"] and timed["huge"]["all_s"] == [100.0]
   assert timed["huge"]["median_s"] == 100.0 and timed["huge"]["cpu_s"] == 100.0
   assert timed["fast"]["runs"] == 3 and "first_run_only" not in timed["fast"]
-
-
-def _ratio_of(p, name, mode):
-  return round(p["variants"][name][mode]["ratio_to_dense"], 2)

@@ -272,8 +272,7 @@ def expert_matmuls(p, xe):
   """The experts' three matmuls alone, one batched einsum per weight over rows already
   grouped by expert: no routing, sort, gather, combine or padding. Its time over the
   dense FFN's is what XLA's matmuls at the experts' shapes cost by themselves."""
-  a, b = experts_lib.split_gate_up(jnp.einsum("ecd,edf->ecf", xe, p["w_gate_up"]))
-  return jnp.einsum("ecf,efd->ecd", jax.nn.silu(a) * b, p["w_down"])
+  return experts_lib.experts_dense(p, xe, "swiglu")
 
 
 def gshard_ffn(p, x, ids, weights, *, num_experts, capacity_factor, group):

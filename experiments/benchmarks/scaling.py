@@ -23,10 +23,10 @@ first run excluded; a variant whose first timed run exceeds ``slow_s`` gets
 ``--scaling_variants`` (``bench_lib.jax_layer_fns`` / ``torch_layer_fns``):
 ``dense`` (JAX SwiGLU of width K*f), ``expert_matmuls`` (the experts' three
 matmuls alone, one batched einsum per weight on M / E rows per expert already
-in expert order: what XLA's matmuls cost at the experts' shapes), ``blocked`` (moejax's default, fused),
-``blocked_unfused`` (permute -> 3 gmm -> unpermute), ``blocked_folded`` (the
-composed path with the permutation folded into the gmm row loads and
-stores, ``folded_gmm``), ``torch_dense`` and ``hf_mixtral`` (Hugging Face's
+in expert order: what XLA's matmuls cost at the experts' shapes), ``blocked``
+(moejax's default, fused), ``blocked_unfused`` (permute -> 3 gmm -> unpermute),
+``blocked_folded`` (the composed path with the permutation folded into the
+gmm row loads and stores, ``folded_gmm``), ``torch_dense`` and ``hf_mixtral`` (Hugging Face's
 ``MixtralSparseMoeBlock``, its default experts implementation). JAX variants
 are divided by ``dense``, torch ones by ``torch_dense``; each ratio has the
 spread of the per-round ratios (repeat r of a variant over repeat r of its
@@ -74,9 +74,8 @@ JAX_VARIANTS = {"dense": None, "expert_matmuls": None, "blocked": dict(backend="
                 "blocked_folded": dict(backend="blocked", fused=False)}
 TORCH_VARIANTS = ("torch_dense", "hf_mixtral")
 VARIANTS = tuple(JAX_VARIANTS) + TORCH_VARIANTS
-BASE = {"dense": "dense", "expert_matmuls": "dense", "blocked": "dense", "blocked_unfused": "dense",
-        "blocked_folded": "dense",
-        "torch_dense": "torch_dense", "hf_mixtral": "torch_dense"}
+# Each row's ratio is to its own framework's dense FFN.
+BASE = {**dict.fromkeys(JAX_VARIANTS, "dense"), **dict.fromkeys(TORCH_VARIANTS, "torch_dense")}
 MODES = ("fwdbwd", "fwd")
 MODE_LABEL = {"fwdbwd": "fwd+bwd", "fwd": "fwd"}
 N_WEIGHTS = 3  # w_gate, w_up, w_down, E d f elements each
