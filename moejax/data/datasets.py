@@ -186,13 +186,19 @@ def builtin_builder(name: str, data_dir: Optional[str] = None, config=None, prep
       raise DatasetUnavailableError(f"config {config.name!r} of {base} is registered with other "
                                     f"parameters; give the custom config another name")
     config = config.name
-  try:
+  def make():
     with no_tfds_temporaries():
-      builder = cls(data_dir=resolve_data_dir(data_dir), config=config,
-                    file_format="array_record")
+      return cls(data_dir=resolve_data_dir(data_dir), config=config, file_format="array_record")
+
+  try:
+    builder = make()
     if prepare and not builder.is_prepared():
       with _prepare_lock(builder):
-        if not builder.is_prepared():
+        if builder.is_prepared():
+          # Another process prepared it while this one waited: this builder
+          # read its info before the files existed (no splits), so read again.
+          builder = make()
+        else:
           with _quiet_unless_interactive():
             builder.download_and_prepare()
           if not _interactive():
@@ -280,6 +286,9 @@ def _documents_from_tfds(name: str, split: str, data_dir: str, download: bool,
           f"{builder.data_path}), and this machine cannot download it now (download=False).\n"
           + _prepare_instructions(name, data_dir))
     _download(builder, name, data_dir)
+    # Read the prepared info afresh: a builder made before the files existed
+    # keeps its empty splits when another process prepared them first.
+    builder = _tfds_builder(name, data_dir)
   info = builder.info
   if split not in info.splits:
     raise DatasetUnavailableError(f"{name} has no split {split!r}; available: "

@@ -123,3 +123,24 @@ def test_full_default_corpus(tmp_path):
   assert 2_000_000 < train.num_tokens() < 30_000_000
   fractions = np.bincount(np.concatenate([d.labels for d in train]), minlength=4) / train.num_tokens()
   assert (fractions > 0.03).all() and fractions[data.CODE] > 0.4
+
+
+def test_builder_waiting_on_another_process_reads_its_prepared_splits(
+    handmade_root, tmp_path, monkeypatch):
+  # Seeds run as separate processes on one empty cache: one prepares, the
+  # others wait on the lock and must then see the splits it wrote.
+  data_dir = str(tmp_path / "tfds")
+  real_lock = data.datasets._prepare_lock
+
+  @data.datasets.contextlib.contextmanager
+  def lock_after_other_process_prepared(builder):
+    stdlib.PythonStdlib(data_dir=data_dir, config=_handmade_config(handmade_root),
+                        file_format="array_record").download_and_prepare()
+    with real_lock(builder):
+      yield
+
+  monkeypatch.setattr(data.datasets, "_prepare_lock", lock_after_other_process_prepared)
+  docs = data.get_dataset("python_stdlib", "train", data_dir,
+                          config=_handmade_config(handmade_root))
+  prepared = data.builtin_builder("python_stdlib", data_dir, _handmade_config(handmade_root))
+  assert len(docs) == prepared.info.splits["train"].num_examples > 0
