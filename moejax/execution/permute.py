@@ -83,6 +83,22 @@ def _check_routing(expert_ids, valid, num_experts: int) -> None:
     raise ValueError(f"num_experts={num_experts} must be > 0 (the FFN experts)")
 
 
+def stable_order(key: jax.Array, bound: int) -> jax.Array:
+  """int32[M]: the indices that sort ``key`` (int32[M], values in [0, bound)) stably.
+
+  Equal to ``jnp.argsort(key, stable=True)``. Packing (key, index) into one
+  int32 and sorting that single operand avoids the two-operand sort, whose
+  comparator XLA:CPU calls per comparison: several times faster at the
+  routing's sizes, and no slower elsewhere. Falls back to argsort when the
+  packed key would overflow int32.
+  """
+  m = key.shape[0]
+  if bound * m >= 2**31:
+    return jnp.argsort(key, stable=True).astype(jnp.int32)
+  packed = key.astype(jnp.int32) * m + jnp.arange(m, dtype=jnp.int32)
+  return jax.lax.rem(jnp.sort(packed), jnp.int32(m))
+
+
 @jax.named_scope(scopes.DISPATCH)
 def sort_by_expert(expert_ids: jax.Array, valid: jax.Array,
                    num_experts: int) -> Dispatch:
@@ -98,7 +114,7 @@ def sort_by_expert(expert_ids: jax.Array, valid: jax.Array,
   m = t * k
   key = jnp.where(_routed(expert_ids, valid, num_experts), expert_ids,
                   num_experts).reshape(-1).astype(jnp.int32)
-  order = jnp.argsort(key, stable=True).astype(jnp.int32)
+  order = stable_order(key, num_experts + 1)
   counts = jnp.bincount(key, length=num_experts + 1).astype(jnp.int32)
   rows = jnp.arange(m, dtype=jnp.int32)
   used = rows < m - counts[num_experts]
@@ -125,7 +141,7 @@ def capacity_layout(expert_ids: jax.Array, valid: jax.Array, num_experts: int,
   routed = _routed(expert_ids, valid, num_experts)
   key = jnp.where(routed, expert_ids, num_experts).astype(jnp.int32)
   key_sm = key.T.reshape(-1)  # slot-major priority: index k * T + t
-  order = jnp.argsort(key_sm, stable=True)
+  order = stable_order(key_sm, num_experts + 1)
   counts = jnp.bincount(key_sm, length=num_experts + 1).astype(jnp.int32)
   starts = jnp.cumsum(counts) - counts
   rank = jnp.arange(m, dtype=jnp.int32) - starts[key_sm[order]]

@@ -26,6 +26,15 @@ def test_sort_by_expert_hand_computed():
                                 [[1, 1], [1, 1], [1, 0], [1, 0]])
 
 
+@pytest.mark.parametrize("m,bound", [(1, 1), (7, 2), (64, 5), (4096, 17), (300, 2**31 // 300 + 1)])
+def test_stable_order_is_the_stable_argsort(m, bound):
+  # The last case packs past int32 and takes the argsort fallback.
+  key = jnp.asarray(np.random.default_rng(m).integers(0, min(bound, 9), m), jnp.int32)
+  order = jax.jit(P.stable_order, static_argnums=1)(key, bound)
+  assert order.dtype == jnp.int32
+  np.testing.assert_array_equal(order, np.argsort(np.asarray(key), kind="stable"))
+
+
 def test_permute_rows_and_zero_padding():
   x = jnp.arange(4.0)[:, None] * jnp.ones((1, 2)) + 1  # token t -> row of t+1
   plan = P.sort_by_expert(IDS, VALID, num_experts=3)
