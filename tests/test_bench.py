@@ -155,8 +155,16 @@ def test_step_twin_times_both_steps_at_a_tiny_size():
                                                               expert_width=8))
   tree = dataclasses.replace(exp, model=dataclasses.replace(exp.model, moe=moe),
                              data=dataclasses.replace(exp.data, seq_len=16, batch_size=2))
-  res = bench_twin.twin_suite(tree, repeats=2, matmul_n=32, conditions={})
-  assert set(res["arms"]) == {"moe", "dense"} and res["tokens_per_step"] == 32
+  ex = tree.model.moe.execution
+  whole = dataclasses.replace(tree, model=dataclasses.replace(tree.model, moe=dataclasses.replace(
+      tree.model.moe, execution=dataclasses.replace(ex, backend="whole_group"))))
+  res = bench_twin.twin_suite(tree, repeats=2, matmul_n=32, conditions={},
+                              alternatives={"whole_group": whole})
+  assert set(res["arms"]) == {"moe", "dense", "moe:whole_group"}
+  assert res["tokens_per_step"] == 32
+  alt = res["alternatives_over_dense"]["moe:whole_group"]
+  assert alt["tokens_per_s"] == pytest.approx(res["arms"]["dense"]["median_s"]
+                                              / res["arms"]["moe:whole_group"]["median_s"])
   for r in res["arms"].values():
     assert r["tokens_per_s"] == pytest.approx(32 / r["median_s"]) and len(r["all_s"]) == 2
     assert 0 < r["fraction_of_matmul"]

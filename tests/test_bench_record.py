@@ -102,6 +102,16 @@ def test_a_step_twin_record_renders_its_arms_and_ratio(tmp_path):
                       "| dense | 80.0 [80.0-80.0] | 100 | 100 | 20.00 | 0.50 | 3.0 |"]
   assert got[8] == ("MoE / dense tokens/s: 0.800 (per-round [0.750-0.850]; CPU time 0.800); "
                     "target >= 0.98")
+  # Another backend's MoE arm, timed in the same rounds, gets a row and its own ratio.
+  rec["arms"]["moe:whole_group"] = arm(90.0, 88.9)
+  rec["alternatives_over_dense"] = {"moe:whole_group": {
+      "tokens_per_s": 0.889, "cpu_tokens_per_s": 0.9, "spread": {"min": 0.8, "max": 0.95}}}
+  (tmp_path / "bench" / "step.json").write_text(json.dumps(rec), encoding="utf-8")
+  got = record_blocks.render("<!-- moejax:record bench/step.json step_twin -->\n"
+                             "<!-- moejax:end record -->\n", str(tmp_path)).splitlines()
+  assert got[7] == "| moe:whole_group | 90.0 [90.0-90.0] | 89 | 89 | 20.00 | 0.50 | 3.0 |"
+  assert got[10] == ("moe:whole_group / dense tokens/s: 0.889 (per-round [0.800-0.950]; "
+                     "CPU time 0.900)")
 
 
 def _render_bench(tmp_path, kind, rec):

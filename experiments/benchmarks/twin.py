@@ -19,6 +19,10 @@ FLOP rate (3 x the forward FLOPs per token of
 step) next to the matmul's rate (2 n^3 / its median): the gap between a
 step and the matmul roof is what neither arm spends in matmuls.
 
+``--step_twin_backends=whole_group`` (a list) adds the same MoE config with
+another execution backend as one more arm of the same rounds, with its own
+ratio to the dense twin: a backend compared at the step, side by side.
+
 With ``--step_twin_profile=N`` both arms then run N more steps each under
 ``jax.profiler.trace``, and the traced wall time is split by kind of XLA:CPU
 instruction exactly as the profile suite does (``bench_profile.summarize``:
@@ -38,6 +42,7 @@ import jax
 import jax.numpy as jnp
 from absl import flags
 
+from experiments import cli
 from experiments.benchmarks import lib as bench_lib
 
 _TWIN = flags.DEFINE_bool("step_twin", False, "--suite=step: time the MoE config's trainer "
@@ -45,6 +50,9 @@ _TWIN = flags.DEFINE_bool("step_twin", False, "--suite=step: time the MoE config
 _TWIN_CONFIG = flags.DEFINE_string("step_twin_config", "configs/default.py",
                                    "config file of the MoE arm of --step_twin")
 _TWIN_REPEATS = flags.DEFINE_integer("step_twin_repeats", 20, "timed steps per arm (median)")
+_BACKENDS = flags.DEFINE_list("step_twin_backends", [], "more MoE arms: the same config with "
+                              "model.moe.execution.backend set to each of these, timed in the "
+                              "same interleaved rounds (e.g. whole_group)")
 _MATMUL_N = flags.DEFINE_integer("step_matmul_n", 1024, "n of the [n, n] x [n, n] f32 matmul")
 _PROFILE = flags.DEFINE_integer("step_twin_profile", 0, "after timing, trace this many steps of "
                                 "each arm and split their wall time by kind of XLA:CPU "
@@ -123,13 +131,20 @@ def profile_arms(fns: dict, steps: int) -> dict:
 
 
 def twin_suite(exp, repeats: int, matmul_n: int, conditions: dict,
-               label: str = "config", profile_steps: int = 0) -> dict:
-  """Both arms' trainer steps and the matmul, interleaved (see the module doc)."""
+               label: str = "config", profile_steps: int = 0,
+               alternatives: dict | None = None) -> dict:
+  """Both arms' trainer steps and the matmul, interleaved (see the module doc).
+
+  ``alternatives`` ({backend: the MoE config with that execution backend})
+  adds one MoE arm ``moe:<backend>`` each to the same rounds; their ratios to
+  the dense twin are in ``alternatives_over_dense``.
+  """
   # pylint: disable=g-import-not-at-top
   from moejax import data as data_lib
   from moejax.topology.accounting import budget
   load_before = os.getloadavg()[0]
   arms = twin_configs(exp)
+  arms.update({f"moe:{b}": alt for b, alt in (alternatives or {}).items()})
   b, s = exp.data.batch_size, exp.data.seq_len
   train_it = data_lib.make_batches(exp.data, exp.data.train_split)
   batches = [{k: jnp.asarray(v) for k, v in next(train_it).items()} for _ in range(4)]
@@ -157,14 +172,19 @@ def twin_suite(exp, repeats: int, matmul_n: int, conditions: dict,
   mm_rate = 2.0 * matmul_n ** 3 / mm["median_s"]
   for r in out.values():
     r["fraction_of_matmul"] = r["flops_per_s"] / mm_rate
-  rounds = zip(timed["moe"]["all_s"], timed["dense"]["all_s"])
-  ratio = {"tokens_per_s": out["moe"]["tokens_per_s"] / out["dense"]["tokens_per_s"],
-           "cpu_tokens_per_s": out["moe"]["cpu_tokens_per_s"] / out["dense"]["cpu_tokens_per_s"],
-           "spread": bench_lib.spread([d / m for m, d in rounds])}
+  def over_dense(name):
+    rounds = zip(timed[name]["all_s"], timed["dense"]["all_s"])
+    return {"tokens_per_s": out[name]["tokens_per_s"] / out["dense"]["tokens_per_s"],
+            "cpu_tokens_per_s": out[name]["cpu_tokens_per_s"] / out["dense"]["cpu_tokens_per_s"],
+            "spread": bench_lib.spread([d / m for m, d in rounds])}
+
+  ratio = over_dense("moe")
+  alt_ratios = {n: over_dense(n) for n in out if n not in ARMS}
   profile = profile_arms(fns, profile_steps) if profile_steps else None
   return {"conditions": conditions, "config": label,
           "batch": b, "seq_len": s, "tokens_per_step": tokens, "repeats": repeats,
-          "arms": out, "moe_over_dense": ratio, "profile": profile,
+          "arms": out, "moe_over_dense": ratio, "alternatives_over_dense": alt_ratios,
+          "profile": profile,
           "load_1min_before": load_before, "load_1min_after": os.getloadavg()[0],
           "matmul": {"n": matmul_n, "median_s": mm["median_s"], "flops_per_s": mm_rate}}
 
@@ -173,8 +193,18 @@ def run_from_flags(conditions: dict) -> dict:
   from moejax.config import files  # pylint: disable=g-import-not-at-top
   from moejax.train.config import experiment_from_dict  # pylint: disable=g-import-not-at-top
   exp = experiment_from_dict(files.load_config_file(_TWIN_CONFIG.value))
+  alternatives = {}
+  for backend in _BACKENDS.value:
+    cfg = files.load_config_file(_TWIN_CONFIG.value)
+    try:
+      cfg.model.moe.execution.backend = backend  # a fresh dict per arm, then built
+      alternatives[backend] = experiment_from_dict(cfg)
+    except (ValueError, AttributeError, TypeError) as e:
+      cli.fail(f"--step_twin_backends: {backend!r} does not build with "
+               f"{_TWIN_CONFIG.value}: {e}")
   return twin_suite(exp, _TWIN_REPEATS.value, _MATMUL_N.value, conditions,
-                    label=_TWIN_CONFIG.value, profile_steps=_PROFILE.value)
+                    label=_TWIN_CONFIG.value, profile_steps=_PROFILE.value,
+                    alternatives=alternatives)
 
 
 def twin_markdown(res: dict) -> str:
@@ -198,6 +228,10 @@ def twin_markdown(res: dict) -> str:
   lines += ["", f"MoE / dense tokens/s: {q['tokens_per_s']:.3f} (per-round "
             f"[{q['spread']['min']:.3f}-{q['spread']['max']:.3f}]; CPU time "
             f"{q['cpu_tokens_per_s']:.3f}); target >= 0.98"]
+  for name, q in res.get("alternatives_over_dense", {}).items():
+    lines.append(f"{name} / dense tokens/s: {q['tokens_per_s']:.3f} (per-round "
+                 f"[{q['spread']['min']:.3f}-{q['spread']['max']:.3f}]; CPU time "
+                 f"{q['cpu_tokens_per_s']:.3f})")
   if res.get("profile"):
     lines.append(profile_markdown(res["profile"]))
   return "\n".join(lines)
