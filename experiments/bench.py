@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import json
 import os
+import shlex
 import sys
 import textwrap
 
@@ -73,7 +74,14 @@ def record_provenance() -> dict:
   provenance blocks read them; experiments/record_blocks.py)."""
   from moejax.ablation import provenance  # pylint: disable=g-import-not-at-top
   prov = provenance.run_provenance()
-  return {key: prov[key] for key in ("command", "commit", "date", "machine")}
+  out = {key: prov[key] for key in ("command", "commit", "date", "machine")}
+  # glibc's allocator settings change the timings (fresh large buffers fault
+  # in page by page or by huge page) and are read at process start: the
+  # command a reader reruns must carry them.
+  tunables = os.environ.get("GLIBC_TUNABLES")
+  if tunables:
+    out["command"] = f"GLIBC_TUNABLES={shlex.quote(tunables)} {out['command']}"
+  return out
 
 
 def check_outputs(suite: registry.Suite) -> None:

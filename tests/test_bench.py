@@ -432,3 +432,12 @@ def test_expert_matmuls_is_each_experts_ffn_on_an_equal_share_of_rows():
     a, b = np.split(np.asarray(xe[e] @ p["w_gate_up"][e]), 2, axis=-1)
     want = (a / (1 + np.exp(-a)) * b) @ np.asarray(p["w_down"][e])
     np.testing.assert_allclose(got[e], want, rtol=1e-5, atol=1e-6)
+
+
+def test_a_records_command_carries_the_glibc_tunables_it_ran_under(monkeypatch):
+  from experiments import bench  # pylint: disable=g-import-not-at-top
+  monkeypatch.delenv("GLIBC_TUNABLES", raising=False)
+  plain = bench.record_provenance()["command"]
+  assert "GLIBC_TUNABLES" not in plain
+  monkeypatch.setenv("GLIBC_TUNABLES", "glibc.malloc.hugetlb=1")
+  assert bench.record_provenance()["command"] == f"GLIBC_TUNABLES=glibc.malloc.hugetlb=1 {plain}"
