@@ -8,8 +8,10 @@ whose balanced group has at least ``large_rows`` rows. It is read from the
 execution config (``large_group_backend`` / ``large_group_rows``), which
 resolving ``auto`` fills in from the chosen backend's ``auto_large_groups``
 (:func:`moejax.execution.executor.resolve_execution`). On CPU none does:
-the layer suite found ``whole_group``'s one matmul per expert slower than
-``blocked``'s tiled loop at every shape it measured. On a GPU, ``auto``'s
+``whole_group``'s one matmul per expert is slower than ``blocked``'s tiled
+loop at the layer suite's large groups; at the default model's small groups
+it is the faster layer, but the step twin bench (``--step_twin_backends``)
+is where that has to show before a CPU rule hands them over. On a GPU, ``auto``'s
 ``ragged_dot`` hands groups of 1024 rows or more to ``whole_group``, which
 the device check measured several times faster there (docs/benchmarks.md).
 Shapes are static under ``jit``, so the choice is made once per
