@@ -3,6 +3,7 @@
 import json
 import pathlib
 
+import numpy as np
 import pytest
 
 from experiments import record_blocks
@@ -112,6 +113,25 @@ def test_a_step_twin_record_renders_its_arms_and_ratio(tmp_path):
   assert got[7] == "| moe:whole_group | 90.0 [90.0-90.0] | 89 | 89 | 20.00 | 0.50 | 3.0 |"
   assert got[10] == ("moe:whole_group / dense tokens/s: 0.889 (per-round [0.800-0.950]; "
                      "CPU time 0.900)")
+  # With the per-round times recorded, each ratio carries its bootstrap interval: every
+  # resampled median of these constant arms is 80 / 90 exactly.
+  rec["arms"]["moe:whole_group"]["all_s"] = [0.09] * 5
+  rec["arms"]["dense"]["all_s"] = [0.08] * 5
+  (tmp_path / "bench" / "step.json").write_text(json.dumps(rec), encoding="utf-8")
+  got = record_blocks.render("<!-- moejax:record bench/step.json step_twin -->\n"
+                             "<!-- moejax:end record -->\n", str(tmp_path)).splitlines()
+  assert got[9].startswith("MoE / dense tokens/s: 0.800 (per-round")  # moe has no all_s
+  assert got[10].startswith("moe:whole_group / dense tokens/s: 0.889; bootstrap 95% "
+                            "[0.889-0.889] (per-round")
+
+
+def test_the_twin_ratio_interval_brackets_the_ratio_of_medians():
+  from experiments.benchmarks import twin as bench_twin  # pylint: disable=g-import-not-at-top
+  rng = np.random.default_rng(1)
+  moe, dense = 0.2 + 0.02 * rng.random(40), 0.19 + 0.02 * rng.random(40)
+  lo, hi = bench_twin.ratio_interval(moe, dense)
+  assert lo < np.median(dense) / np.median(moe) < hi and hi - lo < 0.2
+  assert (lo, hi) == bench_twin.ratio_interval(moe, dense)  # fixed seed: renders the same
 
 
 def _render_bench(tmp_path, kind, rec):
