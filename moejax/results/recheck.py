@@ -387,14 +387,35 @@ def recheck(record: Mapping, suite, corpus_id: Optional[str] = None,
 # --- The block's status line --------------------------------------------------------
 
 
+def machine_line(record: Mapping) -> str:
+  """The block's machine-kind line: the CPU and its widest vector extension XLA targets.
+
+  The code XLA:CPU generates, and so a run's last digits, depend on them; a
+  reader comparing blocks needs to know which ran on which kind.
+  """
+  kind = (record.get("environment") or {}).get("kind") or {}
+  if not kind:
+    return ""
+  isa = kind.get("isa") or []
+  widest = next((name for name, key in (("AVX-512", "avx512f"), ("AVX2", "avx2"), ("AVX", "avx"))
+                 if key in isa), "no AVX")
+  flags = f", XLA_FLAGS `{kind['xla_flags']}`" if kind.get("xla_flags") else ""
+  return (f"- machine kind: {kind.get('cpu') or 'unknown CPU'} with {widest}{flags} (another "
+          "kind gives other last digits: the @avx2 blocks measure how far they move)\n")
+
+
 def freshness(record: Optional[Mapping], code_now: Optional[Mapping]) -> Optional[tuple[str, str]]:
   """``(state, line)`` of a block from its record, or None when it has none (the plain file
   rule applies). state: ``current`` / ``stale`` / ``due`` (code changed since the last
-  re-check: run it) / ``machine`` (last re-checked on another machine kind)."""
-  if record is None:
+  re-check: run it) / ``machine`` (last re-checked on another machine kind). The line ends
+  with the record's :func:`machine_line`."""
+  if record is None or record.get("environment") is None:
     return None
-  if record.get("environment") is None:
-    return None
+  state, line = _state_line(record, code_now)
+  return state, line + machine_line(record)
+
+
+def _state_line(record: Mapping, code_now: Optional[Mapping]) -> tuple[str, str]:
   cmd = f"python -m experiments.recheck {record['id']}"
   unreached_now = unreached_fingerprint(record.get("unreached_scope") or UNREACHED)
   rec_u = (record.get("unreached") or {}).get("fingerprint")

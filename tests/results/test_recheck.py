@@ -72,6 +72,15 @@ def test_what_the_first_steps_cannot_reach_keeps_the_file_rule():
   assert "learning-rate schedule" in _judge(rec, now, lr="other").reasons[0]
 
 
+def test_the_machine_line_names_the_cpu_and_its_widest_vector_extension():
+  line = lambda env: recheck.machine_line({"environment": env})
+  assert line(OTHER).startswith("- machine kind: X with AVX-512 (")
+  flagged = {"kind": dict(OTHER["kind"], xla_flags="--xla_cpu_max_isa=AVX2")}
+  assert "X with AVX-512, XLA_FLAGS `--xla_cpu_max_isa=AVX2` (" in line(flagged)
+  assert line({"kind": {"cpu": "Y", "isa": []}}).startswith("- machine kind: Y with no AVX (")
+  assert recheck.machine_line({}) == ""
+
+
 def test_block_line_follows_the_record():
   rec = _record({"a": {"loss": [1.0]}})
   rec["unreached"] = recheck.unreached_fingerprint(recheck.UNREACHED)
@@ -85,7 +94,9 @@ def test_block_line_follows_the_record():
   rec["check"] = {"verdict": "stale", "code": "c2", "reasons": ["first difference: x"],
                   "machine": []}
   assert report.block_state(summ, rec, {"fingerprint": "c2"}) == (
-      "stale", "- **stale**: first difference: x; re-run the command below\n")
+      "stale", "- **stale**: first difference: x; re-run the command below\n"
+      "- machine kind: X with AVX2 (another kind gives other last digits: the @avx2 blocks "
+      "measure how far they move)\n")
   assert report.block_state(summ, None, None)[0] == "unverified"  # no record: file rule
 
 
