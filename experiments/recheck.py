@@ -15,6 +15,11 @@ differ, or, on another machine kind, where the curves part (never
 ``--nowrite``); ``python -m experiments.report --out RESULTS.md
 --results_dir results`` then shows it in each block's first line.
 
+On another machine kind, at a code where the block is current (its line
+says so), the re-trained steps are stored as the record's **companion** for
+this kind instead; later re-checks on this kind judge current / stale
+against it (moejax.results.recheck).
+
 Each block runs in its own process with the device count its record names
 (suites trained on 8 simulated CPU devices are re-checked on 8). Exit status
 1 when a block is stale or cannot be re-checked.
@@ -82,7 +87,7 @@ def _check_one(sid: str) -> None:
   else:
     corpus = fingerprint_lib.corpus_fingerprint(suite.arms[0].experiment.data)["id"]
     outcome = recheck.recheck(record, suite, corpus_id=corpus)
-  print("RECHECK " + json.dumps({"outcome": outcome.as_dict(),
+  print("RECHECK " + json.dumps({"outcome": outcome.as_dict(), "values": outcome.values,
                                  "code": (freshness.current() or {}).get("fingerprint"),
                                  "environment": recheck.environment(),
                                  "line": outcome.line(sid, record["steps"])}), flush=True)
@@ -117,20 +122,26 @@ def main(argv):
     _fail(f"no re-check record for {', '.join(missing)} in {_RESULTS.value}/"
           f"{recheck.RECORD_DIR}/ (records: {', '.join(sorted(records)) or 'none'}). Fix: run the "
           "suite, then python -m experiments.report ID=SUITE_DIR --results_dir results")
+  from moejax.ablation import freshness  # pylint: disable=g-import-not-at-top
+  code_now = freshness.current()
   bad = 0
   for sid in wanted:
     t0 = time.perf_counter()
+    # Known current before the re-check (on the record's kind, or a companion's).
+    known = (recheck.freshness(records[sid], code_now) or ("",))[0] == "current"
     got = _spawn(sid, records[sid])
     print(f"{got['line']} [{time.perf_counter() - t0:.0f}s]", flush=True)
     out = got["outcome"]
     bad += out["verdict"] in ("stale", "cannot")
-    if _WRITE.value and out["verdict"] != "cannot" and got["code"]:
-      record = dict(records[sid])
-      record["check"] = {"verdict": out["verdict"], "reasons": out["reasons"],
-                         "machine": out["machine"], "code": got["code"],
-                         "environment": got.get("environment"),
-                         "first": out["first"], "largest": out["largest"]}
-      recheck.write_record(record, recheck.record_path(_RESULTS.value, sid))
+    if not _WRITE.value or out["verdict"] == "cannot" or not got["code"]:
+      continue
+    record, made = recheck.store_outcome(records[sid], got, known,
+                                         (code_now or {}).get("fingerprint"))
+    if made:
+      print(f"  {sid}: companion record made for this machine kind at code `{got['code']}` "
+            "(the block is current at this code); later re-checks on this kind judge "
+            "against it", flush=True)
+    recheck.write_record(record, recheck.record_path(_RESULTS.value, sid))
   if bad:
     sys.exit(1)
 

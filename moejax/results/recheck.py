@@ -21,7 +21,15 @@ and jaxlib versions, devices).
   key and step that differ;
 - on another machine kind the code XLA generates differs, so the numbers
   may differ with correct code: the re-check never says stale there, it
-  reports the step where the curves part and how far (``machine``).
+  reports the step where the curves part and how far (``machine``);
+- unless the record keeps a **companion** for that kind: the same steps
+  re-trained there at a code where the block was current on its own kind
+  (:func:`with_companion`; ``experiments.recheck`` makes one when it meets
+  such a code). Against a companion, equal means current and a difference
+  stale, as on the record's kind. This rests on one assumption, said where
+  the block is: a code change that moves no number on one kind moves none
+  on the other (the code's arithmetic is the same; only the instructions
+  XLA picks for it differ).
 
 What N steps cannot reach keeps the file rule, narrowed to it: the arms'
 configs (the schedule's tail, bias freeze steps and evaluation cadence are
@@ -277,18 +285,26 @@ class Outcome:
     first: the first differing value, if any.
     largest: the largest relative difference over the re-trained steps.
     machine: the machine-kind fields that differ from the record's.
+    companion: the code fingerprint of the companion record judged against
+      (another machine kind with a companion), else "".
+    values: the re-trained values (per arm ``{key: [value per step]}``), kept
+      out of :meth:`as_dict` (a companion is made from them).
   """
   verdict: str
   reasons: tuple[str, ...] = ()
   first: Optional[Difference] = None
   largest: float = 0.0
   machine: tuple[str, ...] = ()
+  companion: str = ""
+  values: Optional[Mapping] = dataclasses.field(default=None, compare=False, repr=False)
 
   def line(self, sid: str, steps: int) -> str:
+    via = (f" on this machine kind, as its companion record made at code `{self.companion}`"
+           if self.companion else "")
     if self.verdict == "current":
-      return f"{sid}: current (the first {steps} steps of every arm retrain bit for bit)"
+      return f"{sid}: current (the first {steps} steps of every arm retrain bit for bit{via})"
     if self.verdict == "stale":
-      return f"{sid}: stale: " + "; ".join(self.reasons)
+      return f"{sid}: stale{via and ' (judged' + via + ')'}: " + "; ".join(self.reasons)
     if self.verdict == "machine":
       where = (f"the curves part at {self.first.describe()}; largest relative difference "
                f"{self.largest:.1e} over {steps} steps" if self.first else
@@ -297,9 +313,45 @@ class Outcome:
     return f"{sid}: cannot re-check: " + "; ".join(self.reasons)
 
   def as_dict(self) -> dict:
-    d = dataclasses.asdict(self)
+    d = dataclasses.asdict(dataclasses.replace(self, values=None))
+    del d["values"]
     d["reasons"], d["machine"] = list(self.reasons), list(self.machine)
     return d
+
+
+def companion_for(record: Mapping, env_now: Mapping) -> Optional[dict]:
+  """The record's companion made on ``env_now``'s machine kind, if any."""
+  kind = env_now.get("kind")
+  return next((c for c in record.get("companions") or [] if c.get("kind") == kind), None)
+
+
+def with_companion(record: Mapping, env_now: Mapping, code: str, values: Mapping) -> dict:
+  """``record`` with a companion for ``env_now``'s machine kind: ``values`` re-trained there
+  at code fingerprint ``code``, where the block is current on its own kind (the caller
+  knows it is: :func:`freshness` says ``current``). It replaces an older one of that kind."""
+  others = [c for c in record.get("companions") or [] if c.get("kind") != env_now.get("kind")]
+  made = {"kind": env_now.get("kind"), "code": code, "metrics": values}
+  return {**record, "companions": others + [made]}
+
+
+def store_outcome(record: Mapping, got: Mapping, known_current: bool,
+                  code_now: Optional[str]) -> tuple[dict, bool]:
+  """``(record, made)``: ``record`` updated with one re-check's result ``got`` (the
+  ``outcome`` dict, ``values``, ``code`` and ``environment`` of a re-check process).
+
+  On another machine kind with no companion, at a code where the block is known
+  current (``known_current``: its line said so before; ``code`` is ``code_now``), the
+  values become the companion for that kind (``made``) and the earlier check stays;
+  otherwise the outcome becomes the record's ``check``.
+  """
+  out = got["outcome"]
+  if (out["verdict"] == "machine" and known_current and got.get("values")
+      and got.get("code") is not None and got.get("code") == code_now):
+    return with_companion(record, got["environment"], got["code"], got["values"]), True
+  check = {"verdict": out["verdict"], "reasons": out["reasons"], "machine": out["machine"],
+           "code": got["code"], "environment": got.get("environment"), "first": out["first"],
+           "largest": out["largest"], "companion": out.get("companion", "")}
+  return {**record, "check": check}, False
 
 
 def judge(record: Mapping, now_metrics: Mapping, now_configs: Mapping[str, Mapping],
@@ -321,14 +373,18 @@ def judge(record: Mapping, now_metrics: Mapping, now_configs: Mapping[str, Mappi
     if "lr" in rec and arm in now_lr and now_lr[arm] != rec["lr"]:
       reasons.append(f"arm {arm}'s learning-rate schedule changed")
   recorded = {a: r["metrics"] for a, r in record["arms"].items() if "metrics" in r}
+  machine = tuple(kind_differences(record.get("environment", {}), env_now))
+  companion = companion_for(record, env_now) if machine else None
+  if companion is not None:
+    recorded = {a: m for a, m in companion["metrics"].items() if a in recorded}
   first = first_difference(recorded, now_metrics)
   largest = largest_relative(recorded, now_metrics)
-  machine = tuple(kind_differences(record.get("environment", {}), env_now))
-  if machine:
-    return Outcome("machine", tuple(reasons), first, largest, machine)
+  if machine and companion is None:
+    return Outcome("machine", tuple(reasons), first, largest, machine, values=now_metrics)
   if first is not None:
     reasons.insert(0, "first difference: " + first.describe())
-  return Outcome("stale" if reasons else "current", tuple(reasons), first, largest)
+  return Outcome("stale" if reasons else "current", tuple(reasons), first, largest,
+                 companion=companion["code"] if companion else "", values=now_metrics)
 
 
 # --- Re-training -------------------------------------------------------------------
@@ -404,6 +460,12 @@ def machine_line(record: Mapping) -> str:
           "kind gives other last digits: the @avx2 blocks measure how far they move)\n")
 
 
+def _kind_words(check: Mapping) -> str:
+  kind = (check.get("environment") or {}).get("kind") or {}
+  line = machine_line({"environment": {"kind": kind}}) if kind else ""
+  return line[len("- machine kind: "):line.index(" (another")] if line else "another machine kind"
+
+
 def freshness(record: Optional[Mapping], code_now: Optional[Mapping]) -> Optional[tuple[str, str]]:
   """``(state, line)`` of a block from its record, or None when it has none (the plain file
   rule applies). state: ``current`` / ``stale`` / ``due`` (code changed since the last
@@ -427,11 +489,19 @@ def _state_line(record: Mapping, code_now: Optional[Mapping]) -> tuple[str, str]
   steps = record["steps"]
   if check and check.get("code") == fp_now:
     v = check["verdict"]
+    if v == "current" and check.get("companion"):
+      return ("current", f"- code: current (re-checked on {_kind_words(check)}: the first "
+              f"{steps} steps of every arm retrain bit for bit at code fingerprint `{fp_now}` "
+              f"as they did there at `{check['companion']}`, where the block was current on "
+              f"its own kind; this assumes a change that moves no number on one kind moves "
+              f"none on the other; `{cmd}`)\n")
     if v == "current":
       return ("current", f"- code: current (re-checked: the first {steps} steps of every arm "
               f"retrain bit for bit at code fingerprint `{fp_now}`; `{cmd}`)\n")
     if v == "stale":
-      return ("stale", f"- **stale**: {'; '.join(check['reasons'])}; re-run the command "
+      via = (f" (on {_kind_words(check)}, against its companion record made at "
+             f"`{check['companion']}`)" if check.get("companion") else "")
+      return ("stale", f"- **stale**{via}: {'; '.join(check['reasons'])}; re-run the command "
               "below\n")
     return ("machine", f"- re-checked on another machine kind only ({'; '.join(check['machine'])}"
             f"): not judged; `{cmd}` on the record's machine kind decides\n")

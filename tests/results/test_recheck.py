@@ -130,3 +130,67 @@ def test_a_change_that_moves_a_number_is_stale_at_its_first_step(tiny_record, mo
   # first computed from weights the scaled rate moved.
   assert out.first.step == 3 and out.first.arm == "bias"
   assert out.reasons[0].startswith("first difference: arm bias, ")
+
+
+def _companion(metrics, code="c1", env=OTHER):
+  return {"kind": env["kind"], "code": code, "metrics": metrics}
+
+
+def test_a_companion_judges_another_machine_kind_as_the_record_does():
+  rec = _record({"a": {"loss": [3.0, 2.0, 1.0]}})
+  rec["companions"] = [_companion({"a": {"loss": [3.0, 2.5, 1.5]}})]
+  same = _judge(rec, {"a": {"loss": [3.0, 2.5, 1.5]}}, env=OTHER)
+  assert (same.verdict, same.companion, same.machine) == ("current", "c1", ())
+  assert "as its companion record made at code `c1`" in same.line("s", 3)
+  moved = _judge(rec, {"a": {"loss": [3.0, 2.5, 1.5000000000000002]}}, env=OTHER)
+  assert moved.verdict == "stale" and moved.first.step == 3
+  assert moved.reasons[0].startswith("first difference: arm a, loss at step 3: recorded 1.5,")
+  # On the record's own kind the companion plays no part.
+  assert _judge(rec, {"a": {"loss": [3.0, 2.0, 1.0]}}).verdict == "current"
+  third = {"kind": dict(OTHER["kind"], xla_flags="--xla_cpu_max_isa=AVX2")}
+  assert _judge(rec, {"a": {"loss": [3.0, 2.5, 1.5]}}, env=third).verdict == "machine"
+
+
+def test_a_companion_is_made_only_where_the_block_is_known_current():
+  rec = _record({"a": {"loss": [3.0, 2.0, 1.0]}})
+  rec["check"] = {"verdict": "current", "code": "c2", "reasons": [], "machine": []}
+  machine = recheck.Outcome("machine", machine=("isa: x -> y",),
+                            values={"a": {"loss": [3.0, 2.5, 1.5]}})
+  got = {"outcome": machine.as_dict(), "values": machine.values, "code": "c2",
+         "environment": OTHER}
+  assert "values" not in got["outcome"]
+  made, yes = recheck.store_outcome(rec, got, True, "c2")
+  assert yes and made["check"] == rec["check"]  # the verdict on the own kind stays
+  assert made["companions"] == [_companion({"a": {"loss": [3.0, 2.5, 1.5]}}, code="c2")]
+  again, _ = recheck.store_outcome(made, dict(got, values={"a": {"loss": [0.0]}}), True, "c2")
+  assert [c["metrics"] for c in again["companions"]] == [{"a": {"loss": [0.0]}}]  # replaced
+  for known, code_now in ((False, "c2"), (True, "c3")):  # not known current at this code
+    kept, yes = recheck.store_outcome(rec, got, known, code_now)
+    assert not yes and "companions" not in kept and kept["check"]["verdict"] == "machine"
+
+
+def test_the_block_line_names_the_companion_it_was_judged_against():
+  rec = _record({"a": {"loss": [1.0]}})
+  rec["unreached"] = recheck.unreached_fingerprint(recheck.UNREACHED)
+  rec["check"] = {"verdict": "current", "code": "c2", "reasons": [], "machine": [],
+                  "companion": "c1", "environment": OTHER}
+  state, line = report.block_state({"provenance": {}}, rec, {"fingerprint": "c2"})
+  assert state == "current"
+  assert "re-checked on X with AVX-512: the first 3 steps of every arm retrain bit for bit " \
+         "at code fingerprint `c2` as they did there at `c1`" in line
+  rec["check"] = dict(rec["check"], verdict="stale", reasons=["first difference: x"])
+  state, line = report.block_state({"provenance": {}}, rec, {"fingerprint": "c2"})
+  assert state == "stale" and "(on X with AVX-512, against its companion record made at " \
+                              "`c1`): first difference: x" in line
+
+
+def test_a_companion_made_from_a_retrain_keeps_the_block_current_there(tiny_record):
+  record, suite = tiny_record
+  elsewhere = {**record, "environment": {"kind": dict(record["environment"]["kind"],
+                                                     cpu="a CPU of another kind")}}
+  first = recheck.recheck(elsewhere, suite, arms=["bias"])
+  assert first.verdict == "machine" and first.first is None  # same numbers, other label
+  env_now = recheck.environment()
+  with_it = recheck.with_companion(elsewhere, env_now, "c", first.values)
+  again = recheck.recheck(with_it, suite, arms=["bias"])
+  assert (again.verdict, again.companion) == ("current", "c")
