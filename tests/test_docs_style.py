@@ -137,3 +137,26 @@ def test_the_guides_stay_short():
   assert sum(counts.values()) <= GUIDES_MAX_LINES, (
       f"docs/ guides hold {sum(counts.values())} lines (at most {GUIDES_MAX_LINES}): "
       f"{counts}. Fix: say less, or move measurements to docs/{sorted(RECORDS)[0]}")
+
+
+# A repository file named in prose (`tests/results/test_report.py`); a part in capitals
+# (`results/recheck/ID.json`) is a placeholder.
+REPO_PATH = re.compile(r"(?<![\w./-])((?:tests|moejax|experiments|configs|notebooks|results|docs)"
+                       r"/[\w/@.+-]*\.(?:py|md|ipynb|json|csv|png))")
+
+
+def named_paths(text: str) -> list[str]:
+  return [p for p in REPO_PATH.findall(text)
+          if not any(re.fullmatch(r"[A-Z_]+", part.split(".")[0]) for part in p.split("/"))]
+
+
+def test_named_paths_skip_placeholders():
+  text = "see `tests/results/test_report.py`, results/recheck/ID.json and x/tests/a.py"
+  assert named_paths(text) == ["tests/results/test_report.py"]
+
+
+@pytest.mark.parametrize("path", [README, ROOT / "RESULTS.md", ROOT / "results" / "README.md",
+                                  *sorted((ROOT / "docs").glob("*.md"))], ids=lambda p: p.name)
+def test_the_files_a_document_names_exist(path):
+  missing = [p for p in named_paths(path.read_text(encoding="utf-8")) if not (ROOT / p).exists()]
+  assert not missing, f"{path.name} names files that are not in the repository: {missing}"

@@ -23,7 +23,7 @@ SHA-256 of the canonical JSON of exactly what its drawing function was
 given (the plot's name, :data:`VERSION` and the subset of the summary it
 draws from; no date, no library version). :func:`problems` recomputes it
 from the summary and names every embedded image that is missing or shows
-other data; ``experiments.report --check`` and tests/ablation/test_report.py
+other data; ``experiments.report --check`` and tests/results/test_report.py
 fail on them. :func:`write` redraws only the images whose hash differs.
 Bump :data:`VERSION` when a drawing function changes what it shows, so the
 committed images count as stale and are redrawn.
