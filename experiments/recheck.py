@@ -20,8 +20,9 @@ says so), the re-trained steps are stored as the record's **companion** for
 this kind instead; later re-checks on this kind judge current / stale
 against it (moejax.results.recheck).
 
-Each block runs in its own process with the device count its record names
-(suites trained on 8 simulated CPU devices are re-checked on 8). Exit status
+Each block runs in its own process with the device count and XLA flags its
+record names (suites trained on 8 simulated CPU devices are re-checked on 8,
+the @avx2 blocks under ``--xla_cpu_max_isa=AVX2``). Exit status
 1 when a block is stale or cannot be re-checked.
 """
 
@@ -93,11 +94,21 @@ def _check_one(sid: str) -> None:
                                  "line": outcome.line(sid, record["steps"])}), flush=True)
 
 
-def _spawn(sid: str, record: dict) -> dict:
-  env = dict(os.environ)
+def child_env(record: dict, base: dict) -> dict:
+  """The environment a block's re-check process runs in: ``base`` with the record's device
+  count and XLA flags (the @avx2 blocks ran under ``--xla_cpu_max_isa=AVX2``; the same
+  code under other flags is another machine kind)."""
+  env = dict(base)
   kind = record.get("environment", {}).get("kind", {})
   if kind.get("platform") == "cpu" and kind.get("devices", 1) > 1:
     env["JAX_NUM_CPU_DEVICES"] = str(kind["devices"])
+  if "xla_flags" in kind:
+    env["XLA_FLAGS"] = kind["xla_flags"]
+  return env
+
+
+def _spawn(sid: str, record: dict) -> dict:
+  env = child_env(record, os.environ)
   env["PYTHONPATH"] = os.pathsep.join(p for p in (ROOT, env.get("PYTHONPATH")) if p)
   proc = subprocess.run([sys.executable, "-m", "experiments.recheck", f"--one={sid}",
                          f"--results_dir={_RESULTS.value}"], env=env, cwd=ROOT,

@@ -194,3 +194,15 @@ def test_a_companion_made_from_a_retrain_keeps_the_block_current_there(tiny_reco
   with_it = recheck.with_companion(elsewhere, env_now, "c", first.values)
   again = recheck.recheck(with_it, suite, arms=["bias"])
   assert (again.verdict, again.companion) == ("current", "c")
+
+
+def test_a_block_is_re_checked_under_its_records_device_count_and_xla_flags():
+  from experiments import recheck as binary  # pylint: disable=g-import-not-at-top
+  rec = {"environment": {"kind": {"platform": "cpu", "devices": 8,
+                                  "xla_flags": "--xla_cpu_max_isa=AVX2"}}}
+  env = binary.child_env(rec, {"XLA_FLAGS": "--other", "HOME": "/h"})
+  assert (env["JAX_NUM_CPU_DEVICES"], env["XLA_FLAGS"], env["HOME"]) == (
+      "8", "--xla_cpu_max_isa=AVX2", "/h")
+  plain = binary.child_env({"environment": {"kind": {"platform": "cpu", "devices": 1,
+                                                     "xla_flags": ""}}}, {"XLA_FLAGS": "--x"})
+  assert plain == {"XLA_FLAGS": ""}
