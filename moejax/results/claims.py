@@ -34,21 +34,35 @@ def rows(summaries: Mapping[str, Mapping]) -> list[dict]:
         if e is None:
           continue
         d, docs = e["diff"], e.get("documents") or {}
+        walls = [a["run_seconds"] for a in (s.get("arms") or {}).values() if "run_seconds" in a]
         out.append({"id": sid, "suite": s.get("suite") or sid.partition("@")[0],
                     "rung": sid.partition("@")[2] or "s", "arm": arm,
                     "baseline": e.get("baseline", s.get("baseline")), "metric": metric,
                     "diff": d["mean"], "lo": d.get("lo"), "hi": d.get("hi"),
                     "doc_lo": docs.get("lo"), "doc_hi": docs.get("hi"),
                     "effect": spec["size"], "source": spec["source"],
-                    "verdict": power.verdict_text(e)})
+                    "verdict": power.verdict_text(e),
+                    # What the seeds that would resolve it cost: the whole suite at that many
+                    # seeds, at the wall time per run its machine measured.
+                    "cost_s": (e["seeds_needed"] * len(s["arms"]) * sum(walls) / len(walls)
+                               if walls and e.get("seeds_needed") else None)})
   return out
 
 
-def _short(verdict: str) -> str:
+def _duration(seconds: float) -> str:
+  minutes = seconds / 60
+  if minutes < 90:
+    return f"~{max(5, round(minutes / 5) * 5):.0f} min"
+  return f"~{minutes / 60:.0f} h" if minutes < 60 * 48 else f"~{minutes / 60 / 24:.0f} days"
+
+
+def _short(verdict: str, cost_s: Optional[float] = None) -> str:
   if verdict.startswith("no effect larger than"):
     return "no effect > " + verdict.rsplit(" ", 1)[1]
   if verdict.startswith("unresolved ("):
-    return "unresolved, " + verdict[len("unresolved ("):].split(" ", 1)[0] + " seeds would do"
+    cost = f" ({_duration(cost_s)})" if cost_s else ""
+    return ("unresolved, " + verdict[len("unresolved ("):].split(" ", 1)[0] + " seeds would do"
+            + cost)
   return verdict
 
 
@@ -56,7 +70,7 @@ def _cell(r: Optional[Mapping]) -> str:
   if r is None:
     return ""
   iv = "" if r["lo"] is None else f" [{r['lo']:+.2g}, {r['hi']:+.2g}]"
-  word = _short(r["verdict"])
+  word = _short(r["verdict"], r.get("cost_s"))
   return f"{r['diff']:+.3g}{iv} {'**' + word + '**' if word in ('better', 'worse') else word}"
 
 
@@ -88,7 +102,9 @@ def markdown(summaries: Mapping[str, Mapping], states: Optional[Mapping[str, str
   warn = (f"\n\n**Not current** (their numbers may not come out of the current code; see "
           f"their sections): {', '.join(old)}." if old else "")
   return ("\n".join(lines) + warn + "\n\nEach cell: arm - baseline, its 95% interval over "
-          "seeds, and the verdict against the tested size. Where the sizes come from:\n\n"
+          "seeds, and the verdict against the tested size; after the seeds that would resolve "
+          "it, what the whole suite costs at that many seeds (its measured wall time per run, "
+          "one run at a time). Where the sizes come from:\n\n"
           + "\n".join(notes) + "\n")
 
 

@@ -28,6 +28,18 @@ def test_rows_and_table_per_rung_with_verdicts_and_sources():
   assert "No claims yet" in claims.markdown({"y": no_effects})
 
 
+def test_an_unresolved_claim_says_what_its_seeds_would_cost():
+  s = _summary(0.01, -0.05, 0.07, effect=0.05, bounded=False, seeds_needed=5)
+  s["arms"] = {"a": {"run_seconds": 50.0}, "b": {"run_seconds": 70.0}, "c": {}}
+  # 5 seeds x 3 arms x 60 s = 15 min, at the mean measured run time.
+  text = claims.markdown({"x": s})
+  assert "+0.01 [-0.05, +0.07] unresolved, 5 seeds would do (~15 min) |" in text
+  s["comparisons"]["a"]["val_loss"]["seeds_needed"] = 300
+  assert "300 seeds would do (~15 h)" in claims.markdown({"x": s})
+  s["arms"] = {"a": {}}  # no measured run time: no cost
+  assert "unresolved, 300 seeds would do |" in claims.markdown({"x": s})
+
+
 def test_report_renders_the_block_and_its_stamped_figure(tmp_path):
   s = _summary(0.01, -0.02, 0.04, effect=0.05, bounded=True, seeds_needed=3)
   text = "# R\n<!-- moejax:generated claims -->\n<!-- moejax:end claims -->\n"
