@@ -41,7 +41,7 @@ def rows(summaries: Mapping[str, Mapping]) -> list[dict]:
                     "diff": d["mean"], "lo": d.get("lo"), "hi": d.get("hi"),
                     "doc_lo": docs.get("lo"), "doc_hi": docs.get("hi"),
                     "effect": spec["size"], "source": spec["source"],
-                    "verdict": power.verdict_text(e),
+                    "verdict": power.verdict_text(e), "seeds": d.get("n"),
                     # What the seeds that would resolve it cost: the whole suite at that many
                     # seeds, at the wall time per run its machine measured.
                     "cost_s": (e["seeds_needed"] * len(s["arms"]) * sum(walls) / len(walls)
@@ -56,13 +56,17 @@ def _duration(seconds: float) -> str:
   return f"~{minutes / 60:.0f} h" if minutes < 60 * 48 else f"~{minutes / 60 / 24:.0f} days"
 
 
-def _short(verdict: str, cost_s: Optional[float] = None) -> str:
+def _short(verdict: str, cost_s: Optional[float] = None, seeds: Optional[int] = None) -> str:
   if verdict.startswith("no effect larger than"):
     return "no effect > " + verdict.rsplit(" ", 1)[1]
   if verdict.startswith("unresolved ("):
+    need = verdict[len("unresolved ("):].split(" ", 1)[0]
+    if seeds and need.isdigit() and int(need) <= seeds:
+      # Seeds enough to resolve a true effect of the tested size, and yet unresolved: the
+      # effect is likely smaller, and only more seeds would bound it.
+      return f"unresolved at {seeds} seeds, which had 80% power for the tested size"
     cost = f" ({_duration(cost_s)})" if cost_s else ""
-    return ("unresolved, " + verdict[len("unresolved ("):].split(" ", 1)[0] + " seeds would do"
-            + cost)
+    return "unresolved, " + need + " seeds would do" + cost
   return verdict
 
 
@@ -70,7 +74,7 @@ def _cell(r: Optional[Mapping]) -> str:
   if r is None:
     return ""
   iv = "" if r["lo"] is None else f" [{r['lo']:+.2g}, {r['hi']:+.2g}]"
-  word = _short(r["verdict"], r.get("cost_s"))
+  word = _short(r["verdict"], r.get("cost_s"), r.get("seeds"))
   return f"{r['diff']:+.3g}{iv} {'**' + word + '**' if word in ('better', 'worse') else word}"
 
 

@@ -38,6 +38,9 @@ def test_an_unresolved_claim_says_what_its_seeds_would_cost():
   assert "300 seeds would do (~15 h)" in claims.markdown({"x": s})
   s["arms"] = {"a": {}}  # no measured run time: no cost
   assert "unresolved, 300 seeds would do |" in claims.markdown({"x": s})
+  s["comparisons"]["a"]["val_loss"]["seeds_needed"] = 3  # as many as it has (n = 3)
+  assert ("+0.01 [-0.05, +0.07] unresolved at 3 seeds, which had 80% power for the tested "
+          "size |") in claims.markdown({"x": s})
 
 
 def test_report_renders_the_block_and_its_stamped_figure(tmp_path):
