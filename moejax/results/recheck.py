@@ -320,9 +320,11 @@ class Outcome:
 
 
 def companion_for(record: Mapping, env_now: Mapping) -> Optional[dict]:
-  """The record's companion made on ``env_now``'s machine kind, if any."""
-  kind = env_now.get("kind")
-  return next((c for c in record.get("companions") or [] if c.get("kind") == kind), None)
+  """The record's companion made on ``env_now``'s machine kind, if any and if it holds every
+  arm the record re-trains (one that does not would leave an arm unjudged)."""
+  kind, arms = env_now.get("kind"), {a for a, r in record["arms"].items() if "metrics" in r}
+  return next((c for c in record.get("companions") or []
+               if c.get("kind") == kind and arms <= set(c.get("metrics") or {})), None)
 
 
 def with_companion(record: Mapping, env_now: Mapping, code: str, values: Mapping) -> dict:

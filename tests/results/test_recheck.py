@@ -149,6 +149,10 @@ def test_a_companion_judges_another_machine_kind_as_the_record_does():
   assert _judge(rec, {"a": {"loss": [3.0, 2.0, 1.0]}}).verdict == "current"
   third = {"kind": dict(OTHER["kind"], xla_flags="--xla_cpu_max_isa=AVX2")}
   assert _judge(rec, {"a": {"loss": [3.0, 2.5, 1.5]}}, env=third).verdict == "machine"
+  # A companion without one of the record's arms would leave it unjudged: not used.
+  two = _record({"a": {"loss": [3.0]}, "b": {"loss": [2.0]}})
+  two["companions"] = [_companion({"a": {"loss": [3.5]}})]
+  assert _judge(two, {"a": {"loss": [3.5]}, "b": {"loss": [2.5]}}, env=OTHER).verdict == "machine"
 
 
 def test_a_companion_is_made_only_where_the_block_is_known_current():
