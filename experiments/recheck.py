@@ -138,16 +138,13 @@ def main(argv):
   bad = 0
   for sid in wanted:
     t0 = time.perf_counter()
-    # Known current before the re-check (on the record's kind, or a companion's).
-    known = (recheck.freshness(records[sid], code_now) or ("",))[0] == "current"
     got = _spawn(sid, records[sid])
     print(f"{got['line']} [{time.perf_counter() - t0:.0f}s]", flush=True)
     out = got["outcome"]
     bad += out["verdict"] in ("stale", "cannot")
     if not _WRITE.value or out["verdict"] == "cannot" or not got["code"]:
       continue
-    record, made = recheck.store_outcome(records[sid], got, known,
-                                         (code_now or {}).get("fingerprint"))
+    record, made = recheck.store_outcome(records[sid], got, code_now)
     if made:
       print(f"  {sid}: companion record made for this machine kind at code `{got['code']}` "
             "(the block is current at this code); later re-checks on this kind judge "

@@ -28,13 +28,15 @@ def rows(summaries: Mapping[str, Mapping]) -> list[dict]:
   for sid in sorted(summaries, key=lambda i: (i.partition("@")[0], i.partition("@")[2])):
     s = summaries[sid]
     effects = s.get("effects") or {}
+    walls = [a["run_seconds"] for a in (s.get("arms") or {}).values() if "run_seconds" in a]
+    # What one seed of the whole suite costs, at the wall time per run its machine measured.
+    seed_s = len(s["arms"]) * sum(walls) / len(walls) if walls else None
     for arm, comp in (s.get("comparisons") or {}).items():
       for metric, spec in effects.items():
         e = comp.get(metric)
         if e is None:
           continue
         d, docs = e["diff"], e.get("documents") or {}
-        walls = [a["run_seconds"] for a in (s.get("arms") or {}).values() if "run_seconds" in a]
         out.append({"id": sid, "suite": s.get("suite") or sid.partition("@")[0],
                     "rung": sid.partition("@")[2] or "s", "arm": arm,
                     "baseline": e.get("baseline", s.get("baseline")), "metric": metric,
@@ -42,10 +44,8 @@ def rows(summaries: Mapping[str, Mapping]) -> list[dict]:
                     "doc_lo": docs.get("lo"), "doc_hi": docs.get("hi"),
                     "effect": spec["size"], "source": spec["source"],
                     "verdict": power.verdict_text(e), "seeds": d.get("n"),
-                    # What the seeds that would resolve it cost: the whole suite at that many
-                    # seeds, at the wall time per run its machine measured.
-                    "cost_s": (e["seeds_needed"] * len(s["arms"]) * sum(walls) / len(walls)
-                               if walls and e.get("seeds_needed") else None)})
+                    "cost_s": (e["seeds_needed"] * seed_s
+                               if seed_s and e.get("seeds_needed") else None)})
   return out
 
 

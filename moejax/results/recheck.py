@@ -336,19 +336,22 @@ def with_companion(record: Mapping, env_now: Mapping, code: str, values: Mapping
   return {**record, "companions": others + [made]}
 
 
-def store_outcome(record: Mapping, got: Mapping, known_current: bool,
-                  code_now: Optional[str]) -> tuple[dict, bool]:
-  """``(record, made)``: ``record`` updated with one re-check's result ``got`` (the
-  ``outcome`` dict, ``values``, ``code`` and ``environment`` of a re-check process).
+def store_outcome(record: Mapping, got: Mapping, code_now: Optional[Mapping]
+                  ) -> tuple[dict, bool]:
+  """``(record, made)``: ``record`` (as it was before the re-check) updated with one
+  re-check's result ``got`` (the ``outcome`` dict, ``values``, ``code`` and
+  ``environment`` of a re-check process), ``code_now`` this checkout's fingerprint.
 
-  On another machine kind with no companion, at a code where the block is known
-  current (``known_current``: its line said so before; ``code`` is ``code_now``), the
+  On another machine kind with no companion, at a code where the block is current
+  (:func:`freshness` of ``record`` says so, and the re-check ran ``code_now``), the
   values become the companion for that kind (``made``) and the earlier check stays;
   otherwise the outcome becomes the record's ``check``.
   """
   out = got["outcome"]
-  if (out["verdict"] == "machine" and known_current and got.get("values")
-      and got.get("code") is not None and got.get("code") == code_now):
+  fp_now = (code_now or {}).get("fingerprint")
+  if (out["verdict"] == "machine" and got.get("values") and fp_now is not None
+      and got.get("code") == fp_now
+      and (freshness(record, code_now) or ("",))[0] == "current"):
     return with_companion(record, got["environment"], got["code"], got["values"]), True
   check = {"verdict": out["verdict"], "reasons": out["reasons"], "machine": out["machine"],
            "code": got["code"], "environment": got.get("environment"), "first": out["first"],
@@ -454,18 +457,23 @@ def machine_line(record: Mapping) -> str:
   kind = (record.get("environment") or {}).get("kind") or {}
   if not kind:
     return ""
+  return (f"- machine kind: {_kind_words(kind)} (another kind gives other last digits: the "
+          "@avx2 blocks measure how far they move)\n")
+
+
+def _kind_words(kind: Mapping) -> str:
+  """``"CPU with AVX2[, XLA_FLAGS `...`]"``: a machine kind as a block's lines name it."""
+  if not kind:
+    return "another machine kind"
   isa = kind.get("isa") or []
   widest = next((name for name, key in (("AVX-512", "avx512f"), ("AVX2", "avx2"), ("AVX", "avx"))
                  if key in isa), "no AVX")
   flags = f", XLA_FLAGS `{kind['xla_flags']}`" if kind.get("xla_flags") else ""
-  return (f"- machine kind: {kind.get('cpu') or 'unknown CPU'} with {widest}{flags} (another "
-          "kind gives other last digits: the @avx2 blocks measure how far they move)\n")
+  return f"{kind.get('cpu') or 'unknown CPU'} with {widest}{flags}"
 
 
-def _kind_words(check: Mapping) -> str:
-  kind = (check.get("environment") or {}).get("kind") or {}
-  line = machine_line({"environment": {"kind": kind}}) if kind else ""
-  return line[len("- machine kind: "):line.index(" (another")] if line else "another machine kind"
+def _check_kind(check: Mapping) -> str:
+  return _kind_words((check.get("environment") or {}).get("kind") or {})
 
 
 def freshness(record: Optional[Mapping], code_now: Optional[Mapping]) -> Optional[tuple[str, str]]:
@@ -492,7 +500,7 @@ def _state_line(record: Mapping, code_now: Optional[Mapping]) -> tuple[str, str]
   if check and check.get("code") == fp_now:
     v = check["verdict"]
     if v == "current" and check.get("companion"):
-      return ("current", f"- code: current (re-checked on {_kind_words(check)}: the first "
+      return ("current", f"- code: current (re-checked on {_check_kind(check)}: the first "
               f"{steps} steps of every arm retrain bit for bit at code fingerprint `{fp_now}` "
               f"as they did there at `{check['companion']}`, where the block was current on "
               f"its own kind; this assumes a change that moves no number on one kind moves "
@@ -501,7 +509,7 @@ def _state_line(record: Mapping, code_now: Optional[Mapping]) -> tuple[str, str]
       return ("current", f"- code: current (re-checked: the first {steps} steps of every arm "
               f"retrain bit for bit at code fingerprint `{fp_now}`; `{cmd}`)\n")
     if v == "stale":
-      via = (f" (on {_kind_words(check)}, against its companion record made at "
+      via = (f" (on {_check_kind(check)}, against its companion record made at "
              f"`{check['companion']}`)" if check.get("companion") else "")
       return ("stale", f"- **stale**{via}: {'; '.join(check['reasons'])}; re-run the command "
               "below\n")

@@ -157,19 +157,22 @@ def test_a_companion_judges_another_machine_kind_as_the_record_does():
 
 def test_a_companion_is_made_only_where_the_block_is_known_current():
   rec = _record({"a": {"loss": [3.0, 2.0, 1.0]}})
+  rec["unreached"] = recheck.unreached_fingerprint(recheck.UNREACHED)
   rec["check"] = {"verdict": "current", "code": "c2", "reasons": [], "machine": []}
   machine = recheck.Outcome("machine", machine=("isa: x -> y",),
                             values={"a": {"loss": [3.0, 2.5, 1.5]}})
   got = {"outcome": machine.as_dict(), "values": machine.values, "code": "c2",
          "environment": OTHER}
   assert "values" not in got["outcome"]
-  made, yes = recheck.store_outcome(rec, got, True, "c2")
+  made, yes = recheck.store_outcome(rec, got, {"fingerprint": "c2"})
   assert yes and made["check"] == rec["check"]  # the verdict on the own kind stays
   assert made["companions"] == [_companion({"a": {"loss": [3.0, 2.5, 1.5]}}, code="c2")]
-  again, _ = recheck.store_outcome(made, dict(got, values={"a": {"loss": [0.0]}}), True, "c2")
+  again, _ = recheck.store_outcome(made, dict(got, values={"a": {"loss": [0.0]}}),
+                                   {"fingerprint": "c2"})
   assert [c["metrics"] for c in again["companions"]] == [{"a": {"loss": [0.0]}}]  # replaced
-  for known, code_now in ((False, "c2"), (True, "c3")):  # not known current at this code
-    kept, yes = recheck.store_outcome(rec, got, known, code_now)
+  stale = dict(rec, check=dict(rec["check"], verdict="stale", reasons=["x"]))
+  for before, code_now in ((stale, "c2"), (rec, "c3")):  # not known current at this code
+    kept, yes = recheck.store_outcome(before, got, {"fingerprint": code_now})
     assert not yes and "companions" not in kept and kept["check"]["verdict"] == "machine"
 
 
