@@ -461,6 +461,12 @@ def machine_line(record: Mapping) -> str:
           "@avx2 blocks measure how far they move)\n")
 
 
+def record_kind(record: Optional[Mapping]) -> Optional[str]:
+  """The machine kind a block's runs were made on, in words (None: no record of it)."""
+  kind = ((record or {}).get("environment") or {}).get("kind")
+  return _kind_words(kind) if kind else None
+
+
 def _kind_words(kind: Mapping) -> str:
   """``"CPU with AVX2[, XLA_FLAGS `...`]"``: a machine kind as a block's lines name it."""
   if not kind:

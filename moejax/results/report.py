@@ -23,7 +23,9 @@ the order of its blocks): seeds, baseline, and which arms are better /
 worse / unresolved on the validation loss and MaxVio_global, with the
 validation-loss MDD. A block id ``trend.SUITE`` renders how the suite's
 differences move from scale s to m (and l): ``results/SUITE.json`` next to
-``SUITE@m.json`` (:mod:`moejax.results.trend`).
+``SUITE@m.json`` (:mod:`moejax.results.trend`). A block id ``spread.SUITE@VARIANT``
+renders how far a change of machine moves the suite's per-seed differences
+next to how far its seeds spread them (:mod:`moejax.results.spread`).
 
 Every summary block starts with its freshness line. A block with a re-check
 record (``results/recheck/ID.json``, :mod:`moejax.results.recheck`) is
@@ -56,7 +58,7 @@ import re
 from typing import Collection, Mapping, Optional
 
 from moejax.ablation import freshness, tables
-from moejax.results import claims, images, recheck, trend
+from moejax.results import claims, images, recheck, spread, trend
 
 BLOCK = re.compile(r"(<!-- moejax:generated (?P<id>[\w@.+-]+) -->\n)(?P<body>.*?)"
                    r"(<!-- moejax:end (?P=id) -->)", re.S)
@@ -194,7 +196,7 @@ def render(text: str, summaries: Mapping[str, Mapping], plots_base: str = "resul
                  f"\n![claims at a glance]({plots_base}/{claims.CLAIMS}/{claims.CLAIMS}.png)\n")
     elif sid == OVERVIEW:
       body = overview([i for i in order if i not in (OVERVIEW, claims.CLAIMS)
-                       and not i.startswith(trend.PREFIX)],
+                       and not i.startswith((trend.PREFIX, spread.PREFIX))],
                       summaries, code, records)
     elif sid.startswith(trend.PREFIX):
       try:
@@ -207,6 +209,14 @@ def render(text: str, summaries: Mapping[str, Mapping], plots_base: str = "resul
       if old:
         body += (f"\n*Built from summaries that are stale or unverified ({', '.join(old)}): "
                  "see their blocks.*\n")
+    elif sid.startswith(spread.PREFIX):
+      pair = spread.pair_ids(sid[len(spread.PREFIX):])
+      kinds = {i: recheck.record_kind(records.get(i)) for i in pair}
+      try:
+        body = spread.spread_markdown(pair[1], summaries,
+                                      {i: k for i, k in kinds.items() if k})
+      except ValueError as e:
+        raise ReportError(f"block {sid}: {e}") from e
     elif sid in summaries:
       body = (freshness_line(summaries[sid], code, records.get(sid))
               + tables.section_markdown(summaries[sid])
