@@ -457,8 +457,8 @@ def machine_line(record: Mapping) -> str:
   kind = (record.get("environment") or {}).get("kind") or {}
   if not kind:
     return ""
-  return (f"- machine kind: {_kind_words(kind)} (another kind gives other last digits: the "
-          "@avx2 blocks measure how far they move)\n")
+  return (f"- machine kind: {_kind_words(kind)} (another kind gives other last digits: "
+          "RESULTS.md's machine-spread tables measure how far they move)\n")
 
 
 def record_kind(record: Optional[Mapping]) -> Optional[str]:

@@ -12,8 +12,11 @@ spread it.
 
 Per arm and verdict metric, over the shared seeds S:
 
-- *machine*: the largest ``|d_S(here) - d_S(there)|``, where ``d_S`` is one
-  seed's arm minus baseline (for the baseline itself: its own value);
+- *machine*: the largest ``|d_S(suite) - d_S(variant)|``, where ``d_S`` is
+  one seed's arm minus baseline (for the baseline itself: its own value),
+  and the signed mean of ``d_S(suite) - d_S(variant)`` (near zero next to
+  the largest: the machine acts like one more seed; as large and of one
+  sign: it shifts the finding);
 - *seeds*: the SD over the suite's own seeds of ``d`` (of the value for the
   baseline), and the half-width of the 95% interval its verdict uses;
 - *ratio*: machine / seed SD; far below 1 means the seeds' interval already
@@ -75,8 +78,9 @@ def _seed_spread(summary: Mapping, arm: str,
 
 
 def rows(suite: Mapping, variant: Mapping) -> list[dict]:
-  """One row per arm and metric both summaries have: shared seeds, machine shift, seed SD,
-  interval half-width (module doc). Arms in the suite's order, baseline first."""
+  """One row per arm and metric both summaries have: shared seeds, machine shift (largest and
+  signed mean), seed SD, interval half-width (module doc). Arms in the suite's order,
+  baseline first."""
   base = suite.get("baseline")
   arms = [base] + [a for a in suite["arms"] if a != base and a in variant["arms"]]
   out = []
@@ -87,8 +91,10 @@ def rows(suite: Mapping, variant: Mapping) -> list[dict]:
       if not shared:
         continue
       sd, half = _seed_spread(suite, arm, metric)
-      shift = max(abs(here[s] - there[s]) for s in shared)
-      out.append({"arm": arm, "metric": metric, "seeds": shared, "machine": shift, "sd": sd,
+      changes = [here[s] - there[s] for s in shared]
+      shift = max(abs(c) for c in changes)
+      out.append({"arm": arm, "metric": metric, "seeds": shared, "machine": shift,
+                  "mean": sum(changes) / len(changes), "sd": sd,
                   "half": half, "ratio": None if not sd else shift / sd})
   return out
 
@@ -121,15 +127,16 @@ def spread_markdown(variant_id: str, summaries: Mapping[str, Mapping],
   plural = "" if n == [1] else "s"
   lines = [f"Seed{'s' if len(seeds) > 1 else ''} {', '.join(seeds)} ran on both machine kinds"
            + (f" ({where})" if where else "")
-           + f". Per arm: the largest change of one seed's difference to `{base}` between the "
-           f"two kinds, next to that difference's SD over {counts} seed{plural} of "
-           f"`{suite_id}` and the half-width of its 95% interval (for `{base}`: its own value; "
-           "moejax.results.spread).", "",
-           "| arm | metric | machine: largest change | seeds: SD | interval half-width "
-           "| machine / seed SD |", "|---|---|---:|---:|---:|---:|"]
+           + f". Per arm: the largest and the mean change of one seed's difference to `{base}` "
+           f"between the two kinds (`{suite_id}` minus `{variant_id}`), next to that "
+           f"difference's SD over {counts} seed{plural} of `{suite_id}` and the half-width of "
+           f"its 95% interval (for `{base}`: its own value; moejax.results.spread).", "",
+           "| arm | metric | machine: largest change | machine: mean change | seeds: SD "
+           "| interval half-width | largest change / seed SD |",
+           "|---|---|---:|---:|---:|---:|---:|"]
   for r in table:
     lines.append(f"| {r['arm']} | {METRICS[r['metric']][0]} | {fmt(r['machine'], r['metric'])} "
-                 f"| {_num(r['sd'])} | {_num(r['half'])} | {_num(r['ratio'])} |")
+                 f"| {r['mean']:+.2g} | {_num(r['sd'])} | {_num(r['half'])} | {_num(r['ratio'])} |")
   worst = max((r for r in table if r["ratio"] is not None and r["arm"] != base),
               key=lambda r: r["ratio"], default=None)
   if worst is not None:

@@ -95,8 +95,8 @@ def test_block_line_follows_the_record():
                   "machine": []}
   assert report.block_state(summ, rec, {"fingerprint": "c2"}) == (
       "stale", "- **stale**: first difference: x; re-run the command below\n"
-      "- machine kind: X with AVX2 (another kind gives other last digits: the @avx2 blocks "
-      "measure how far they move)\n")
+      "- machine kind: X with AVX2 (another kind gives other last digits: "
+      "RESULTS.md's machine-spread tables measure how far they move)\n")
   assert report.block_state(summ, None, None)[0] == "unverified"  # no record: file rule
 
 

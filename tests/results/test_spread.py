@@ -34,6 +34,7 @@ def test_rows_take_the_largest_change_of_a_seeds_paired_difference():
   assert got["base"]["sd"] == 0.1 and got["base"]["half"] is None
   assert got["a"]["machine"] == 0.25 and got["a"]["sd"] == 0.5 and got["a"]["half"] == 1.25
   assert got["a"]["ratio"] == 0.5
+  assert got["a"]["mean"] == 0.125 and got["base"]["mean"] == -0.125  # signed: here - there
 
 
 def test_the_table_exact():
@@ -41,16 +42,17 @@ def test_the_table_exact():
   there = _summary({0: 2.0, 1: 3.0}, {0: 2.5, 1: 3.25})
   got = spread.spread_markdown("x@avx2", {"x": here, "x@avx2": there}, {"x": "CPU A"})
   assert got.splitlines() == [
-      "Seeds 0, 1 ran on both machine kinds (`x` on CPU A). Per arm: the largest change of one "
-      "seed's difference to `base` between the two kinds, next to that difference's SD "
+      "Seeds 0, 1 ran on both machine kinds (`x` on CPU A). Per arm: the largest and the mean "
+      "change of one seed's difference to `base` between the two kinds (`x` minus `x@avx2`), "
+      "next to that difference's SD "
       "over 2 seeds of `x` and the half-width of its 95% interval (for `base`: its own value; "
       "moejax.results.spread).",
       "",
-      "| arm | metric | machine: largest change | seeds: SD | interval half-width "
-      "| machine / seed SD |",
-      "|---|---|---:|---:|---:|---:|",
-      "| base | val loss | 0 | 0.1 | n/a | 0 |",
-      "| a | val loss | 0.25 | 0.5 | 1.2 | 0.5 |",
+      "| arm | metric | machine: largest change | machine: mean change | seeds: SD "
+      "| interval half-width | largest change / seed SD |",
+      "|---|---|---:|---:|---:|---:|---:|",
+      "| base | val loss | 0 | +0 | 0.1 | n/a | 0 |",
+      "| a | val loss | 0.25 | +0.12 | 0.5 | 1.2 | 0.5 |",
       "",
       "Largest ratio of a difference: 0.5 (a, val loss)."]
 
@@ -70,5 +72,5 @@ def test_the_block_renders_in_a_report_and_is_not_an_overview_row():
   text = ("<!-- moejax:generated overview -->\n<!-- moejax:end overview -->\n"
           "<!-- moejax:generated spread.x@avx2 -->\nold\n<!-- moejax:end spread.x@avx2 -->\n")
   out = report.render(text, {"x": here, "x@avx2": there}, records={})
-  assert "| a | val loss | 0.25 | 0.5 | 1.2 | 0.5 |" in out and "old" not in out
+  assert "| a | val loss | 0.25 | +0.12 | 0.5 | 1.2 | 0.5 |" in out and "old" not in out
   assert "spread." not in out.split("<!-- moejax:end overview -->")[0]
