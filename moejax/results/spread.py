@@ -19,8 +19,10 @@ Per arm and verdict metric, over the shared seeds S:
   sign: it shifts the finding);
 - *seeds*: the SD over the suite's own seeds of ``d`` (of the value for the
   baseline), and the half-width of the 95% interval its verdict uses;
-- *ratio*: machine / seed SD; far below 1 means the seeds' interval already
-  covers what the machine does.
+- *ratio*: largest change / seed SD. Far below 1, the machine does not
+  matter next to the seeds; near 1 with a mean change near zero, the machine
+  acts like one more seed (a run whose path a last digit can switch, such
+  as the loss-free bias's sign updates), which the seeds already sample.
 
 In RESULTS.md the block ``<!-- moejax:generated spread.SUITE@VARIANT -->``
 renders this table (moejax.results.report); it depends on the summaries and
