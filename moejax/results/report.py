@@ -195,9 +195,7 @@ def render(text: str, summaries: Mapping[str, Mapping], plots_base: str = "resul
                  if unplotted_claims else
                  f"\n![claims at a glance]({plots_base}/{claims.CLAIMS}/{claims.CLAIMS}.png)\n")
     elif sid == OVERVIEW:
-      body = overview([i for i in order if i not in (OVERVIEW, claims.CLAIMS)
-                       and not i.startswith((trend.PREFIX, spread.PREFIX))],
-                      summaries, code, records)
+      body = overview(summary_ids(order), summaries, code, records)
     elif sid.startswith(trend.PREFIX):
       try:
         body = trend.trend_markdown(sid[len(trend.PREFIX):], summaries)
@@ -286,6 +284,13 @@ def overview(ids, summaries: Mapping[str, Mapping], code=_NOW, records=None) -> 
 
 def block_ids(text: str) -> list[str]:
   return [m.group("id") for m in BLOCK.finditer(text)]
+
+
+def summary_ids(ids) -> list[str]:
+  """The block ids of ``ids`` that stand for one summary each (not the overview, the claims,
+  a trend or a spread block)."""
+  return [i for i in ids if i not in (OVERVIEW, claims.CLAIMS)
+          and not i.startswith((trend.PREFIX, spread.PREFIX))]
 
 
 def new_section(sid: str, summary: Mapping) -> str:
