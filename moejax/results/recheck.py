@@ -469,8 +469,6 @@ def record_kind(record: Optional[Mapping]) -> Optional[str]:
 
 def _kind_words(kind: Mapping) -> str:
   """``"CPU with AVX2[, XLA_FLAGS `...`]"``: a machine kind as a block's lines name it."""
-  if not kind:
-    return "another machine kind"
   isa = kind.get("isa") or []
   widest = next((name for name, key in (("AVX-512", "avx512f"), ("AVX2", "avx2"), ("AVX", "avx"))
                  if key in isa), "no AVX")
@@ -479,7 +477,7 @@ def _kind_words(kind: Mapping) -> str:
 
 
 def _check_kind(check: Mapping) -> str:
-  return _kind_words((check.get("environment") or {}).get("kind") or {})
+  return record_kind(check) or "another machine kind"
 
 
 def freshness(record: Optional[Mapping], code_now: Optional[Mapping]) -> Optional[tuple[str, str]]:

@@ -209,10 +209,9 @@ def render(text: str, summaries: Mapping[str, Mapping], plots_base: str = "resul
                  "see their blocks.*\n")
     elif sid.startswith(spread.PREFIX):
       pair = spread.pair_ids(sid[len(spread.PREFIX):])
-      kinds = {i: recheck.record_kind(records.get(i)) for i in pair}
       try:
         body = spread.spread_markdown(pair[1], summaries,
-                                      {i: k for i, k in kinds.items() if k})
+                                      {i: recheck.record_kind(records.get(i)) for i in pair})
       except ValueError as e:
         raise ReportError(f"block {sid}: {e}") from e
     elif sid in summaries:

@@ -106,9 +106,10 @@ def _num(x: Optional[float]) -> str:
 
 
 def spread_markdown(variant_id: str, summaries: Mapping[str, Mapping],
-                    kinds: Optional[Mapping[str, str]] = None) -> str:
+                    kinds: Optional[Mapping[str, Optional[str]]] = None) -> str:
   """The spread table of ``variant_id`` (``SUITE@VARIANT``) against its suite; ``kinds``:
-  ``{results id: machine kind in words}`` (from the re-check records)."""
+  ``{results id: machine kind in words, or None where unknown}`` (from the re-check
+  records)."""
   suite_id, _ = pair_ids(variant_id)
   missing = [i for i in (suite_id, variant_id) if i not in summaries]
   if missing:
@@ -121,7 +122,7 @@ def spread_markdown(variant_id: str, summaries: Mapping[str, Mapping],
   if not table:
     return f"*No machine spread: {suite_id} and {variant_id} share no seed.*\n"
   kinds = kinds or {}
-  where = "; ".join(f"`{i}` on {kinds[i]}" for i in (suite_id, variant_id) if i in kinds)
+  where = "; ".join(f"`{i}` on {kinds[i]}" for i in (suite_id, variant_id) if kinds.get(i))
   seeds = table[0]["seeds"]
   n = sorted(set((suite.get("seed_counts") or {}).values()))
   base = suite.get("baseline")
