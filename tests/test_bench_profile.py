@@ -113,6 +113,7 @@ def test_profile_suite_tiny_run_traces_every_variant_and_attributes_its_time():
     assert r["counts"]["matmul"] >= 3 and r["kinds_ms"]["matmul"] > 0
     assert r["ops_ms"] == pytest.approx(sum(r["kinds_ms"].values()), abs=1e-2)
     assert 0 < r["utilization"] and r["traced_s"] > 0 and r["median_s"] > 0
+    assert r["fresh_mib"] >= 0
   # The routed layer sorts its token copies, the dense FFN does not. (Which
   # fusion a scatter or a slice lands in depends on the XLA flags: the test
   # run's loop emitters name them differently, so they are not asserted.)
@@ -149,3 +150,27 @@ def test_markdown_table_cells_come_from_the_wall_split():
   assert "| untraced wall x dense | 1.19 |" in md
   assert "| utilization (busy / cores x wall) | 0.90 / 1.10 |" in md
   assert len(md) == 2 + len(bp.ROWS) + 4  # the failed point has no column
+
+
+def test_fresh_mib_counts_the_pages_a_fresh_output_faults_in():
+  jax = pytest.importorskip("jax")
+  jnp = jax.numpy
+  n = 16 * 2**20  # 64 MiB of float32: above glibc's mmap threshold, a fresh mapping per call
+  fill = jax.jit(lambda v: jnp.full((n,), v, jnp.float32))
+  small = jax.jit(lambda v: jnp.full((16,), v, jnp.float32))
+  fill(1.0).block_until_ready()
+  small(1.0).block_until_ready()
+  assert 56 <= bp.fresh_mib(lambda: fill(1.0)) <= 72
+  assert bp.fresh_mib(lambda: small(1.0)) < 8
+
+
+def test_markdown_table_shows_fresh_pages_when_every_cell_has_them():
+  def variant(fresh):
+    return {"wall_ms": dict.fromkeys(bp.ROWS, 0.0), "traced_s": 1.0, "x_dense": 1.0,
+            "cpu_x_dense": 1.0, "utilization": 1.0, "fresh_mib": fresh,
+            "excess_x_dense": dict.fromkeys(bp.ROWS, 0.0)}
+  res = {"points": [{"T": 64, "E": 8, "variants": {"dense": variant(12.4),
+                                                   "blocked": variant(915.2)}}]}
+  assert "| fresh MiB per call (pages faulted in) | 915 / 12 |" in bp.markdown_tables(res)
+  del res["points"][0]["variants"]["dense"]["fresh_mib"]  # an older record: no row
+  assert "fresh MiB" not in bp.markdown_tables(res)

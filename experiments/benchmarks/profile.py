@@ -48,6 +48,14 @@ control, waiting). The rows add up to the traced wall time, and ``+v`` =
 the MoE's distance from the dense FFN that kind of work takes. ``busy`` (per thread, the union of its instructions and its
 thread-pool work regions) over ``cores x wall`` is how much of the machine a
 variant kept working (above 1: more threads than cores).
+
+``fresh MiB per call`` counts the pages the process faulted in during one
+untraced call (minor page faults times the page size, the median of three
+calls): XLA:CPU allocates a call's outputs and large temporaries afresh, and
+the operating system maps and zeroes each new page on first touch, so a fill
+or write of a fresh buffer runs at the first-touch rate the scaling suite
+measures, not at copy bandwidth. The expert weights' gradients are written
+fresh on every call, so this grows with E * d * f, not with the FLOPs.
 """
 
 from __future__ import annotations
@@ -57,6 +65,8 @@ import dataclasses
 import glob
 import os
 import re
+import resource
+import statistics
 import tempfile
 import time
 from typing import Optional
@@ -282,6 +292,17 @@ def spec_from_flags(repeats: int, seed: int) -> ProfileSpec:
                      _MODE.value, repeats, seed, _KEEP.value)
 
 
+def fresh_mib(fn, calls: int = 3) -> float:
+  """MiB of pages the process faulted in per call of ``fn`` (compiled already),
+  the median of ``calls`` calls."""
+  per = []
+  for _ in range(calls):
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+    bench_lib.block(fn())
+    per.append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
+  return round(statistics.median(per) * resource.getpagesize() / 2**20, 1)
+
+
 def profile_point(spec: ProfileSpec, t: int, e: int, root: str) -> dict:
   prob = bench_lib.layer_problem(t, spec.d, e, spec.k, spec.f, seed=spec.seed)
   fns = bench_lib.jax_layer_fns(prob, {v: bench_scaling.JAX_VARIANTS[v] for v in spec.variants})
@@ -295,7 +316,8 @@ def profile_point(spec: ProfileSpec, t: int, e: int, root: str) -> dict:
       continue
     wall, events = trace_once(fn, os.path.join(root, f"T{t}_E{e}_{v}"))
     out["variants"][v] = {"median_s": timed[v]["median_s"], "cpu_s": timed[v]["cpu_s"],
-                          "traced_s": round(wall, 6), **summarize(events, wall, cores)}
+                          "traced_s": round(wall, 6), "fresh_mib": fresh_mib(fn),
+                          **summarize(events, wall, cores)}
   base = out["variants"].get("dense", {})
   for v, r in out["variants"].items():
     if "error" in r or "error" in base:
@@ -353,6 +375,7 @@ def print_profile_table(res: dict) -> None:
                             ("utilization", "utilization", "{:14.2f}"),
                             ("traced wall s", "traced_s", "{:14.3f}"),
                             ("untraced wall s", "median_s", "{:14.3f}"),
+                            ("fresh MiB per call", "fresh_mib", "{:14.1f}"),
                             ("wall x dense", "x_dense", "{:14.2f}"),
                             ("CPU time x dense", "cpu_x_dense", "{:14.2f}")):
       print(f"  {label:<20}" + "".join(fmt.format(vs[v].get(key, float("nan"))) for v in names))
@@ -389,6 +412,9 @@ def markdown_tables(res: dict) -> str:
     row("CPU time x dense", lambda r, d: f"{r['cpu_x_dense']:.2f}")
     row("utilization (busy / cores x wall)", lambda r, d: f"{r['utilization']:.2f} / "
         f"{d['utilization']:.2f}")
+    if all("fresh_mib" in p["variants"][n] for p in cols for n in (v, "dense")):
+      row("fresh MiB per call (pages faulted in)",
+          lambda r, d: f"{r['fresh_mib']:.0f} / {d['fresh_mib']:.0f}")
     out.append("\n".join(lines))
   return "\n\n".join(out)
 
