@@ -164,13 +164,18 @@ def test_fresh_mib_counts_the_pages_a_fresh_output_faults_in():
   assert bp.fresh_mib(lambda: small(1.0)) < 8
 
 
-def test_markdown_table_shows_fresh_pages_when_every_cell_has_them():
+def test_markdown_table_shows_instructions_and_fresh_pages_when_every_cell_has_them():
   def variant(fresh):
     return {"wall_ms": dict.fromkeys(bp.ROWS, 0.0), "traced_s": 1.0, "x_dense": 1.0,
             "cpu_x_dense": 1.0, "utilization": 1.0, "fresh_mib": fresh,
+            "counts": dict.fromkeys(bp.KINDS, 0) | {"matmul": 2, "elementwise": int(fresh)},
             "excess_x_dense": dict.fromkeys(bp.ROWS, 0.0)}
   res = {"points": [{"T": 64, "E": 8, "variants": {"dense": variant(12.4),
                                                    "blocked": variant(915.2)}}]}
-  assert "| fresh MiB per call (pages faulted in) | 915 / 12 |" in bp.markdown_tables(res)
-  del res["points"][0]["variants"]["dense"]["fresh_mib"]  # an older record: no row
+  md = bp.markdown_tables(res)
+  assert "| fresh MiB per call (pages faulted in) | 915 / 12 |" in md
+  assert "| instructions run (elementwise) | 917 (915) / 14 (12) |" in md
+  for key in ("fresh_mib", "counts"):  # an older record: no row
+    del res["points"][0]["variants"]["dense"][key]
   assert "fresh MiB" not in bp.markdown_tables(res)
+  assert "instructions run" not in bp.markdown_tables(res)

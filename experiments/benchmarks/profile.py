@@ -49,6 +49,9 @@ the MoE's distance from the dense FFN that kind of work takes. ``busy`` (per thr
 thread-pool work regions) over ``cores x wall`` is how much of the machine a
 variant kept working (above 1: more threads than cores).
 
+``instructions run`` counts the thunks of the traced call, the elementwise
+ones in parentheses: XLA:CPU runs each fusion as its own thunk with a fixed
+cost of microseconds, which a loop over small tiles pays on every tile.
 ``fresh MiB per call`` counts the pages the process faulted in during one
 untraced call (minor page faults times the page size, the median of three
 calls): XLA:CPU allocates a call's outputs and large temporaries afresh, and
@@ -412,6 +415,10 @@ def markdown_tables(res: dict) -> str:
     row("CPU time x dense", lambda r, d: f"{r['cpu_x_dense']:.2f}")
     row("utilization (busy / cores x wall)", lambda r, d: f"{r['utilization']:.2f} / "
         f"{d['utilization']:.2f}")
+    if all("counts" in p["variants"][n] for p in cols for n in (v, "dense")):
+      row("instructions run (elementwise)", lambda r, d: f"{sum(r['counts'].values())} "
+          f"({r['counts']['elementwise']}) / {sum(d['counts'].values())} "
+          f"({d['counts']['elementwise']})")
     if all("fresh_mib" in p["variants"][n] for p in cols for n in (v, "dense")):
       row("fresh MiB per call (pages faulted in)",
           lambda r, d: f"{r['fresh_mib']:.0f} / {d['fresh_mib']:.0f}")
