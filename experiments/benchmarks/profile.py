@@ -415,11 +415,13 @@ def markdown_tables(res: dict) -> str:
     row("CPU time x dense", lambda r, d: f"{r['cpu_x_dense']:.2f}")
     row("utilization (busy / cores x wall)", lambda r, d: f"{r['utilization']:.2f} / "
         f"{d['utilization']:.2f}")
-    if all("counts" in p["variants"][n] for p in cols for n in (v, "dense")):
+    def recorded(key):  # older records lack the later rows' fields
+      return all(key in p["variants"][n] for p in cols for n in (v, "dense"))
+    if recorded("counts"):
       row("instructions run (elementwise)", lambda r, d: f"{sum(r['counts'].values())} "
           f"({r['counts']['elementwise']}) / {sum(d['counts'].values())} "
           f"({d['counts']['elementwise']})")
-    if all("fresh_mib" in p["variants"][n] for p in cols for n in (v, "dense")):
+    if recorded("fresh_mib"):
       row("fresh MiB per call (pages faulted in)",
           lambda r, d: f"{r['fresh_mib']:.0f} / {d['fresh_mib']:.0f}")
     out.append("\n".join(lines))
