@@ -66,9 +66,9 @@ SLOW = {
     "train/test_train_multihost.py::test_two_processes_of_the_binary_equal_one_process_step_by_step":
         "parallel/test_multiprocess.py (two processes equal one device) and this file's "
         "kill-one-process test",
-    "ablation/test_report.py::test_report_command_regenerates_tables_and_values":
+    "results/test_report.py::test_report_command_regenerates_tables_and_values":
         "test_committed_results_md_is_what_results_json_generate and the other report tests",
-    "ablation/test_notebooks.py::"
+    "results/test_notebooks.py::"
     "test_committed_notebook_outputs_are_those_of_a_fresh_execution[routing_analysis]":
         "the same check for ablation_results; routing_analysis executes in "
         "test_notebook_executes_on_a_suite_directory",
@@ -90,7 +90,7 @@ SLOW = {
     # Added when the default run reached 9 min 55 s on CI:
     "ablation/test_ablate_multihost.py::test_a_process_other_than_0_writes_nothing":
         "parallel/test_multiprocess.py (two processes) and ablation/test_runner.py (the suite)",
-    "ablation/test_notebooks.py::test_notebook_executes_on_a_suite_directory[ablation_results]":
+    "results/test_notebooks.py::test_notebook_executes_on_a_suite_directory[ablation_results]":
         "test_committed_notebook_outputs_are_those_of_a_fresh_execution[ablation_results]",
     "serve/test_binaries.py::test_generate_cli_batch_and_quantized":
         "serve/test_generate.py and serve/test_quantize.py (the same paths in process)",
